@@ -1,0 +1,123 @@
+"""Conformance matrix: the memkv tier against vLLM's real tiering classes, per release.
+
+One session per vLLM release, named ``conformance-<release>`` and tagged ``conformance``:
+
+    nox -s conformance-0.25.0               # one release
+    nox -s conformance-0.25.0 -- -k fs -x   # arguments after -- go to pytest
+    nox -t conformance                      # the full matrix, one release after another
+    nox -R -s conformance-0.33.0            # rerun on the existing venv, skip installs
+    nox -l                                  # list the sessions
+
+Each venv is ~2 GB and takes ~1 min to build (torch + vLLM + the import-time dependencies).
+Delete the ones you no longer need with ``rm -rf .nox/conformance-0-25-0``.
+
+Install recipe (see the vLLM tier API reference, section 9):
+
+* ``torch==2.13.0``: on the project's CPU machines pip's constraints resolve this to the local
+  ``+cpu`` wheel. It runs the scheduler-side tiering code of every release, including those
+  whose METADATA pins torch 2.11.0 or 2.14.0; the session refuses a CUDA build.
+* the vLLM wheel with ``--no-deps``: its METADATA pins CUDA-only packages and another torch.
+* ``VLLM_IMPORT_DEPS[release]``: exactly what ``import vllm.v1.kv_offload.tiering.manager``
+  needs on that release (found by trial import, not from METADATA), with ``xgrammar`` split
+  off to a ``--no-deps`` install because its dependencies pull in triton (~1 GB).
+"""
+
+from __future__ import annotations
+
+import nox
+
+VLLM_RELEASES = [
+    "0.25.0",
+    "0.25.1",
+    "0.26.0",
+    "0.27.0",
+    "0.27.1",
+    "0.28.0",
+    "0.29.0",
+    "0.30.0",
+    "0.31.0",
+    "0.32.0",
+    "0.33.0",
+]
+
+# What each release needs to import its tiering code on a CPU box, beyond torch and vLLM.
+# Requirement strings follow the wheel's own Requires-Dist. 0.27-0.29 import less than the
+# others (no vllm.v1.core.kv_cache_utils on their import path), hence the shorter lists.
+_BASE = [
+    "numpy", "packaging", "regex", "psutil", "pyzmq>=25.0.0", "urllib3", "cbor2",
+    "aiohttp>=3.13.3", "requests>=2.26.0", "prometheus_client>=0.18.0",
+]  # fmt: skip
+_ENGINE = ["pillow", "pybase64", "cachetools", "msgspec", "cloudpickle", "uvloop", "py-cpuinfo"]
+_HARMONY_OLD = ["openai-harmony>=0.0.3", "openai>=2.0.0"]
+_HARMONY_NEW = ["openai_harmony", "openai>=2.25.0"]
+_API = ["fastapi<0.137.0,>=0.133.0", "partial-json-parser"]
+_STRUCTURED = ["llguidance<1.8.0,>=1.7.0", "apache-tvm-ffi", "pydantic"]
+_XGRAMMAR_ANY = "xgrammar<1.0.0,>=0.2.1"
+
+VLLM_IMPORT_DEPS: dict[str, dict[str, list[str]]] = {
+    # "deps": one pip call; "no_deps": a second pip call with --no-deps.
+    "0.25.0": {"deps": _BASE + ["transformers>=5.5.3"] + _HARMONY_OLD + _ENGINE + _STRUCTURED,
+               "no_deps": [_XGRAMMAR_ANY]},
+    "0.25.1": {"deps": _BASE + ["transformers>=5.5.3"] + _HARMONY_OLD + _ENGINE + _STRUCTURED,
+               "no_deps": [_XGRAMMAR_ANY]},
+    "0.26.0": {"deps": _BASE + ["transformers>=5.5.3"] + _HARMONY_OLD + _ENGINE + _STRUCTURED,
+               "no_deps": [_XGRAMMAR_ANY]},
+    "0.27.0": {"deps": _BASE + ["transformers>=5.5.3"] + _HARMONY_OLD, "no_deps": []},
+    "0.27.1": {"deps": _BASE + ["transformers>=5.5.3"] + _HARMONY_OLD, "no_deps": []},
+    "0.28.0": {"deps": _BASE + ["transformers>=5.5.3"] + _HARMONY_OLD, "no_deps": []},
+    "0.29.0": {"deps": _BASE + ["transformers>=5.10.4"] + _HARMONY_OLD
+                       + ["pillow", "pybase64", "cachetools"],
+               "no_deps": []},
+    "0.30.0": {"deps": _BASE + ["transformers>=5.10.4", "openai-harmony>=0.0.3",
+                                "openai>=2.25.0"] + _ENGINE + _API + _STRUCTURED,
+               "no_deps": [_XGRAMMAR_ANY]},
+    "0.31.0": {"deps": _BASE + ["transformers<5.18.0,>=5.10.4"] + _HARMONY_NEW + _ENGINE
+                       + _API + _STRUCTURED,
+               "no_deps": ["xgrammar==0.2.7"]},
+    "0.32.0": {"deps": _BASE + ["transformers<5.20.0,>=5.16.1", "aiohttp>=3.14.3",
+                                "requests>=2.33.0", "pillow>=12.3.0"] + _HARMONY_NEW + _ENGINE
+                       + _API + _STRUCTURED,
+               "no_deps": ["xgrammar==0.2.8"]},
+    "0.33.0": {"deps": _BASE + ["transformers<5.21.0,>=5.16.1", "aiohttp>=3.14.4",
+                                "requests>=2.33.0", "pillow>=13.0.0"] + _HARMONY_NEW + _ENGINE
+                       + _API + _STRUCTURED,
+               "no_deps": ["xgrammar==0.2.8"]},
+}  # fmt: skip
+
+TORCH = "torch==2.13.0"
+
+_REFUSE_CUDA_TORCH = (
+    "import sys, torch; "
+    "sys.exit(f'refusing CUDA torch {torch.__version__}: expected the local CPU wheel') "
+    "if torch.version.cuda else None"
+)
+
+
+def conformance(session: nox.Session, vllm: str) -> None:
+    """Install torch, vLLM ``vllm`` and its import deps, the project; run tests/conformance."""
+    deps = VLLM_IMPORT_DEPS[vllm]
+    session.install(TORCH)
+    session.run_install("python", "-c", _REFUSE_CUDA_TORCH, silent=True)
+    session.install("--no-deps", f"vllm=={vllm}")
+    session.install(*deps["deps"])
+    if deps["no_deps"]:
+        session.install("--no-deps", *deps["no_deps"])
+    session.install("-e", ".[test]")
+    session.run(
+        "pytest", "-m", "conformance", "tests/conformance", *session.posargs,
+        env={"PYTHONHASHSEED": "0"},
+    )  # fmt: skip
+
+
+# Explicit names (conformance-0.25.0) rather than nox.parametrize, whose names read
+# "conformance(0.25.0)" and need quoting in a shell.
+def _register(release: str) -> None:
+    def session_fn(session: nox.Session) -> None:
+        conformance(session, release)
+
+    session_fn.__doc__ = f"tests/conformance against vLLM {release}"
+    nox.session(name=f"conformance-{release}", tags=["conformance"], reuse_venv=True)(session_fn)
+
+
+for _release in VLLM_RELEASES:
+    _register(_release)

@@ -1,0 +1,5 @@
+import sys
+
+from memkv.cli import main
+
+sys.exit(main())

@@ -1,0 +1,380 @@
+"""`memkv.Client`: the cluster client. HRW placement, per-node pools, batched zero-copy I/O.
+
+Placement: a key's owner is computed by weighted rendezvous hashing over the *configured*
+server list (client/hrw.py). A node that is marked down keeps its keys: reads of them answer
+MISS and writes fail fast until its retry time, so there is only ever one placement and no
+orphan copies appear on other nodes.
+
+Failure semantics (what callers can rely on):
+  * reads (`get`, `exists`, `batch_get_into`) never raise for a node failure: the affected
+    keys answer miss / False. A value counts as loaded only when it arrived whole and its
+    checksum verified; anything else is False, whatever bytes reached the buffer.
+  * batch writes (`batch_put_views`, `delete`) report per-key success and never raise for a
+    node failure; the single-key `put` raises (NodeUnavailable, TransportError, ...).
+  * `probe()` and `exists_on()` raise, naming the server: they exist to surface problems.
+  * usage errors (a key over 480 bytes, a value over the node's limit, a buffer that is not
+    contiguous) raise ValueError/LocalProtocolError before anything is sent.
+
+Threading: a Client is thread-safe and meant to be shared; batches that span several nodes
+run their per-node parts in parallel on a small internal executor, one part inline.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import logging
+import time
+from typing import Callable, Iterable, Sequence, TypeVar
+
+from memkv import protocol as p
+from memkv.client import metrics as m
+from memkv.client.hrw import RendezvousRing
+from memkv.client.node import NodeClient
+from memkv.config import ClientConfig, ServerAddress
+from memkv.errors import MemKVError, NodeUnavailable
+from memkv.integrity import Checksummer, parse_integrity
+
+log = logging.getLogger("memkv.client")
+
+T = TypeVar("T")
+KeyLike = bytes | str
+
+
+def _key(k: KeyLike) -> bytes:
+    if isinstance(k, str):
+        return k.encode()
+    if isinstance(k, (bytes, bytearray, memoryview)):
+        return bytes(k)
+    raise TypeError(f"keys must be bytes or str, got {type(k).__name__}")
+
+
+def _byte_view(buf) -> memoryview:
+    """A flat unsigned-byte view of a caller's buffer, without copying."""
+    view = buf if isinstance(buf, memoryview) else memoryview(buf)
+    if not view.c_contiguous:
+        raise ValueError("buffers must be C-contiguous (a CPU-pool row or a bytearray slice)")
+    if view.format != "B" or view.ndim != 1:
+        view = view.cast("B")
+    return view
+
+
+@dataclasses.dataclass(frozen=True)
+class ProbeResult:
+    server: str
+    node_id: str
+    rtt_ms: float
+    max_value_bytes: int
+
+
+class Client:
+    """A MemKV cluster client. See the module docstring for the failure semantics."""
+
+    def __init__(self, config: ClientConfig) -> None:
+        self.config = config
+        self.checksummer = Checksummer(config.auth_key.raw, parse_integrity(config.integrity))
+        self._nodes = [
+            NodeClient(
+                addr,
+                config.auth_key.raw,
+                pool_size=config.pool_size,
+                connect_timeout_s=config.connect_timeout_s,
+                io_timeout_s=config.io_timeout_s,
+                down_for_s=config.down_for_s,
+                checksummer=self.checksummer,
+                on_health=self._on_health,
+            )
+            for addr in config.servers
+        ]
+        self._ring = RendezvousRing([n.name for n in self._nodes], [a.weight for a in config.servers])
+        workers = min(64, max(4, len(self._nodes) * config.pool_size))
+        self._executor = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="memkv-client")
+        for node in self._nodes:
+            m.SERVER_UP.labels(node.name).set(1)
+        if config.prometheus_bind:
+            m.start_exporter(*config.prometheus_bind)
+        self._closed = False
+
+    @classmethod
+    def from_env(cls, env=None) -> "Client":
+        """Build from MEMKV_CONFIG / the MEMKV_* variables (see memkv.config)."""
+        return cls(ClientConfig.from_env(env))
+
+    def __enter__(self) -> "Client":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"Client(servers={[n.name for n in self._nodes]})"
+
+    # -- topology -------------------------------------------------------------------------------
+
+    def servers(self) -> list[ServerAddress]:
+        return list(self.config.servers)
+
+    def owner(self, key: KeyLike) -> ServerAddress:
+        return self.config.servers[self._ring.owner(_key(key))]
+
+    def has_rdma(self) -> bool:
+        """True when values move over RDMA. This build moves them over TCP."""
+        return False
+
+    def health(self) -> list[dict]:
+        return [
+            {"server": n.name, "up": not n.is_down, "failures": n.failures, "last_error": n.last_error, "node_id": n.node_id}
+            for n in self._nodes
+        ]
+
+    def _on_health(self, server: str, up: bool) -> None:
+        m.SERVER_UP.labels(server).set(1 if up else 0)
+        if not up:
+            log.warning("memkv server %s marked down", server)
+
+    # -- single-key convenience -------------------------------------------------------------------
+
+    def put(self, key: KeyLike, value) -> None:
+        """Store one value. Raises on failure (NodeUnavailable, TransportError, ServerError)."""
+        k = _key(key)
+        node = self._nodes[self._ring.owner(k)]
+        view = _byte_view(value)
+        statuses = self._put_on(node, [k], [view], raise_errors=True)
+        if statuses[0] != p.ItemStatus.OK:
+            from memkv.errors import ServerError
+
+            raise ServerError(f"{node.name}: value not stored ({p.ItemStatus(statuses[0]).name})", statuses[0])
+
+    def get(self, key: KeyLike) -> bytes | None:
+        """One value as bytes, or None on a miss (including an unreachable node)."""
+        k = _key(key)
+        node = self._nodes[self._ring.owner(k)]
+        try:
+            with node.connection() as conn:
+                t = time.perf_counter()
+                (value,) = conn.get_values([k], self.checksummer)
+            m.SECONDS.labels("get").observe(time.perf_counter() - t)
+            m.REQUESTS.labels(node.name, "get", "ok").inc()
+        except MemKVError as exc:
+            self._count_failure(node, "get", exc)
+            return None
+        m.KEYS.labels("get", "hit" if value is not None else "miss").inc()
+        if value is not None:
+            m.BYTES.labels("in").inc(len(value))
+        return value
+
+    # -- batches ----------------------------------------------------------------------------------
+
+    def exists(self, keys: Sequence[KeyLike]) -> list[bool]:
+        """Which keys are stored. An unreachable node's keys answer False."""
+        ks = [_key(k) for k in keys]
+
+        def run(node: NodeClient, idx: list[int]) -> list[bool]:
+            sub = [ks[i] for i in idx]
+            try:
+                out: list[bool] = []
+                for chunk in self._chunks(node, sub):
+                    out += [s == p.ItemStatus.OK for s in self._timed(node, "exists", lambda c=chunk: node.statuses(p.ExistsRequest(tuple(c))))]
+                return out
+            except MemKVError as exc:
+                self._count_failure(node, "exists", exc)
+                return [False] * len(sub)
+
+        result = self._scatter(ks, run)
+        hits = sum(result)
+        m.KEYS.labels("exists", "hit").inc(hits)
+        m.KEYS.labels("exists", "miss").inc(len(result) - hits)
+        return result
+
+    def exists_on(self, server: ServerAddress | str, keys: Sequence[KeyLike]) -> list[bool]:
+        """Ask one server directly (ignores placement and the down mark). Raises on failure."""
+        node = self._node_named(str(server))
+        ks = [_key(k) for k in keys]
+        out: list[bool] = []
+        with node.connection(fail_fast=False) as conn:
+            for chunk in self._chunks(node, ks):
+                reply = conn.request(p.ExistsRequest(tuple(chunk)))
+                assert isinstance(reply, p.StatusReply)
+                out += [s == p.ItemStatus.OK for s in reply.statuses]
+        return out
+
+    def delete(self, keys: Sequence[KeyLike]) -> list[bool]:
+        """Delete keys; True where a value was deleted. An unreachable node's keys answer False."""
+        ks = [_key(k) for k in keys]
+
+        def run(node: NodeClient, idx: list[int]) -> list[bool]:
+            sub = [ks[i] for i in idx]
+            try:
+                out: list[bool] = []
+                for chunk in self._chunks(node, sub):
+                    out += [s == p.ItemStatus.OK for s in self._timed(node, "delete", lambda c=chunk: node.statuses(p.DeleteRequest(tuple(c))))]
+                return out
+            except MemKVError as exc:
+                self._count_failure(node, "delete", exc)
+                return [False] * len(sub)
+
+        return self._scatter(ks, run)
+
+    def batch_put_views(self, items: Sequence[tuple[KeyLike, object]]) -> list[bool]:
+        """Store (key, buffer) pairs; each buffer is sent from the caller's memory in place.
+        Returns per item whether the node stored it."""
+        ks = [_key(k) for k, _ in items]
+        views = [_byte_view(v) for _, v in items]
+        limit = self._max_value_bytes()
+        for k, v in zip(ks, views):
+            if len(v) > limit:
+                raise ValueError(f"value for key {k[:64]!r} is {len(v)} bytes; the node's limit is {limit}")
+
+        def run(node: NodeClient, idx: list[int]) -> list[bool]:
+            try:
+                st = self._put_on(node, [ks[i] for i in idx], [views[i] for i in idx], raise_errors=False)
+            except MemKVError:
+                return [False] * len(idx)
+            return [s == p.ItemStatus.OK for s in st]
+
+        return self._scatter(ks, run)
+
+    def batch_get_into(self, items: Sequence[tuple[KeyLike, object]]) -> list[bool]:
+        """Load values into the caller's buffers in place. True only where the stored value had
+        exactly the buffer's length, arrived whole and verified; False is a miss (the buffer's
+        content is then unspecified)."""
+        ks = [_key(k) for k, _ in items]
+        views = [_byte_view(v) for _, v in items]
+        for v in views:
+            if v.readonly:
+                raise ValueError("batch_get_into needs writable buffers")
+
+        def run(node: NodeClient, idx: list[int]) -> list[bool]:
+            sub_k = [ks[i] for i in idx]
+            sub_v = [views[i] for i in idx]
+            out: list[bool] = []
+            try:
+                for lo, hi in self._byte_chunks(node, sub_v):
+                    t = time.perf_counter()
+                    with node.connection() as conn:
+                        before = getattr(conn, "integrity_failures", 0)
+                        got = conn.get_into(sub_k[lo:hi], sub_v[lo:hi], self.checksummer)
+                        bad = getattr(conn, "integrity_failures", 0) - before
+                    m.SECONDS.labels("get").observe(time.perf_counter() - t)
+                    m.REQUESTS.labels(node.name, "get", "ok").inc()
+                    if bad:
+                        m.INTEGRITY_FAILURES.labels(node.name).inc(bad)
+                        log.warning("%s: %d value(s) failed checksum verification; treated as misses", node.name, bad)
+                    m.BYTES.labels("in").inc(sum(len(v) for v, ok in zip(sub_v[lo:hi], got) if ok))
+                    out += got
+            except MemKVError as exc:
+                self._count_failure(node, "get", exc)
+                out += [False] * (len(idx) - len(out))
+            return out
+
+        result = self._scatter(ks, run)
+        hits = sum(result)
+        m.KEYS.labels("get", "hit").inc(hits)
+        m.KEYS.labels("get", "miss").inc(len(result) - hits)
+        return result
+
+    # -- health checks ----------------------------------------------------------------------------
+
+    def probe(self) -> list[ProbeResult]:
+        """One authenticated round trip to every configured server, in order. Raises the first
+        failure, naming the server (connect error, wrong auth key, not a MemKV node...)."""
+        results = []
+        for node in self._nodes:
+            rtt = node.ping()
+            assert node.limits is not None
+            results.append(ProbeResult(node.name, node.node_id or "", rtt * 1000, node.limits.max_value_bytes))
+        return results
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._executor.shutdown(wait=True)
+        for node in self._nodes:
+            node.close()
+
+    # -- internals --------------------------------------------------------------------------------
+
+    def _node_named(self, name: str) -> NodeClient:
+        for node in self._nodes:
+            if node.name == name:
+                return node
+        raise ValueError(f"{name} is not a configured server ({[n.name for n in self._nodes]})")
+
+    def _max_value_bytes(self) -> int:
+        known = [n.limits.max_value_bytes for n in self._nodes if n.limits]
+        return min(known) if known else p.DEFAULT_MAX_VALUE_BYTES
+
+    def _chunks(self, node: NodeClient, keys: list[bytes]) -> Iterable[list[bytes]]:
+        step = (node.limits or p.Limits()).max_batch
+        for i in range(0, len(keys), step):
+            yield keys[i : i + step]
+
+    def _byte_chunks(self, node: NodeClient, views: list[memoryview]) -> Iterable[tuple[int, int]]:
+        """Split a batch so no request exceeds the node's batch or payload bounds."""
+        limits = node.limits or p.Limits()
+        lo, size = 0, 0
+        for i, v in enumerate(views):
+            if i > lo and (i - lo >= limits.max_batch or size + len(v) > limits.max_payload_bytes):
+                yield lo, i
+                lo, size = i, 0
+            size += len(v)
+        if lo < len(views):
+            yield lo, len(views)
+
+    def _put_on(self, node: NodeClient, keys: list[bytes], views: list[memoryview], raise_errors: bool) -> bytes:
+        algo = self.checksummer.algo
+        statuses = bytearray()
+        try:
+            for lo, hi in self._byte_chunks(node, views):
+                items = tuple(
+                    p.PutItem(k, len(v), algo, self.checksummer.compute(v)) for k, v in zip(keys[lo:hi], views[lo:hi])
+                )
+                statuses += self._timed(node, "put", lambda it=items, vs=views[lo:hi]: node.statuses(p.PutRequest(it), vs))
+                m.BYTES.labels("out").inc(sum(len(v) for v in views[lo:hi]))
+        except MemKVError as exc:
+            self._count_failure(node, "put", exc)
+            if raise_errors:
+                raise
+            statuses += bytes([p.ItemStatus.MISS]) * (len(keys) - len(statuses))
+        ok = sum(1 for s in statuses if s == p.ItemStatus.OK)
+        m.KEYS.labels("put", "ok").inc(ok)
+        m.KEYS.labels("put", "failed").inc(len(statuses) - ok)
+        return bytes(statuses)
+
+    def _timed(self, node: NodeClient, op: str, fn: Callable[[], T]) -> T:
+        t = time.perf_counter()
+        out = fn()
+        m.SECONDS.labels(op).observe(time.perf_counter() - t)
+        m.REQUESTS.labels(node.name, op, "ok").inc()
+        return out
+
+    def _count_failure(self, node: NodeClient, op: str, exc: MemKVError) -> None:
+        result = "down" if isinstance(exc, NodeUnavailable) else "error"
+        m.REQUESTS.labels(node.name, op, result).inc()
+        if result == "error":
+            log.debug("%s %s failed: %s", node.name, op, exc)
+
+    def _scatter(self, keys: list[bytes], run: Callable[[NodeClient, list[int]], list[T]]) -> list[T]:
+        """Group key indices by owner, run each node's part (in parallel when several), and
+        reassemble results in the caller's order."""
+        if self._closed:
+            raise RuntimeError("Client is closed")
+        if not keys:
+            return []
+        if len(self._nodes) == 1:
+            return run(self._nodes[0], list(range(len(keys))))
+        groups: dict[int, list[int]] = {}
+        owner = self._ring.owner
+        for i, k in enumerate(keys):
+            groups.setdefault(owner(k), []).append(i)
+        out: list[T] = [None] * len(keys)  # type: ignore[list-item]
+        parts = list(groups.items())
+        futures = [(idx, self._executor.submit(run, self._nodes[n], idx)) for n, idx in parts[1:]]
+        first_n, first_idx = parts[0]
+        for i, r in zip(first_idx, run(self._nodes[first_n], first_idx)):
+            out[i] = r
+        for idx, fut in futures:
+            for i, r in zip(idx, fut.result()):
+                out[i] = r
+        return out

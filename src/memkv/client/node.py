@@ -1,0 +1,301 @@
+"""One MemKV node as seen by the client: authenticated connections, a pool, and health.
+
+`NodeConnection` is one authenticated socket (handshake + frame codec). `NodeClient` keeps a
+LIFO pool of them, bounded by `pool_size`, and a small health state: after a transport or
+protocol failure the node is marked down for `down_for_s`; while down, calls fail fast with
+NodeUnavailable (the cluster turns that into a miss for reads). After that time the next call
+tries again. A connection that failed in any way is closed, never returned to the pool
+(the stream position after an error is unknown).
+
+Threading: NodeClient is thread-safe; a NodeConnection is used by one thread at a time.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import threading
+import time
+from typing import Iterator, Sequence
+
+from memkv import protocol as p
+from memkv.config import ServerAddress
+from memkv.errors import (
+    AuthError,
+    ConnectError,
+    IntegrityError,
+    MemKVError,
+    NodeUnavailable,
+    PoolTimeout,
+    ProtocolError,
+    RemoteProtocolError,
+    ServerError,
+    TransportError,
+    map_os_error,
+)
+from memkv.integrity import Checksummer
+from memkv.sockio import recv_exactly, recv_exactly_into, send_all
+
+_EMPTY_SUM = bytes(p.CHECKSUM_BYTES)
+
+
+class NodeConnection:
+    """One authenticated connection. Raises MemKVError subclasses only."""
+
+    def __init__(self, address: ServerAddress, auth_key: bytes, connect_timeout_s: float, io_timeout_s: float,
+                 version: int = p.PROTOCOL_VERSION) -> None:
+        self.address = address
+        self.name = address.name
+        self.io_timeout_s = io_timeout_s
+        try:
+            self.sock = socket.create_connection((address.host, address.port), timeout=connect_timeout_s)
+        except OSError as exc:
+            raise map_os_error(exc, "connect", self.name) from exc
+        try:
+            self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            self.sock.settimeout(max(connect_timeout_s, 1.0))
+            self.codec, self.hello = self._handshake(auth_key, version)
+            self.sock.settimeout(io_timeout_s)
+        except BaseException:
+            self.close()
+            raise
+
+    def _handshake(self, auth_key: bytes, version: int) -> tuple[p.FrameCodec, p.HelloOk]:
+        hs = p.ClientHandshake(auth_key, os.urandom(p.NONCE_BYTES), version)
+        with self._io("handshake"):
+            self.sock.sendall(hs.hello())
+            server_hello = bytes(recv_exactly(self.sock, p.SERVER_HELLO.size))
+            try:
+                auth = hs.receive_server_hello(server_hello)
+            except ProtocolError as exc:
+                if exc.code == p.ErrorCode.SERVER_BUSY:
+                    raise ServerError(f"{self.name}: node refused the connection: too many connections", exc.code) from None
+                raise type(exc)(f"{self.name}: {exc}", exc.code) from None
+            except AuthError as exc:
+                raise AuthError(f"{self.name}: {exc}") from None
+            self.sock.sendall(auth)
+            first = bytes(recv_exactly(self.sock, p.AUTH_REJECT.size))
+            code = p.parse_auth_outcome_prefix(first)
+            if code is not None:
+                raise AuthError(f"{self.name}: node refused our auth key ({p.error_name(code)}): MEMKV_AUTH_KEY differs from the node's key")
+            rest = recv_exactly(self.sock, p.FRAME_PREFIX_BYTES - len(first))
+        codec = hs.codec()
+        msg = self._read_reply(codec, first + bytes(rest))
+        if not isinstance(msg, p.HelloOk):
+            raise RemoteProtocolError(f"{self.name}: expected HELLO_OK, got {type(msg).__name__}")
+        codec.limits = msg.limits
+        return codec, msg
+
+    @contextlib.contextmanager
+    def _io(self, op: str) -> Iterator[None]:
+        try:
+            yield
+        except OSError as exc:  # includes socket.timeout and ConnectionError
+            raise map_os_error(exc, "write" if op == "write" else "read", self.name) from exc
+
+    def _read_reply(self, codec: p.FrameCodec, prefix: bytes | None = None) -> p.Message:
+        with self._io("read"):
+            if prefix is None:
+                prefix = bytes(recv_exactly(self.sock, p.FRAME_PREFIX_BYTES))
+            header = codec.parse_header(prefix)
+            meta = recv_exactly(self.sock, header.meta_len)
+        msg = codec.open(header, prefix, meta)
+        if isinstance(msg, p.ErrorReply):
+            raise ServerError(f"{self.name}: node error {p.error_name(msg.code)}: {msg.message}", msg.code)
+        return msg
+
+    @property
+    def limits(self) -> p.Limits:
+        return self.codec.limits
+
+    def close(self) -> None:
+        try:
+            self.sock.close()
+        except OSError:
+            pass
+
+    # -- requests -------------------------------------------------------------------------------
+
+    def request(self, msg: p.Request, payload: Sequence[memoryview] = ()) -> p.Message:
+        """Send one request (plus value payload) and read a reply that carries no payload."""
+        frame = self.codec.encode(msg)
+        with self._io("write"):
+            send_all(self.sock, [frame, *payload])
+        return self._read_reply(self.codec)
+
+    def get_into(self, keys: Sequence[bytes], views: Sequence[memoryview], checksummer: Checksummer) -> list[bool]:
+        """GET values straight into `views` (each exactly the expected length).
+
+        True only for a value received whole whose checksum verified. On a checksum failure the
+        result is False and the connection stays usable. Raises on transport/protocol errors:
+        every value not yet verified counts as not loaded.
+        """
+        frame = self.codec.encode(p.GetRequest(tuple(keys), tuple(len(v) for v in views)))
+        with self._io("write"):
+            self.sock.sendall(frame)
+        reply = self._read_reply(self.codec)
+        if not isinstance(reply, p.GetReply) or len(reply.items) != len(keys):
+            raise RemoteProtocolError(f"{self.name}: GET reply does not match the request")
+        results = []
+        bad_sums = 0
+        for item, view in zip(reply.items, views):
+            if item.status != p.ItemStatus.OK:
+                results.append(False)
+                continue
+            if item.length != len(view):
+                # Full-length-or-miss is the node's promise; a node that breaks it is not trusted.
+                raise RemoteProtocolError(f"{self.name}: sent {item.length} bytes for a {len(view)}-byte GET")
+            with self._io("read"):
+                recv_exactly_into(self.sock, view)
+            ok = checksummer.verify(view, item.algo, item.checksum)
+            bad_sums += not ok
+            results.append(ok)
+        if bad_sums:
+            self.integrity_failures = getattr(self, "integrity_failures", 0) + bad_sums
+        return results
+
+    def get_values(self, keys: Sequence[bytes], checksummer: Checksummer) -> list[bytes | None]:
+        """GET values of unknown length into fresh buffers (convenience path, not the data path)."""
+        frame = self.codec.encode(p.GetRequest(tuple(keys), tuple(p.ANY_LENGTH for _ in keys)))
+        with self._io("write"):
+            self.sock.sendall(frame)
+        reply = self._read_reply(self.codec)
+        if not isinstance(reply, p.GetReply) or len(reply.items) != len(keys):
+            raise RemoteProtocolError(f"{self.name}: GET reply does not match the request")
+        out: list[bytes | None] = []
+        for item in reply.items:
+            if item.status != p.ItemStatus.OK:
+                out.append(None)
+                continue
+            with self._io("read"):
+                buf = recv_exactly(self.sock, item.length)
+            if not checksummer.verify(buf, item.algo, item.checksum):
+                raise IntegrityError(f"{self.name}: checksum mismatch on a {item.length}-byte value")
+            out.append(bytes(buf))
+        return out
+
+
+class NodeClient:
+    """A pool of connections to one node plus its health. Thread-safe."""
+
+    def __init__(self, address: ServerAddress, auth_key: bytes, *, pool_size: int, connect_timeout_s: float,
+                 io_timeout_s: float, down_for_s: float, checksummer: Checksummer, on_health=None) -> None:
+        self.address = address
+        self.name = address.name
+        self._auth_key = auth_key
+        self._connect_timeout_s = connect_timeout_s
+        self._io_timeout_s = io_timeout_s
+        self._down_for_s = down_for_s
+        self.checksummer = checksummer
+        self._idle: list[NodeConnection] = []
+        self._lock = threading.Lock()
+        self._slots = threading.BoundedSemaphore(pool_size)
+        self._down_until = 0.0
+        self.last_error: str | None = None
+        self.failures = 0
+        self.limits: p.Limits | None = None
+        self.node_id: str | None = None
+        self._on_health = on_health
+        self._closed = False
+
+    # -- health ---------------------------------------------------------------------------------
+
+    @property
+    def is_down(self) -> bool:
+        return time.monotonic() < self._down_until
+
+    def mark_down(self, error: BaseException) -> None:
+        with self._lock:
+            self._down_until = time.monotonic() + self._down_for_s
+            self.failures += 1
+            self.last_error = str(error)
+            idle, self._idle = self._idle, []
+        for conn in idle:  # the node failed: its other pooled sockets are suspect too
+            conn.close()
+        if self._on_health:
+            self._on_health(self.name, False)
+
+    def _mark_up(self) -> None:
+        if self._down_until:
+            self._down_until = 0.0
+            if self._on_health:
+                self._on_health(self.name, True)
+
+    # -- connections ----------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def connection(self, fail_fast: bool = True) -> Iterator[NodeConnection]:
+        """Borrow a connection. Any MemKVError inside marks the node down (except an integrity
+        or server-side error, which says nothing about the link) and destroys the connection."""
+        if self._closed:
+            raise ConnectError("client is closed", self.name)
+        if fail_fast and self.is_down:
+            raise NodeUnavailable(self.name, self._down_until - time.monotonic())
+        if not self._slots.acquire(timeout=self._connect_timeout_s + self._io_timeout_s):
+            raise PoolTimeout("all pooled connections are busy", self.name)
+        conn: NodeConnection | None = None
+        try:
+            with self._lock:
+                conn = self._idle.pop() if self._idle else None
+            if conn is None:
+                try:
+                    conn = NodeConnection(self.address, self._auth_key, self._connect_timeout_s, self._io_timeout_s)
+                except (TransportError, ProtocolError) as exc:
+                    self.mark_down(exc)
+                    raise
+                self.limits, self.node_id = conn.limits, conn.hello.node_id
+            try:
+                yield conn
+            except (TransportError, ProtocolError, AuthError) as exc:
+                conn.close()
+                conn = None
+                self.mark_down(exc)
+                raise
+            except BaseException:
+                conn.close()
+                conn = None
+                raise
+            self._mark_up()
+        finally:
+            if conn is not None:
+                with self._lock:
+                    if self._closed:
+                        conn.close()
+                    else:
+                        self._idle.append(conn)
+            self._slots.release()
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            idle, self._idle = self._idle, []
+        for conn in idle:
+            conn.close()
+
+    # -- operations -----------------------------------------------------------------------------
+
+    def ping(self) -> float:
+        """One round trip (connecting first if needed), ignoring the down mark. Seconds."""
+        with self.connection(fail_fast=False) as conn:
+            t = time.perf_counter()
+            reply = conn.request(p.PingRequest())
+            if not isinstance(reply, p.PingReply):
+                raise RemoteProtocolError(f"{self.name}: unexpected reply to PING")
+            return time.perf_counter() - t
+
+    def statuses(self, msg: p.Request, payload: Sequence[memoryview] = ()) -> bytes:
+        with self.connection() as conn:
+            reply = conn.request(msg, payload)
+        if not isinstance(reply, p.StatusReply) or len(reply.statuses) != _count(msg):
+            raise RemoteProtocolError(f"{self.name}: reply does not match the request")
+        return reply.statuses
+
+
+def _count(msg: p.Request) -> int:
+    if isinstance(msg, p.PutRequest):
+        return len(msg.items)
+    return len(msg.keys)  # type: ignore[union-attr]
+
+
+__all__ = ["NodeConnection", "NodeClient", "MemKVError"]

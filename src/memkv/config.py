@@ -1,0 +1,448 @@
+"""Configuration as frozen value objects: environment -> MEMKV_CONFIG yaml -> defaults.
+
+Client settings come from, in order of precedence:
+  1. the `MEMKV_*` environment variables,
+  2. the client.yaml named by `MEMKV_CONFIG`,
+  3. the defaults below.
+Every bad value raises ConfigError naming the variable (or yaml key) and never echoing a secret.
+docs/configuration.md lists every setting; tests/unit/test_docs_options.py keeps the two in step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import ipaddress
+import os
+import re
+from pathlib import Path
+from typing import Any, Mapping
+
+import yaml
+
+from memkv.errors import ConfigError
+from memkv.protocol import KEY_BYTES
+
+DEFAULT_PORT = 9900
+DEFAULT_HOST = "127.0.0.1"
+
+ENV_CONFIG = "MEMKV_CONFIG"
+ENV_SERVERS = "MEMKV_SERVERS"
+ENV_AUTH_KEY = "MEMKV_AUTH_KEY"
+ENV_LICENSE = "MEMKV_LICENSE"
+ENV_LICENSE_PUBLIC_KEY = "MEMKV_LICENSE_PUBLIC_KEY"
+ENV_RDMA_DEVICES = "MEMKV_RDMA_DEVICES"
+ENV_PROMETHEUS_BIND = "MEMKV_PROMETHEUS_BIND"
+ENV_TRANSPORT = "MEMKV_TRANSPORT"
+ENV_INTEGRITY = "MEMKV_INTEGRITY"
+
+CLIENT_ENV_VARS = (
+    ENV_CONFIG,
+    ENV_SERVERS,
+    ENV_AUTH_KEY,
+    ENV_LICENSE,
+    ENV_LICENSE_PUBLIC_KEY,
+    ENV_RDMA_DEVICES,
+    ENV_PROMETHEUS_BIND,
+    ENV_TRANSPORT,
+    ENV_INTEGRITY,
+)
+
+_SIZE_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 1000,
+    "kb": 1000,
+    "kib": 1 << 10,
+    "m": 1000**2,
+    "mb": 1000**2,
+    "mib": 1 << 20,
+    "g": 1000**3,
+    "gb": 1000**3,
+    "gib": 1 << 30,
+    "t": 1000**4,
+    "tb": 1000**4,
+    "tib": 1 << 40,
+}
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
+
+
+def parse_size(text: str | int, setting: str) -> int:
+    """'512MiB' -> 536870912. Plain integers are bytes. Raises ConfigError naming `setting`."""
+    if isinstance(text, bool):
+        raise ConfigError(f"{setting}: expected a size like 512MiB or 8GiB, got {text!r}")
+    if isinstance(text, int):
+        if text <= 0:
+            raise ConfigError(f"{setting}: size must be positive, got {text}")
+        return text
+    m = _SIZE_RE.match(str(text))
+    if not m or m.group(2).lower() not in _SIZE_UNITS:
+        raise ConfigError(f"{setting}: expected a size like 512MiB or 8GiB, got {text!r}")
+    value = int(float(m.group(1)) * _SIZE_UNITS[m.group(2).lower()])
+    if value <= 0:
+        raise ConfigError(f"{setting}: size must be positive, got {text!r}")
+    return value
+
+
+def format_size(n: int) -> str:
+    for unit, factor in (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= factor:
+            return f"{n / factor:.1f}{unit}"
+    return f"{n}B"
+
+
+# --------------------------------------------------------------------------------------------
+# Addresses
+# --------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class ServerAddress:
+    """One node: host, port and an HRW weight (default 1.0)."""
+
+    host: str
+    port: int
+    weight: float = 1.0
+
+    def __str__(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"{host}:{self.port}"
+
+    @property
+    def name(self) -> str:
+        return str(self)
+
+
+def parse_address(text: str, setting: str, default_port: int | None = None) -> tuple[str, int]:
+    """'host:port' or '[v6]:port' -> (host, port)."""
+    text = text.strip()
+    if text.startswith("["):
+        end = text.find("]")
+        if end < 0:
+            raise ConfigError(f"{setting}: unclosed '[' in {text!r}")
+        host, rest = text[1:end], text[end + 1 :]
+        try:
+            ipaddress.IPv6Address(host)
+        except ValueError:
+            raise ConfigError(f"{setting}: {host!r} is not an IPv6 address") from None
+        port_text = rest[1:] if rest.startswith(":") else None
+        if rest and port_text is None:
+            raise ConfigError(f"{setting}: expected [addr]:port, got {text!r}")
+    else:
+        if text.count(":") > 1:
+            raise ConfigError(f"{setting}: IPv6 addresses need brackets, as in [::1]:9900; got {text!r}")
+        host, _, port_text = text.partition(":")
+        port_text = port_text or None
+    if not host:
+        raise ConfigError(f"{setting}: missing host in {text!r}")
+    if port_text is None:
+        if default_port is None:
+            raise ConfigError(f"{setting}: missing port in {text!r} (expected host:port)")
+        return host, default_port
+    if not port_text.isdigit() or not 0 <= int(port_text) <= 65535:
+        raise ConfigError(f"{setting}: bad port {port_text!r} in {text!r}")
+    return host, int(port_text)
+
+
+def parse_server(entry: Any, setting: str) -> ServerAddress:
+    """'host:port', 'host:port=WEIGHT', or a yaml mapping {address: host:port, weight: W}."""
+    weight: Any = 1.0
+    if isinstance(entry, Mapping):
+        unknown = set(entry) - {"address", "weight"}
+        if unknown:
+            raise ConfigError(f"{setting}: unknown keys {sorted(unknown)} (allowed: address, weight)")
+        if "address" not in entry:
+            raise ConfigError(f"{setting}: a server entry needs 'address'")
+        text, weight = str(entry["address"]), entry.get("weight", 1.0)
+    elif isinstance(entry, str):
+        text = entry
+        if "=" in entry:
+            text, _, weight = entry.rpartition("=")
+    else:
+        raise ConfigError(f"{setting}: expected host:port, got {entry!r}")
+    host, port = parse_address(text, setting)
+    if port == 0:
+        raise ConfigError(f"{setting}: port 0 is not a server port in {text!r}")
+    try:
+        weight = float(weight)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{setting}: weight must be a number, got {weight!r}") from None
+    if not weight > 0:
+        raise ConfigError(f"{setting}: weight must be > 0, got {weight}")
+    return ServerAddress(host, port, weight)
+
+
+def parse_servers(value: Any, setting: str) -> tuple[ServerAddress, ...]:
+    if isinstance(value, str):
+        entries: list[Any] = [e for e in re.split(r"[,\s]+", value) if e]
+    elif isinstance(value, (list, tuple)):
+        entries = list(value)
+    else:
+        raise ConfigError(f"{setting}: expected a list of host:port, got {type(value).__name__}")
+    if not entries:
+        raise ConfigError(f"{setting}: no servers listed")
+    servers = tuple(parse_server(e, setting) for e in entries)
+    seen: set[str] = set()
+    for s in servers:
+        if s.name in seen:
+            raise ConfigError(f"{setting}: server {s.name} is listed twice")
+        seen.add(s.name)
+    return servers
+
+
+# --------------------------------------------------------------------------------------------
+# Secrets
+# --------------------------------------------------------------------------------------------
+
+
+class AuthKey:
+    """The 32-byte shared key. Its repr and str never show the bytes."""
+
+    __slots__ = ("_raw", "source")
+
+    def __init__(self, raw: bytes, source: str) -> None:
+        if len(raw) != KEY_BYTES:
+            raise ConfigError(f"{source}: the auth key must be {KEY_BYTES} bytes")
+        self._raw = raw
+        self.source = source
+
+    @classmethod
+    def from_hex(cls, text: str, source: str) -> "AuthKey":
+        text = text.strip()
+        if len(text) != 2 * KEY_BYTES or not re.fullmatch(r"[0-9a-fA-F]+", text):
+            # Never echo the value: it may be a real key with a typo.
+            raise ConfigError(
+                f"{source}: expected {2 * KEY_BYTES} hex characters (got {len(text)} characters); "
+                "create one with `memkv keygen`"
+            )
+        return cls(bytes.fromhex(text), source)
+
+    @classmethod
+    def from_file(cls, path: str | os.PathLike, source: str) -> "AuthKey":
+        try:
+            text = Path(path).read_text()
+        except OSError as exc:
+            raise ConfigError(f"{source}: cannot read key file {path}: {exc.strerror}") from None
+        return cls.from_hex(text, f"{source} ({path})")
+
+    @property
+    def raw(self) -> bytes:
+        return self._raw
+
+    def __repr__(self) -> str:
+        return f"AuthKey(source={self.source!r}, value=********)"
+
+    __str__ = __repr__
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, AuthKey) and other._raw == self._raw
+
+    def __hash__(self) -> int:
+        return hash(self._raw)
+
+
+def default_key_path() -> Path:
+    """Where `memkv serve` writes a generated key when none is configured."""
+    base = os.environ.get("XDG_CONFIG_HOME") or os.path.join(os.path.expanduser("~"), ".config")
+    return Path(base) / "memkv" / "auth.key"
+
+
+# --------------------------------------------------------------------------------------------
+# Client configuration
+# --------------------------------------------------------------------------------------------
+
+TRANSPORTS = ("auto", "tcp", "rdma")
+
+YAML_KEYS = {
+    "servers": "host:port list (or {address, weight} mappings)",
+    "auth_key": "64 hex characters",
+    "auth_key_file": "path of a file holding the key",
+    "license": "inline JWT or a path",
+    "license_public_key": "PEM public key (or its path) that verifies the license signature",
+    "rdma_devices": "RDMA NIC names",
+    "prometheus_bind": "host:port of the client metrics exporter",
+    "transport": "auto | tcp | rdma",
+    "integrity": "xxh3 | blake3",
+    "connect_timeout_s": "seconds",
+    "io_timeout_s": "seconds",
+    "pool_size": "connections per server",
+    "down_for_s": "seconds a failed server is skipped",
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class ClientConfig:
+    """Everything a Client needs. Build with `ClientConfig.from_env()` or directly."""
+
+    servers: tuple[ServerAddress, ...]
+    auth_key: AuthKey
+    license: str | None = None  # inline JWT or path, as given
+    license_public_key: str | None = None
+    rdma_devices: tuple[str, ...] = ()
+    prometheus_bind: tuple[str, int] | None = None
+    transport: str = "auto"
+    integrity: str = "xxh3"
+    connect_timeout_s: float = 2.0
+    io_timeout_s: float = 10.0
+    pool_size: int = 8
+    down_for_s: float = 2.0
+
+    def __post_init__(self) -> None:
+        if not self.servers:
+            raise ConfigError("servers: at least one server is required")
+        if self.transport not in TRANSPORTS:
+            raise ConfigError(f"{ENV_TRANSPORT}: expected one of {', '.join(TRANSPORTS)}, got {self.transport!r}")
+        from memkv.integrity import parse_integrity
+
+        parse_integrity(self.integrity, ENV_INTEGRITY)
+        for name in ("connect_timeout_s", "io_timeout_s", "down_for_s"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
+                raise ConfigError(f"{name}: must be a number > 0, got {v!r}")
+        if isinstance(self.pool_size, bool) or not isinstance(self.pool_size, int) or not 1 <= self.pool_size <= 1024:
+            raise ConfigError(f"pool_size: must be an integer in 1..1024, got {self.pool_size!r}")
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> "ClientConfig":
+        env = os.environ if env is None else env
+        doc: dict[str, Any] = {}
+        path = env.get(ENV_CONFIG)
+        if path:
+            doc = _load_yaml(path)
+        fields: dict[str, Any] = {}
+
+        def pick(env_name: str | None, key: str) -> tuple[Any, str] | None:
+            if env_name and env.get(env_name):
+                return env[env_name], env_name
+            if key in doc and doc[key] is not None:
+                return doc[key], f"{ENV_CONFIG} ({path}): {key}"
+            return None
+
+        if got := pick(ENV_SERVERS, "servers"):
+            fields["servers"] = parse_servers(got[0], got[1])
+        else:
+            fields["servers"] = (ServerAddress(DEFAULT_HOST, DEFAULT_PORT),)
+        fields["auth_key"] = _resolve_key(env, doc, path)
+        if got := pick(ENV_LICENSE, "license"):
+            fields["license"] = str(got[0]).strip()
+        if got := pick(ENV_LICENSE_PUBLIC_KEY, "license_public_key"):
+            fields["license_public_key"] = str(got[0])
+        if got := pick(ENV_RDMA_DEVICES, "rdma_devices"):
+            value, source = got
+            devices = value if isinstance(value, (list, tuple)) else re.split(r"[,\s]+", str(value))
+            devices = tuple(str(d) for d in devices if d)
+            for d in devices:
+                if not re.fullmatch(r"[A-Za-z0-9_.:-]+", d):
+                    raise ConfigError(f"{source}: bad RDMA device name {d!r}")
+            fields["rdma_devices"] = devices
+        if got := pick(ENV_PROMETHEUS_BIND, "prometheus_bind"):
+            fields["prometheus_bind"] = parse_address(str(got[0]), got[1])
+        if got := pick(ENV_TRANSPORT, "transport"):
+            fields["transport"] = str(got[0]).strip().lower()
+        if got := pick(ENV_INTEGRITY, "integrity"):
+            fields["integrity"] = str(got[0]).strip().lower()
+        for key in ("connect_timeout_s", "io_timeout_s", "down_for_s", "pool_size"):
+            if key in doc:
+                fields[key] = doc[key]
+        try:
+            return cls(**fields)
+        except ConfigError as exc:
+            raise ConfigError(f"{path + ': ' if path else ''}{exc}") from None
+
+
+def _load_yaml(path: str) -> dict[str, Any]:
+    try:
+        with open(path) as f:
+            doc = yaml.safe_load(f) or {}
+    except OSError as exc:
+        raise ConfigError(f"{ENV_CONFIG}: cannot read {path}: {exc.strerror}") from None
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{ENV_CONFIG}: {path} is not valid YAML: {exc}") from None
+    if not isinstance(doc, dict):
+        raise ConfigError(f"{ENV_CONFIG}: {path} must hold a mapping of settings")
+    unknown = set(doc) - set(YAML_KEYS)
+    if unknown:
+        raise ConfigError(f"{ENV_CONFIG}: {path} has unknown keys {sorted(unknown)}; known keys: {sorted(YAML_KEYS)}")
+    return doc
+
+
+def _resolve_key(env: Mapping[str, str], doc: Mapping[str, Any], path: str | None) -> AuthKey:
+    if env.get(ENV_AUTH_KEY):
+        return AuthKey.from_hex(env[ENV_AUTH_KEY], ENV_AUTH_KEY)
+    if doc.get("auth_key"):
+        return AuthKey.from_hex(str(doc["auth_key"]), f"{ENV_CONFIG} ({path}): auth_key")
+    if doc.get("auth_key_file"):
+        return AuthKey.from_file(str(doc["auth_key_file"]), f"{ENV_CONFIG} ({path}): auth_key_file")
+    default = default_key_path()
+    if default.exists():
+        return AuthKey.from_file(default, "default key file")
+    raise ConfigError(
+        f"{ENV_AUTH_KEY} is not set and no key file exists at {default}: "
+        "export the node's key (it prints how) or create one with `memkv keygen`"
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# Server configuration
+# --------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class LaneSpec:
+    """An eviction domain: keys starting with `prefix` share `share` of the capacity."""
+
+    name: str
+    prefix: bytes
+    share: float
+
+    @classmethod
+    def parse(cls, text: str) -> "LaneSpec":
+        """'NAME:PREFIX:SHARE', e.g. 'fleet-a:llama/:0.5'."""
+        parts = text.split(":")
+        if len(parts) != 3:
+            raise ConfigError(f"--lane: expected NAME:PREFIX:SHARE, got {text!r}")
+        name, prefix, share_text = parts
+        if not re.fullmatch(r"[A-Za-z0-9_.-]+", name):
+            raise ConfigError(f"--lane: bad lane name {name!r} (letters, digits, _ . - only)")
+        try:
+            share = float(share_text)
+        except ValueError:
+            raise ConfigError(f"--lane {name}: share must be a number in (0, 1], got {share_text!r}") from None
+        if not 0 < share <= 1:
+            raise ConfigError(f"--lane {name}: share must be in (0, 1], got {share}")
+        return cls(name, prefix.encode(), share)
+
+
+def default_capacity_bytes() -> int:
+    """A quarter of physical memory: leaves room for the OS, vLLM's pinned pool and page cache."""
+    try:
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError):
+        total = 8 << 30
+    return max(64 << 20, total // 4)
+
+
+@dataclasses.dataclass(frozen=True)
+class ServerConfig:
+    host: str = DEFAULT_HOST
+    port: int = DEFAULT_PORT
+    admin_port: int | None = None  # None: port + 1 (or an ephemeral port when port is 0)
+    capacity_bytes: int = dataclasses.field(default_factory=default_capacity_bytes)
+    lanes: tuple[LaneSpec, ...] = ()
+    max_value_bytes: int = 64 << 20
+    max_connections: int = 1024
+    idle_timeout_s: float = 300.0
+    io_timeout_s: float = 30.0
+    node_id: str = ""
+
+    def __post_init__(self) -> None:
+        if self.max_value_bytes > self.capacity_bytes:
+            raise ConfigError(
+                f"--max-value-size ({format_size(self.max_value_bytes)}) exceeds --capacity "
+                f"({format_size(self.capacity_bytes)})"
+            )
+        total = sum(lane.share for lane in self.lanes)
+        if total > 1.0 + 1e-9:
+            raise ConfigError(f"--lane: shares add up to {total:.3f}, more than 1")
+        names = [lane.name for lane in self.lanes]
+        if len(set(names)) != len(names) or "default" in names:
+            raise ConfigError("--lane: lane names must be unique and not 'default'")

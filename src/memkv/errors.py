@@ -1,0 +1,162 @@
+"""MemKV's exception tree.
+
+    MemKVError
+    ├── ConfigError            a bad setting; names the variable or key, never prints a secret
+    ├── ProtocolError          (abstract) a frame broke the protocol
+    │   ├── LocalProtocolError     we tried to send something the protocol forbids (our bug / bad input)
+    │   └── RemoteProtocolError    the peer sent something the protocol forbids
+    ├── AuthError              the handshake or a frame MAC failed: wrong key, tampering, replay
+    ├── TransportError         the network failed us
+    │   ├── TimeoutError_      (abstract timeout base, exported as MemKVTimeout)
+    │   │   ├── ConnectTimeout
+    │   │   ├── ReadTimeout
+    │   │   ├── WriteTimeout
+    │   │   └── PoolTimeout
+    │   ├── ConnectError
+    │   ├── ReadError          the peer closed or reset mid-frame
+    │   └── WriteError
+    ├── NodeUnavailable        the node is marked down; the call failed fast without I/O
+    ├── ServerError            the node answered with an error code (see protocol.ErrorCode)
+    └── IntegrityError         a value's checksum did not match its bytes
+
+Usage errors (a key that is too long, a value over the size limit, a buffer of the wrong type)
+raise ValueError / TypeError and are never caught by the client or the tier: catching
+MemKVError never hides a bug.
+
+`map_os_error` is the one place an OSError from a socket becomes one of these classes.
+"""
+
+from __future__ import annotations
+
+import errno
+import socket
+
+
+class MemKVError(Exception):
+    """Base of every error MemKV raises on purpose."""
+
+
+class ConfigError(MemKVError):
+    """A configuration value is missing or invalid. The message names the setting."""
+
+
+class ProtocolError(MemKVError):
+    """A frame violated the wire protocol. Not raised directly: see the two subclasses."""
+
+    def __init__(self, msg: str, code: int | None = None) -> None:
+        if type(self) is ProtocolError:
+            raise TypeError("ProtocolError is abstract; raise LocalProtocolError or RemoteProtocolError")
+        super().__init__(msg)
+        self.code = code
+
+
+class LocalProtocolError(ProtocolError):
+    """We were asked to send something the protocol forbids."""
+
+
+class RemoteProtocolError(ProtocolError):
+    """The peer sent something the protocol forbids."""
+
+
+class AuthError(MemKVError):
+    """Authentication failed: wrong auth key, a forged, altered or replayed frame."""
+
+
+class TransportError(MemKVError):
+    """The connection failed. `server` names the peer when known."""
+
+    def __init__(self, msg: str, server: str | None = None) -> None:
+        super().__init__(f"{server}: {msg}" if server else msg)
+        self.server = server
+
+
+class MemKVTimeout(TransportError):
+    """An operation ran past its timeout."""
+
+
+class ConnectTimeout(MemKVTimeout):
+    pass
+
+
+class ReadTimeout(MemKVTimeout):
+    pass
+
+
+class WriteTimeout(MemKVTimeout):
+    pass
+
+
+class PoolTimeout(MemKVTimeout):
+    pass
+
+
+class ConnectError(TransportError):
+    pass
+
+
+class ReadError(TransportError):
+    pass
+
+
+class WriteError(TransportError):
+    pass
+
+
+class NodeUnavailable(MemKVError):
+    """The node is marked down after a failure; the call failed fast without touching it."""
+
+    def __init__(self, server: str, retry_in_s: float) -> None:
+        super().__init__(f"{server}: marked down after a failure, retried in {retry_in_s:.1f}s")
+        self.server = server
+        self.retry_in_s = retry_in_s
+
+
+class ServerError(MemKVError):
+    """The node refused the request with an error code."""
+
+    def __init__(self, msg: str, code: int) -> None:
+        super().__init__(msg)
+        self.code = code
+
+
+class IntegrityError(MemKVError):
+    """A value's checksum did not match its bytes: corruption in memory or on the wire."""
+
+
+def map_os_error(exc: OSError, op: str, server: str | None = None) -> TransportError:
+    """Translate a socket-level OSError raised during `op` ("connect", "read", "write")."""
+    if isinstance(exc, socket.timeout) or isinstance(exc, TimeoutError):
+        cls = {"connect": ConnectTimeout, "read": ReadTimeout, "write": WriteTimeout}[op]
+        return cls(f"{op} timed out", server)
+    if op == "connect":
+        hint = ""
+        if exc.errno == errno.ECONNREFUSED:
+            hint = " (nothing listens there: is `memkv serve` running, and is the port right?)"
+        elif isinstance(exc, socket.gaierror):
+            hint = " (the host name does not resolve)"
+        return ConnectError(f"connect failed: {exc.strerror or exc}{hint}", server)
+    cls = ReadError if op == "read" else WriteError
+    return cls(f"{op} failed: {exc.strerror or exc}", server)
+
+
+__all__ = [
+    "MemKVError",
+    "ConfigError",
+    "ProtocolError",
+    "LocalProtocolError",
+    "RemoteProtocolError",
+    "AuthError",
+    "TransportError",
+    "MemKVTimeout",
+    "ConnectTimeout",
+    "ReadTimeout",
+    "WriteTimeout",
+    "PoolTimeout",
+    "ConnectError",
+    "ReadError",
+    "WriteError",
+    "NodeUnavailable",
+    "ServerError",
+    "IntegrityError",
+    "map_os_error",
+]

@@ -1,0 +1,727 @@
+"""MemKV wire protocol, version 1: a sans-I/O codec.
+
+Bytes in, messages out; messages in, bytes out. Nothing here opens a socket, starts a thread or
+reads a clock, so every path can be tested with plain bytes. `docs/protocol.md` is the
+normative description; this module is its implementation and the two must agree.
+
+Theory of operation
+-------------------
+1. Handshake (fixed-size, unMACed messages; both sides prove they hold the 32-byte auth key):
+
+       client -> ClientHello  b"MKVH" | version u8 | 3 zero bytes | client_nonce[32]
+       server -> ServerHello  b"MKVS" | version u8 | status u8 | min u8 | max u8 | server_nonce[32] | server_proof[32]
+       client -> ClientAuth   b"MKVA" | client_proof[32]
+       server -> a MACed HELLO_OK frame (seq 1) carrying the node's limits, or AuthReject b"MKVX" | code u16
+
+   transcript = version | client_nonce | server_nonce, and
+   proof_role = HMAC-SHA256(auth_key, "memkv/1 <role> proof" | transcript). Both nonces are
+   fresh, so a recorded handshake never verifies again. The per-direction frame keys are
+   HMAC-SHA256(auth_key, "memkv/1 c2s|s2c" | transcript): a frame of one connection (or one
+   direction) never verifies on another.
+
+2. Frames. A 28-byte header, a 32-byte MAC, `meta_len` bytes of metadata (keys, lengths,
+   checksums), then `payload_len` bytes of values back to back:
+
+       magic b"MK" | version u8 | opcode u8 | flags u16 | status u16 | seq u64 | meta_len u32 | payload_len u64
+
+   MAC = HMAC-SHA256(direction key, header | meta). It covers everything but the value bytes;
+   each value's checksum travels in the meta, so the MAC covers the checksums and the
+   checksums cover the values (a MAC over 16 MiB would cap the data path at SHA-256 speed).
+   `seq` counts frames per direction from 1 and must be exactly the next number (no replay,
+   no reordering, no dropping). One request is outstanding per connection; a reply's opcode
+   is the request's | 0x80.
+
+Bounds are enforced here (`Limits`) before any payload is read, so a peer cannot make the
+other side allocate or wait for more than the limits allow.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import hashlib
+import hmac
+import itertools
+import json
+import struct
+from typing import Iterable, Sequence, Union
+
+from memkv.errors import AuthError, LocalProtocolError, RemoteProtocolError
+
+PROTOCOL_VERSION = 1
+MIN_PROTOCOL_VERSION = 1
+
+HELLO_MAGIC = b"MKVH"
+SERVER_HELLO_MAGIC = b"MKVS"
+AUTH_MAGIC = b"MKVA"
+REJECT_MAGIC = b"MKVX"
+FRAME_MAGIC = b"MK"
+
+NONCE_BYTES = 32
+KEY_BYTES = 32  # the shared auth key: 32 bytes, 64 hex chars in configuration
+MAC_BYTES = 32
+CHECKSUM_BYTES = 32  # fixed field; xxh3-128 uses the first 16 bytes, the rest is zero
+
+CLIENT_HELLO = struct.Struct(">4sB3x32s")  # 40 bytes
+SERVER_HELLO = struct.Struct(">4sBBBB32s32s")  # 72 bytes
+CLIENT_AUTH = struct.Struct(">4s32s")  # 36 bytes
+AUTH_REJECT = struct.Struct(">4sH")  # 6 bytes
+FRAME_HEADER = struct.Struct(">2sBBHHQIQ")  # 28 bytes
+FRAME_PREFIX_BYTES = FRAME_HEADER.size + MAC_BYTES  # 60: read this much, then meta_len
+
+_COUNT = struct.Struct(">I")
+
+# Defaults for `Limits`. Keys: 480 bytes is what the spec promises users. Batches: 4096 keys
+# covers a lookup of a 256k-token prompt in 64-token blocks in one round trip. Meta: every
+# field of a 4096-item batch fits with room. Payload: a batch of 8 x 64 MiB values fits twice.
+DEFAULT_MAX_KEY_BYTES = 480
+DEFAULT_MAX_VALUE_BYTES = 64 << 20
+DEFAULT_MAX_BATCH = 4096
+DEFAULT_MAX_META_BYTES = 4 << 20
+DEFAULT_MAX_PAYLOAD_BYTES = 1 << 30
+ANY_LENGTH = 0xFFFFFFFF  # GET: accept a value of any length
+
+
+class Opcode(enum.IntEnum):
+    HELLO_OK = 0x02  # server -> client, first frame after a good handshake
+    PING = 0x01
+    PUT = 0x10
+    GET = 0x11
+    EXISTS = 0x12
+    DELETE = 0x13
+    ERROR = 0x7F  # server -> client; the connection closes after it
+    REPLY = 0x80  # or-ed into the request opcode
+
+
+class ErrorCode(enum.IntEnum):
+    """Frame- and connection-level errors (ERROR frames, AuthReject, ServerHello status)."""
+
+    OK = 0
+    BAD_MAGIC = 1
+    UNSUPPORTED_VERSION = 2
+    AUTH_FAILED = 3
+    BAD_MAC = 4
+    BAD_SEQUENCE = 5
+    UNKNOWN_OPCODE = 6
+    FRAME_TOO_LARGE = 7
+    MALFORMED = 8
+    KEY_TOO_LONG = 9
+    VALUE_TOO_LARGE = 10
+    BATCH_TOO_LARGE = 11
+    SERVER_BUSY = 12
+    SHUTTING_DOWN = 13
+    INTERNAL = 14
+
+
+class ItemStatus(enum.IntEnum):
+    """Per-key outcome inside a batch reply."""
+
+    OK = 0  # stored / found / deleted
+    MISS = 1  # no such key
+    SIZE_MISMATCH = 2  # GET: stored length differs from the expected length (treated as a miss)
+    NO_SPACE = 3  # PUT: cannot fit even after eviction (value larger than its lane, all pinned)
+
+
+class ChecksumAlgo(enum.IntEnum):
+    XXH3_128 = 1  # default: detects corruption at memory speed
+    BLAKE3_KEYED = 2  # keyed with a key derived from the auth key: detects tampering too
+
+
+# --------------------------------------------------------------------------------------------
+# Limits
+# --------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Limits:
+    """Bounds a node enforces and announces in HELLO_OK; clients check them before sending."""
+
+    max_key_bytes: int = DEFAULT_MAX_KEY_BYTES
+    max_value_bytes: int = DEFAULT_MAX_VALUE_BYTES
+    max_batch: int = DEFAULT_MAX_BATCH
+    max_meta_bytes: int = DEFAULT_MAX_META_BYTES
+    max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.max_key_bytes <= 0xFFFF:
+            raise ValueError(f"max_key_bytes must be in 1..65535, got {self.max_key_bytes}")
+        if not 1 <= self.max_value_bytes < ANY_LENGTH:
+            raise ValueError(f"max_value_bytes must be in 1..{ANY_LENGTH - 1}, got {self.max_value_bytes}")
+        if self.max_batch < 1 or self.max_meta_bytes < 64 or self.max_payload_bytes < self.max_value_bytes:
+            raise ValueError(f"inconsistent limits: {self}")
+
+    def to_json(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+# --------------------------------------------------------------------------------------------
+# Messages: value objects, validated when constructed
+# --------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class PingRequest:
+    pass
+
+
+@dataclasses.dataclass(frozen=True)
+class PingReply:
+    pass
+
+
+@dataclasses.dataclass(frozen=True)
+class HelloOk:
+    """Sent by the node after a good handshake: who it is and what it accepts."""
+
+    node_id: str
+    limits: Limits
+
+
+@dataclasses.dataclass(frozen=True)
+class PutItem:
+    key: bytes
+    length: int
+    algo: int
+    checksum: bytes  # CHECKSUM_BYTES long
+
+
+@dataclasses.dataclass(frozen=True)
+class PutRequest:
+    items: tuple[PutItem, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class GetRequest:
+    keys: tuple[bytes, ...]
+    expected_lengths: tuple[int, ...]  # ANY_LENGTH where the reader accepts any size
+
+
+@dataclasses.dataclass(frozen=True)
+class GetReplyItem:
+    status: int
+    length: int
+    algo: int
+    checksum: bytes
+
+
+@dataclasses.dataclass(frozen=True)
+class ExistsRequest:
+    keys: tuple[bytes, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class DeleteRequest:
+    keys: tuple[bytes, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class StatusReply:
+    """PUT, EXISTS and DELETE replies: one ItemStatus per key, in request order."""
+
+    opcode: int
+    statuses: bytes
+
+
+@dataclasses.dataclass(frozen=True)
+class GetReply:
+    items: tuple[GetReplyItem, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class ErrorReply:
+    code: int
+    message: str
+
+
+Request = Union[PingRequest, PutRequest, GetRequest, ExistsRequest, DeleteRequest]
+Reply = Union[PingReply, HelloOk, StatusReply, GetReply, ErrorReply]
+Message = Union[Request, Reply]
+
+
+def payload_length(msg: Message) -> int:
+    """Bytes of values that follow this message's meta on the wire."""
+    if isinstance(msg, PutRequest):
+        return sum(item.length for item in msg.items)
+    if isinstance(msg, GetReply):
+        return sum(item.length for item in msg.items if item.status == ItemStatus.OK)
+    return 0
+
+
+# --------------------------------------------------------------------------------------------
+# Meta encoding. Keys travel as one array of u16 lengths plus the concatenated key bytes, so
+# a 4096-key batch is parsed with one struct call and a slice per key.
+# --------------------------------------------------------------------------------------------
+
+
+def _check_keys(keys: Sequence[bytes], limits: Limits, err: type) -> None:
+    if len(keys) > limits.max_batch:
+        raise err(f"batch of {len(keys)} keys exceeds max_batch {limits.max_batch}", ErrorCode.BATCH_TOO_LARGE)
+    for key in keys:
+        if not 0 < len(key) <= limits.max_key_bytes:
+            raise err(
+                f"key of {len(key)} bytes: keys must be 1..{limits.max_key_bytes} bytes",
+                ErrorCode.KEY_TOO_LONG,
+            )
+
+
+def _pack_keys(keys: Sequence[bytes]) -> bytes:
+    n = len(keys)
+    return _COUNT.pack(n) + struct.pack(f">{n}H", *map(len, keys)) + b"".join(keys)
+
+
+def _unpack_keys(meta: memoryview, off: int, n: int) -> tuple[tuple[bytes, ...], int]:
+    lengths = struct.unpack_from(f">{n}H", meta, off)
+    off += 2 * n
+    end = off + sum(lengths)
+    if end > len(meta):
+        raise RemoteProtocolError("meta truncated inside the key list", ErrorCode.MALFORMED)
+    raw = bytes(meta[off:end])
+    ends = list(itertools.accumulate(lengths))
+    keys = tuple(raw[e - ln : e] for e, ln in zip(ends, lengths))
+    return keys, end
+
+
+def _encode_meta(msg: Message) -> tuple[int, int, bytes]:
+    """Return (opcode, status, meta) for a message."""
+    if isinstance(msg, PingRequest):
+        return Opcode.PING, 0, b""
+    if isinstance(msg, PingReply):
+        return Opcode.PING | Opcode.REPLY, 0, b""
+    if isinstance(msg, HelloOk):
+        body = json.dumps({"node_id": msg.node_id, "limits": msg.limits.to_json()}).encode()
+        return Opcode.HELLO_OK, 0, body
+    if isinstance(msg, (ExistsRequest, DeleteRequest)):
+        op = Opcode.EXISTS if isinstance(msg, ExistsRequest) else Opcode.DELETE
+        return op, 0, _pack_keys(msg.keys)
+    if isinstance(msg, GetRequest):
+        n = len(msg.keys)
+        return Opcode.GET, 0, _pack_keys(msg.keys) + struct.pack(f">{n}I", *msg.expected_lengths)
+    if isinstance(msg, PutRequest):
+        items = msg.items
+        n = len(items)
+        parts = [
+            _pack_keys([it.key for it in items]),
+            struct.pack(f">{n}I", *(it.length for it in items)),
+            bytes(it.algo for it in items),
+            b"".join(it.checksum for it in items),
+        ]
+        return Opcode.PUT, 0, b"".join(parts)
+    if isinstance(msg, StatusReply):
+        return msg.opcode | Opcode.REPLY, 0, _COUNT.pack(len(msg.statuses)) + msg.statuses
+    if isinstance(msg, GetReply):
+        items = msg.items
+        n = len(items)
+        parts = [
+            _COUNT.pack(n),
+            bytes(it.status for it in items),
+            struct.pack(f">{n}I", *(it.length for it in items)),
+            bytes(it.algo for it in items),
+            b"".join(it.checksum for it in items),
+        ]
+        return Opcode.GET | Opcode.REPLY, 0, b"".join(parts)
+    if isinstance(msg, ErrorReply):
+        return Opcode.ERROR, int(msg.code), msg.message.encode("utf-8", "replace")[:4096]
+    raise LocalProtocolError(f"cannot encode {type(msg).__name__}")
+
+
+def validate_outgoing(msg: Message, limits: Limits) -> None:
+    """Raise LocalProtocolError when `msg` would break `limits` (checked before sending)."""
+    keys: Sequence[bytes] = ()
+    if isinstance(msg, (ExistsRequest, DeleteRequest, GetRequest)):
+        keys = msg.keys
+    elif isinstance(msg, PutRequest):
+        keys = [it.key for it in msg.items]
+        for it in msg.items:
+            if it.length > limits.max_value_bytes:
+                raise LocalProtocolError(
+                    f"value of {it.length} bytes exceeds the node's max_value_bytes {limits.max_value_bytes}",
+                    ErrorCode.VALUE_TOO_LARGE,
+                )
+            if len(it.checksum) != CHECKSUM_BYTES:
+                raise LocalProtocolError(f"checksum must be {CHECKSUM_BYTES} bytes", ErrorCode.MALFORMED)
+    _check_keys(keys, limits, LocalProtocolError)
+    if payload_length(msg) > limits.max_payload_bytes:
+        raise LocalProtocolError(
+            f"batch payload of {payload_length(msg)} bytes exceeds max_payload_bytes {limits.max_payload_bytes}",
+            ErrorCode.FRAME_TOO_LARGE,
+        )
+
+
+def _decode_meta(opcode: int, status: int, meta: memoryview, limits: Limits) -> Message:
+    """Parse a verified frame's meta. Raises RemoteProtocolError on anything malformed."""
+    try:
+        if opcode == Opcode.PING:
+            return PingRequest()
+        if opcode == Opcode.PING | Opcode.REPLY:
+            return PingReply()
+        if opcode == Opcode.ERROR:
+            return ErrorReply(status, bytes(meta).decode("utf-8", "replace"))
+        if opcode == Opcode.HELLO_OK:
+            body = json.loads(bytes(meta))
+            return HelloOk(str(body["node_id"]), Limits(**body["limits"]))
+        (n,) = _COUNT.unpack_from(meta, 0)
+        if n > limits.max_batch:
+            raise RemoteProtocolError(f"batch of {n} exceeds max_batch {limits.max_batch}", ErrorCode.BATCH_TOO_LARGE)
+        off = _COUNT.size
+        if opcode in (Opcode.EXISTS, Opcode.DELETE, Opcode.GET, Opcode.PUT):
+            keys, off = _unpack_keys(meta, off, n)
+            _check_keys(keys, limits, RemoteProtocolError)
+            if opcode == Opcode.EXISTS:
+                msg: Message = ExistsRequest(keys)
+            elif opcode == Opcode.DELETE:
+                msg = DeleteRequest(keys)
+            elif opcode == Opcode.GET:
+                lengths = struct.unpack_from(f">{n}I", meta, off)
+                off += 4 * n
+                msg = GetRequest(keys, lengths)
+            else:
+                lengths = struct.unpack_from(f">{n}I", meta, off)
+                off += 4 * n
+                algos = bytes(meta[off : off + n])
+                off += n
+                sums = bytes(meta[off : off + n * CHECKSUM_BYTES])
+                off += n * CHECKSUM_BYTES
+                if len(algos) != n or len(sums) != n * CHECKSUM_BYTES:
+                    raise RemoteProtocolError("meta truncated in PUT items", ErrorCode.MALFORMED)
+                for ln in lengths:
+                    if ln > limits.max_value_bytes:
+                        raise RemoteProtocolError(
+                            f"value of {ln} bytes exceeds max_value_bytes {limits.max_value_bytes}",
+                            ErrorCode.VALUE_TOO_LARGE,
+                        )
+                msg = PutRequest(
+                    tuple(
+                        PutItem(k, ln, a, sums[i * CHECKSUM_BYTES : (i + 1) * CHECKSUM_BYTES])
+                        for i, (k, ln, a) in enumerate(zip(keys, lengths, algos))
+                    )
+                )
+        elif opcode in (Opcode.PUT | Opcode.REPLY, Opcode.EXISTS | Opcode.REPLY, Opcode.DELETE | Opcode.REPLY):
+            statuses = bytes(meta[off : off + n])
+            off += n
+            if len(statuses) != n:
+                raise RemoteProtocolError("meta truncated in statuses", ErrorCode.MALFORMED)
+            msg = StatusReply(opcode & ~Opcode.REPLY, statuses)
+        elif opcode == Opcode.GET | Opcode.REPLY:
+            statuses = bytes(meta[off : off + n])
+            off += n
+            lengths = struct.unpack_from(f">{n}I", meta, off)
+            off += 4 * n
+            algos = bytes(meta[off : off + n])
+            off += n
+            sums = bytes(meta[off : off + n * CHECKSUM_BYTES])
+            off += n * CHECKSUM_BYTES
+            if len(statuses) != n or len(algos) != n or len(sums) != n * CHECKSUM_BYTES:
+                raise RemoteProtocolError("meta truncated in GET reply", ErrorCode.MALFORMED)
+            msg = GetReply(
+                tuple(
+                    GetReplyItem(s, ln, a, sums[i * CHECKSUM_BYTES : (i + 1) * CHECKSUM_BYTES])
+                    for i, (s, ln, a) in enumerate(zip(statuses, lengths, algos))
+                )
+            )
+        else:
+            raise RemoteProtocolError(f"unknown opcode 0x{opcode:02x}", ErrorCode.UNKNOWN_OPCODE)
+    except struct.error as exc:
+        raise RemoteProtocolError(f"meta truncated: {exc}", ErrorCode.MALFORMED) from exc
+    except (ValueError, KeyError, TypeError) as exc:
+        raise RemoteProtocolError(f"malformed meta: {exc}", ErrorCode.MALFORMED) from exc
+    if off != len(meta):
+        raise RemoteProtocolError(
+            f"{len(meta) - off} unexpected trailing bytes in meta of opcode 0x{opcode:02x}", ErrorCode.MALFORMED
+        )
+    return msg
+
+
+# --------------------------------------------------------------------------------------------
+# Frame header and MAC
+# --------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class FrameHeader:
+    opcode: int
+    status: int
+    seq: int
+    meta_len: int
+    payload_len: int
+    mac: bytes
+
+
+class FrameCodec:
+    """Encodes and verifies frames of one authenticated connection, one side's view.
+
+    Holds the two direction keys and sequence counters. Not thread-safe: a connection is used
+    by one thread at a time. After any error the codec refuses further frames, because the
+    stream position is no longer trustworthy.
+    """
+
+    def __init__(self, send_key: bytes, recv_key: bytes, limits: Limits) -> None:
+        self._send_mac = hmac.new(send_key, digestmod=hashlib.sha256)
+        self._recv_mac = hmac.new(recv_key, digestmod=hashlib.sha256)
+        self.limits = limits
+        self._send_seq = 0
+        self._recv_seq = 0
+        self.broken: str | None = None
+
+    # -- sending ---------------------------------------------------------------------------
+
+    def encode(self, msg: Message, validate: bool = True) -> bytes:
+        """Header + MAC + meta of `msg`; the caller sends the payload after these bytes."""
+        self._refuse_if_broken()
+        if validate:
+            validate_outgoing(msg, self.limits)
+        opcode, status, meta = _encode_meta(msg)
+        if len(meta) > self.limits.max_meta_bytes:
+            raise LocalProtocolError(f"meta of {len(meta)} bytes exceeds max_meta_bytes", ErrorCode.FRAME_TOO_LARGE)
+        self._send_seq += 1
+        header = FRAME_HEADER.pack(
+            FRAME_MAGIC, PROTOCOL_VERSION, opcode, 0, status, self._send_seq, len(meta), payload_length(msg)
+        )
+        mac = self._send_mac.copy()
+        mac.update(header)
+        mac.update(meta)
+        return header + mac.digest() + meta
+
+    # -- receiving -------------------------------------------------------------------------
+
+    def parse_header(self, prefix: bytes | bytearray | memoryview) -> FrameHeader:
+        """Check the fixed 60-byte prefix: magic, version, bounds. The MAC is checked with meta."""
+        self._refuse_if_broken()
+        try:
+            return self._parse_header(prefix)
+        except RemoteProtocolError as exc:
+            self.broken = str(exc)
+            raise
+
+    def _parse_header(self, prefix: bytes | bytearray | memoryview) -> FrameHeader:
+        if len(prefix) != FRAME_PREFIX_BYTES:
+            raise RemoteProtocolError(f"frame prefix must be {FRAME_PREFIX_BYTES} bytes", ErrorCode.MALFORMED)
+        magic, version, opcode, flags, status, seq, meta_len, payload_len = FRAME_HEADER.unpack_from(prefix)
+        if magic != FRAME_MAGIC:
+            raise RemoteProtocolError(f"bad frame magic {bytes(magic)!r}", ErrorCode.BAD_MAGIC)
+        if version != PROTOCOL_VERSION:
+            raise RemoteProtocolError(
+                f"frame of protocol version {version}, this side speaks {PROTOCOL_VERSION}",
+                ErrorCode.UNSUPPORTED_VERSION,
+            )
+        if flags != 0:
+            raise RemoteProtocolError(f"reserved flags set: 0x{flags:04x}", ErrorCode.MALFORMED)
+        if meta_len > self.limits.max_meta_bytes:
+            raise RemoteProtocolError(
+                f"meta of {meta_len} bytes exceeds max_meta_bytes {self.limits.max_meta_bytes}",
+                ErrorCode.FRAME_TOO_LARGE,
+            )
+        if payload_len > self.limits.max_payload_bytes:
+            raise RemoteProtocolError(
+                f"payload of {payload_len} bytes exceeds max_payload_bytes {self.limits.max_payload_bytes}",
+                ErrorCode.FRAME_TOO_LARGE,
+            )
+        mac = bytes(prefix[FRAME_HEADER.size :])
+        return FrameHeader(opcode, status, seq, meta_len, payload_len, mac)
+
+    def open(self, header: FrameHeader, prefix: bytes | bytearray | memoryview, meta: bytes | bytearray | memoryview) -> Message:
+        """Verify MAC and sequence of a frame, then decode its meta into a message."""
+        self._refuse_if_broken()
+        try:
+            mac = self._recv_mac.copy()
+            mac.update(memoryview(prefix)[: FRAME_HEADER.size])
+            mac.update(meta)
+            if not hmac.compare_digest(mac.digest(), header.mac):
+                raise AuthError("frame MAC mismatch: the frame was forged, altered, or sent on another connection")
+            if header.seq != self._recv_seq + 1:
+                raise AuthError(f"frame sequence {header.seq}, expected {self._recv_seq + 1}: replayed or reordered")
+            self._recv_seq = header.seq
+            msg = _decode_meta(header.opcode, header.status, memoryview(meta), self.limits)
+            if payload_length(msg) != header.payload_len:
+                raise RemoteProtocolError(
+                    f"payload_len {header.payload_len} disagrees with the meta ({payload_length(msg)})",
+                    ErrorCode.MALFORMED,
+                )
+            return msg
+        except (AuthError, RemoteProtocolError) as exc:
+            self.broken = str(exc)
+            raise
+
+    def _refuse_if_broken(self) -> None:
+        if self.broken is not None:
+            raise LocalProtocolError(f"connection unusable after an earlier error: {self.broken}")
+
+
+class FrameDecoder:
+    """Buffers a byte stream and yields whole frames: (message, payload bytes).
+
+    For small frames and tests; the data path reads the payload straight into its own buffers
+    instead (see server/ and client/), using `FrameCodec.parse_header` / `FrameCodec.open`.
+    """
+
+    def __init__(self, codec: FrameCodec) -> None:
+        self.codec = codec
+        self._buf = bytearray()
+
+    def receive_data(self, data: bytes) -> None:
+        self._buf += data
+
+    @property
+    def trailing_data(self) -> bytes:
+        return bytes(self._buf)
+
+    def next_frame(self) -> tuple[Message, bytes] | None:
+        """One whole frame, or None when more data is needed."""
+        if len(self._buf) < FRAME_PREFIX_BYTES:
+            return None
+        prefix = bytes(self._buf[:FRAME_PREFIX_BYTES])
+        header = self.codec.parse_header(prefix)
+        end_meta = FRAME_PREFIX_BYTES + header.meta_len
+        end = end_meta + header.payload_len
+        if len(self._buf) < end:
+            return None
+        msg = self.codec.open(header, prefix, bytes(self._buf[FRAME_PREFIX_BYTES:end_meta]))
+        payload = bytes(self._buf[end_meta:end])
+        del self._buf[:end]
+        return msg, payload
+
+
+# --------------------------------------------------------------------------------------------
+# Handshake
+# --------------------------------------------------------------------------------------------
+
+
+def _derive(auth_key: bytes, label: bytes, transcript: bytes) -> bytes:
+    return hmac.new(auth_key, label + transcript, hashlib.sha256).digest()
+
+
+def _transcript(version: int, client_nonce: bytes, server_nonce: bytes) -> bytes:
+    return bytes([version]) + client_nonce + server_nonce
+
+
+def _check_key(auth_key: bytes) -> None:
+    if len(auth_key) != KEY_BYTES:
+        raise ValueError(f"auth key must be {KEY_BYTES} bytes, got {len(auth_key)}")
+
+
+class ClientHandshake:
+    """Client side of the handshake. The caller supplies a fresh random nonce."""
+
+    def __init__(self, auth_key: bytes, client_nonce: bytes, version: int = PROTOCOL_VERSION) -> None:
+        _check_key(auth_key)
+        if len(client_nonce) != NONCE_BYTES:
+            raise ValueError("client nonce must be 32 bytes")
+        self._key = auth_key
+        self._nonce = client_nonce
+        self._version = version
+        self._transcript: bytes | None = None
+
+    def hello(self) -> bytes:
+        return CLIENT_HELLO.pack(HELLO_MAGIC, self._version, self._nonce)
+
+    def receive_server_hello(self, data: bytes) -> bytes:
+        """Verify the server's proof; return the ClientAuth bytes to send."""
+        if len(data) != SERVER_HELLO.size:
+            raise RemoteProtocolError("server hello has the wrong size", ErrorCode.MALFORMED)
+        magic, version, status, vmin, vmax, server_nonce, proof = SERVER_HELLO.unpack(data)
+        if magic != SERVER_HELLO_MAGIC:
+            raise RemoteProtocolError(
+                f"not a MemKV node (got {bytes(magic)!r}): is this the data port and not the admin port?",
+                ErrorCode.BAD_MAGIC,
+            )
+        if status == ErrorCode.UNSUPPORTED_VERSION:
+            raise RemoteProtocolError(
+                f"node refused protocol version {self._version}; it speaks {vmin}..{vmax}",
+                ErrorCode.UNSUPPORTED_VERSION,
+            )
+        if status != ErrorCode.OK:
+            raise RemoteProtocolError(f"node refused the handshake: {_error_name(status)}", status)
+        if version != self._version:
+            raise RemoteProtocolError(f"node answered version {version} to a version {self._version} hello")
+        self._transcript = _transcript(version, self._nonce, server_nonce)
+        expected = _derive(self._key, b"memkv/1 server proof", self._transcript)
+        if not hmac.compare_digest(expected, proof):
+            raise AuthError("the node does not hold our auth key: MEMKV_AUTH_KEY differs between client and node")
+        return CLIENT_AUTH.pack(AUTH_MAGIC, _derive(self._key, b"memkv/1 client proof", self._transcript))
+
+    def codec(self, limits: Limits | None = None) -> FrameCodec:
+        assert self._transcript is not None, "handshake not finished"
+        return FrameCodec(
+            _derive(self._key, b"memkv/1 c2s", self._transcript),
+            _derive(self._key, b"memkv/1 s2c", self._transcript),
+            limits or Limits(),
+        )
+
+
+class ServerHandshake:
+    """Server side of the handshake. The caller supplies a fresh random nonce."""
+
+    def __init__(self, auth_key: bytes, server_nonce: bytes) -> None:
+        _check_key(auth_key)
+        if len(server_nonce) != NONCE_BYTES:
+            raise ValueError("server nonce must be 32 bytes")
+        self._key = auth_key
+        self._nonce = server_nonce
+        self._transcript: bytes | None = None
+
+    def receive_hello(self, data: bytes) -> bytes:
+        """Parse ClientHello; return ServerHello bytes. Raises after producing a refusal."""
+        magic, version, client_nonce = CLIENT_HELLO.unpack(data)
+        if magic != HELLO_MAGIC:
+            raise RemoteProtocolError(f"bad hello magic {bytes(magic)!r}", ErrorCode.BAD_MAGIC)
+        if not MIN_PROTOCOL_VERSION <= version <= PROTOCOL_VERSION:
+            raise RemoteProtocolError(
+                f"client asked for protocol version {version}; this node speaks "
+                f"{MIN_PROTOCOL_VERSION}..{PROTOCOL_VERSION}",
+                ErrorCode.UNSUPPORTED_VERSION,
+            )
+        self._transcript = _transcript(version, client_nonce, self._nonce)
+        proof = _derive(self._key, b"memkv/1 server proof", self._transcript)
+        return SERVER_HELLO.pack(
+            SERVER_HELLO_MAGIC, version, ErrorCode.OK, MIN_PROTOCOL_VERSION, PROTOCOL_VERSION, self._nonce, proof
+        )
+
+    @staticmethod
+    def refusal(code: int) -> bytes:
+        """The ServerHello that refuses a hello (bad version, busy, shutting down)."""
+        return SERVER_HELLO.pack(
+            SERVER_HELLO_MAGIC, PROTOCOL_VERSION, code, MIN_PROTOCOL_VERSION, PROTOCOL_VERSION, bytes(32), bytes(32)
+        )
+
+    def receive_auth(self, data: bytes) -> None:
+        """Verify ClientAuth. Raises AuthError when the client does not hold the key."""
+        assert self._transcript is not None, "hello not received"
+        magic, proof = CLIENT_AUTH.unpack(data)
+        if magic != AUTH_MAGIC:
+            raise RemoteProtocolError(f"bad auth magic {bytes(magic)!r}", ErrorCode.BAD_MAGIC)
+        expected = _derive(self._key, b"memkv/1 client proof", self._transcript)
+        if not hmac.compare_digest(expected, proof):
+            raise AuthError("client proof does not verify: wrong auth key or a replayed handshake")
+
+    def codec(self, limits: Limits) -> FrameCodec:
+        assert self._transcript is not None, "handshake not finished"
+        return FrameCodec(
+            _derive(self._key, b"memkv/1 s2c", self._transcript),
+            _derive(self._key, b"memkv/1 c2s", self._transcript),
+            limits,
+        )
+
+
+def auth_reject(code: int) -> bytes:
+    return AUTH_REJECT.pack(REJECT_MAGIC, code)
+
+
+def parse_auth_outcome_prefix(data: bytes) -> int | None:
+    """After ClientAuth the node sends either a frame (b"MK"...) or AuthReject (b"MKVX" code)."""
+    if data[:4] == REJECT_MAGIC:
+        return AUTH_REJECT.unpack(data[: AUTH_REJECT.size])[1]
+    return None
+
+
+def _error_name(code: int) -> str:
+    try:
+        return ErrorCode(code).name
+    except ValueError:
+        return f"error {code}"
+
+
+def error_name(code: int) -> str:
+    return _error_name(code)
+
+
+def iter_statuses(statuses: bytes) -> Iterable[ItemStatus]:
+    return (ItemStatus(s) for s in statuses)

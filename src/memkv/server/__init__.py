@@ -1,0 +1,1 @@
+"""The MemKV node: value store (store), connection handling (node), admin HTTP (admin), metrics."""

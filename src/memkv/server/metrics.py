@@ -1,0 +1,63 @@
+"""Node metrics, exposed on the admin port at /v1/metrics (Prometheus text format).
+
+Counters and histograms are updated by connection threads; gauges describing the store are
+read from `Store.stats()` at scrape time by a custom collector, so they are never stale.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from memkv.server.store import Store
+
+LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+
+
+class StoreCollector:
+    def __init__(self, store: Store) -> None:
+        self.store = store
+
+    def collect(self):
+        s = self.store.stats()
+        yield GaugeMetricFamily("memkv_node_capacity_bytes", "Configured byte capacity of the node", value=s["capacity_bytes"])
+        yield GaugeMetricFamily("memkv_node_stored_bytes", "Value bytes of the stored values", value=s["stored_bytes"])
+        yield GaugeMetricFamily(
+            "memkv_node_allocated_bytes", "Buffer bytes held: stored, pooled for reuse, and in flight", value=s["allocated_bytes"]
+        )
+        yield GaugeMetricFamily("memkv_node_values", "Number of stored values", value=s["values"])
+        lane_bytes = GaugeMetricFamily("memkv_node_lane_used_bytes", "Buffer bytes used per lane", labels=["lane"])
+        lane_share = GaugeMetricFamily("memkv_node_lane_share_bytes", "Capacity share per lane", labels=["lane"])
+        lane_values = GaugeMetricFamily("memkv_node_lane_values", "Values per lane", labels=["lane"])
+        evictions = CounterMetricFamily("memkv_node_evictions", "Values evicted to make room, per lane", labels=["lane"])
+        for lane in s["lanes"]:
+            lane_bytes.add_metric([lane["name"]], lane["used_bytes"])
+            lane_share.add_metric([lane["name"]], lane["share_bytes"])
+            lane_values.add_metric([lane["name"]], lane["values"])
+            evictions.add_metric([lane["name"]], lane["evictions"])
+        yield from (lane_bytes, lane_share, lane_values, evictions)
+
+
+class NodeMetrics:
+    """One registry per node (tests run several nodes in one process)."""
+
+    def __init__(self, store: Store) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        r.register(StoreCollector(store))
+        self.requests = Counter("memkv_node_requests", "Requests served, by op", ["op"], registry=r)
+        self.keys = Counter("memkv_node_keys", "Keys processed, by op and result", ["op", "result"], registry=r)
+        self.request_seconds = Histogram(
+            "memkv_node_request_seconds", "Time to serve one request, by op", ["op"], buckets=LATENCY_BUCKETS, registry=r
+        )
+        self.bytes_in = Counter("memkv_node_received_bytes", "Value bytes received (PUT)", registry=r)
+        self.bytes_out = Counter("memkv_node_sent_bytes", "Value bytes sent (GET)", registry=r)
+        self.errors = Counter("memkv_node_errors", "Connections ended by an error, by error code", ["code"], registry=r)
+        self.auth_failures = Counter(
+            "memkv_node_auth_failures", "Refused handshakes and frames, by reason", ["reason"], registry=r
+        )
+        self.connections = Gauge("memkv_node_connections", "Open client connections", registry=r)
+        self.connections_total = Counter("memkv_node_connections_accepted", "Client connections accepted", registry=r)
+        self.refused_connections = Counter(
+            "memkv_node_connections_refused", "Connections refused (limit reached or shutting down)", registry=r
+        )

@@ -1,0 +1,346 @@
+"""The node's value store: byte capacity, lanes, LRU eviction, buffers faulted once and reused.
+
+Memory. A value lives in a buffer the store owns: an anonymous private mmap (values >= 1 MiB,
+pre-faulted with MAP_POPULATE) or a bytearray (smaller ones). Buffers are sized to the value
+rounded up to a page. When a value is evicted or deleted its buffer is reused for the next
+value of the same size class (KV-cache values of one model are all one size), so the hot path
+neither allocates nor page-faults; a bounded pool keeps freed buffers for reuse and beyond that
+they are unmapped. `allocated_bytes` (every buffer in existence: live, pinned-but-dead, pooled,
+reserved for a PUT in flight) never exceeds `capacity_bytes`.
+
+Lanes. Every key belongs to one lane, chosen by the longest matching key prefix (the `default`
+lane takes the rest). A lane's share is its fair part of the capacity; lanes may grow past it
+while there is room. To make room the store evicts, least recently used first, from the lane
+furthest over its share; when no lane is over its share, from the writer's own lane.
+
+Pins. A reader pins the entries it sends; an evicted or replaced entry that is pinned leaves
+the index at once (no new reader finds it) but keeps its buffer until the last reader unpins.
+
+Threading: every public method may be called from any connection thread; all state is guarded
+by one lock, held only for O(1) metadata work (plus a bounded number of evictions); buffers are
+allocated, filled and sent outside the lock.
+"""
+
+from __future__ import annotations
+
+import bisect
+import collections
+import dataclasses
+import mmap
+import threading
+from typing import Iterable, Sequence
+
+from memkv.config import LaneSpec
+from memkv.protocol import ItemStatus
+
+PAGE = mmap.PAGESIZE
+MMAP_THRESHOLD = 1 << 20
+# A freed buffer may serve a value up to this much smaller (keeps reuse high for mixed sizes
+# while bounding the slack that counts against capacity).
+REUSE_SLACK = 1 / 16
+
+
+def buffer_size_for(length: int) -> int:
+    """Bytes of buffer a value of `length` bytes occupies (and counts against capacity)."""
+    if length >= MMAP_THRESHOLD:
+        return -(-length // PAGE) * PAGE
+    return max(length, 1)
+
+
+class ValueBuffer:
+    """A reusable block of memory owned by the store."""
+
+    __slots__ = ("size", "_mem", "view")
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        if size >= MMAP_THRESHOLD:
+            flags = mmap.MAP_PRIVATE | getattr(mmap, "MAP_ANONYMOUS", 0x20) | getattr(mmap, "MAP_POPULATE", 0)
+            self._mem: mmap.mmap | bytearray = mmap.mmap(-1, size, flags=flags)
+        else:
+            self._mem = bytearray(size)
+        self.view = memoryview(self._mem)
+
+
+@dataclasses.dataclass(eq=False)
+class Entry:
+    key: bytes
+    lane: "Lane"
+    length: int
+    algo: int
+    checksum: bytes
+    buf: ValueBuffer
+    pins: int = 0
+    live: bool = True  # False once evicted/replaced/deleted; the buffer goes back when unpinned
+
+    @property
+    def value(self) -> memoryview:
+        return self.buf.view[: self.length]
+
+
+class Lane:
+    __slots__ = ("name", "prefix", "share", "entries", "bytes", "evictions")
+
+    def __init__(self, name: str, prefix: bytes, share: float) -> None:
+        self.name = name
+        self.prefix = prefix
+        self.share = share
+        self.entries: collections.OrderedDict[bytes, Entry] = collections.OrderedDict()  # LRU first
+        self.bytes = 0  # buffer bytes of live entries
+        self.evictions = 0
+
+
+@dataclasses.dataclass
+class PutTicket:
+    """A buffer reserved for a value being received; invisible until committed."""
+
+    key: bytes
+    lane: Lane
+    length: int
+    algo: int
+    checksum: bytes
+    buf: ValueBuffer
+
+    @property
+    def target(self) -> memoryview:
+        return self.buf.view[: self.length]
+
+
+class NoSpace(Exception):
+    """The value cannot fit, even after eviction."""
+
+
+class Store:
+    def __init__(self, capacity_bytes: int, lanes: Sequence[LaneSpec] = (), pool_max_bytes: int | None = None) -> None:
+        if capacity_bytes <= 0:
+            raise ValueError("capacity_bytes must be positive")
+        self.capacity_bytes = capacity_bytes
+        self._lock = threading.Lock()
+        share_left = max(0.0, 1.0 - sum(spec.share for spec in lanes))
+        self._lanes = [Lane(spec.name, spec.prefix, spec.share) for spec in lanes]
+        self._lanes.sort(key=lambda lane: len(lane.prefix), reverse=True)  # longest prefix wins
+        self.default_lane = Lane("default", b"", share_left)
+        self._index: dict[bytes, Entry] = {}
+        self._pool: dict[int, list[ValueBuffer]] = {}
+        self._pool_sizes: list[int] = []  # sorted sizes with a non-empty pool list
+        self._pool_bytes = 0
+        self._pool_max = capacity_bytes // 8 if pool_max_bytes is None else pool_max_bytes
+        self.allocated_bytes = 0  # every buffer in existence
+        self.stored_bytes = 0  # value bytes of live entries
+        self.evictions = 0
+
+    # -- lanes --------------------------------------------------------------------------------
+
+    @property
+    def lanes(self) -> list[Lane]:
+        return [*self._lanes, self.default_lane]
+
+    def lane_for(self, key: bytes) -> Lane:
+        for lane in self._lanes:
+            if key.startswith(lane.prefix):
+                return lane
+        return self.default_lane
+
+    # -- writes -------------------------------------------------------------------------------
+
+    def begin_put(self, key: bytes, length: int, algo: int, checksum: bytes) -> PutTicket:
+        """Reserve a buffer for a value. Raises NoSpace. Caller fills `ticket.target`, then
+        calls `commit` or `abort` exactly once."""
+        size = buffer_size_for(length)
+        if size > self.capacity_bytes:
+            raise NoSpace(f"value of {length} bytes exceeds the node's capacity")
+        lane = self.lane_for(key)
+        with self._lock:
+            buf = self._take_pooled(size)
+            if buf is None:
+                buf = self._make_room(size, lane)
+            if buf is None:
+                self.allocated_bytes += size  # reserve now, allocate outside the lock
+        if buf is None:
+            try:
+                buf = ValueBuffer(size)
+            except BaseException:
+                with self._lock:
+                    self.allocated_bytes -= size
+                raise
+        return PutTicket(key, lane, length, algo, checksum, buf)
+
+    def commit(self, ticket: PutTicket) -> None:
+        entry = Entry(ticket.key, ticket.lane, ticket.length, ticket.algo, ticket.checksum, ticket.buf)
+        with self._lock:
+            old = self._index.get(ticket.key)
+            if old is not None:
+                self._unlink(old)
+            self._index[ticket.key] = entry
+            ticket.lane.entries[ticket.key] = entry
+            ticket.lane.bytes += entry.buf.size
+            self.stored_bytes += entry.length
+
+    def abort(self, ticket: PutTicket) -> None:
+        with self._lock:
+            self._give_back(ticket.buf)
+
+    # -- reads --------------------------------------------------------------------------------
+
+    def acquire(self, keys: Sequence[bytes], expected_lengths: Sequence[int], any_length: int) -> list[Entry | int]:
+        """Pin the entries for a GET. Per key: a pinned Entry, or an ItemStatus (MISS,
+        SIZE_MISMATCH). Call `release` with the entries when they are sent."""
+        out: list[Entry | int] = []
+        with self._lock:
+            for key, expected in zip(keys, expected_lengths):
+                entry = self._index.get(key)
+                if entry is None:
+                    out.append(ItemStatus.MISS)
+                elif expected != any_length and entry.length != expected:
+                    out.append(ItemStatus.SIZE_MISMATCH)
+                else:
+                    entry.pins += 1
+                    entry.lane.entries.move_to_end(key)
+                    out.append(entry)
+        return out
+
+    def release(self, entries: Iterable[Entry]) -> None:
+        with self._lock:
+            for entry in entries:
+                entry.pins -= 1
+                if entry.pins == 0 and not entry.live:
+                    self._give_back(entry.buf)
+
+    def exists(self, keys: Sequence[bytes]) -> bytes:
+        index = self._index
+        with self._lock:
+            return bytes(ItemStatus.OK if k in index else ItemStatus.MISS for k in keys)
+
+    def delete(self, keys: Sequence[bytes]) -> bytes:
+        out = bytearray()
+        with self._lock:
+            for key in keys:
+                entry = self._index.get(key)
+                if entry is None:
+                    out.append(ItemStatus.MISS)
+                else:
+                    self._unlink(entry)
+                    out.append(ItemStatus.OK)
+        return bytes(out)
+
+    # -- introspection --------------------------------------------------------------------------
+
+    def stats(self) -> dict:
+        with self._lock:
+            return {
+                "capacity_bytes": self.capacity_bytes,
+                "allocated_bytes": self.allocated_bytes,
+                "stored_bytes": self.stored_bytes,
+                "pooled_bytes": self._pool_bytes,
+                "values": len(self._index),
+                "evictions": self.evictions,
+                "lanes": [
+                    {
+                        "name": lane.name,
+                        "prefix": lane.prefix.decode("utf-8", "replace"),
+                        "share": lane.share,
+                        "share_bytes": int(lane.share * self.capacity_bytes),
+                        "used_bytes": lane.bytes,
+                        "values": len(lane.entries),
+                        "evictions": lane.evictions,
+                    }
+                    for lane in self.lanes
+                ],
+            }
+
+    def keys(self, prefix: bytes = b"", limit: int = 1000) -> list[bytes]:
+        with self._lock:
+            out = []
+            for key in self._index:
+                if key.startswith(prefix):
+                    out.append(key)
+                    if len(out) >= limit:
+                        break
+            return out
+
+    # -- internals (lock held) ------------------------------------------------------------------
+
+    def _unlink(self, entry: Entry) -> None:
+        """Remove a live entry from the index; free its buffer unless a reader holds it."""
+        del self._index[entry.key]
+        del entry.lane.entries[entry.key]
+        entry.lane.bytes -= entry.buf.size
+        self.stored_bytes -= entry.length
+        entry.live = False
+        if entry.pins == 0:
+            self._give_back(entry.buf)
+
+    def _give_back(self, buf: ValueBuffer) -> None:
+        """A buffer nobody uses: keep it for reuse while the pool has room, else free it."""
+        if self._pool_bytes + buf.size <= self._pool_max:
+            lst = self._pool.setdefault(buf.size, [])
+            if not lst:
+                bisect.insort(self._pool_sizes, buf.size)
+            lst.append(buf)
+            self._pool_bytes += buf.size
+        else:
+            self.allocated_bytes -= buf.size  # dropped: the mapping is unmapped when collected
+
+    def _take_pooled(self, size: int) -> ValueBuffer | None:
+        i = bisect.bisect_left(self._pool_sizes, size)
+        if i == len(self._pool_sizes) or self._pool_sizes[i] > size * (1 + REUSE_SLACK):
+            return None
+        found = self._pool_sizes[i]
+        lst = self._pool[found]
+        buf = lst.pop()
+        if not lst:
+            del self._pool[found]
+            self._pool_sizes.pop(i)
+        self._pool_bytes -= found
+        return buf
+
+    def _drop_pooled(self, need: int) -> None:
+        """Free pooled buffers (largest first) until `need` more bytes fit under capacity."""
+        while self._pool_sizes and self.allocated_bytes + need > self.capacity_bytes:
+            size = self._pool_sizes[-1]
+            lst = self._pool[size]
+            lst.pop()
+            if not lst:
+                del self._pool[size]
+                self._pool_sizes.pop()
+            self._pool_bytes -= size
+            self.allocated_bytes -= size
+
+    def _make_room(self, size: int, lane: Lane) -> ValueBuffer | None:
+        """Evict until `size` fits. Returns a reusable evicted buffer, or None when the caller
+        should allocate (space is reserved by the caller). Raises NoSpace."""
+        self._drop_pooled(size)
+        while self.allocated_bytes + size > self.capacity_bytes:
+            victim = self._pick_victim(lane)
+            if victim is None:
+                raise NoSpace("no evictable value: every value is being read")
+            victim.lane.evictions += 1
+            self.evictions += 1
+            pinned = victim.pins > 0
+            self._unlink(victim)
+            if not pinned:
+                reused = self._take_pooled(size)
+                if reused is not None:
+                    return reused
+                self._drop_pooled(size)
+        return None
+
+    def _pick_victim(self, writer: Lane) -> Entry | None:
+        cap = self.capacity_bytes
+        best: Lane | None = None
+        best_ratio = 1.0
+        for lane in self.lanes:
+            if not lane.entries:
+                continue
+            share_bytes = lane.share * cap
+            ratio = float("inf") if share_bytes <= 0 else lane.bytes / share_bytes
+            if ratio > best_ratio:
+                best, best_ratio = lane, ratio
+        candidates = [best] if best is not None else []
+        candidates += [writer] + self.lanes
+        for lane in candidates:
+            for entry in lane.entries.values():
+                if entry.pins == 0:
+                    return entry
+            # every entry of this lane is pinned; try the next candidate lane
+        return None
