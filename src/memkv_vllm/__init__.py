@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 
-log = logging.getLogger("memkv_vllm")
+log = logging.getLogger("vllm.memkv_vllm")
 
 TIER_TYPE = "memkv"
 TIER_MODULE = "memkv_vllm.tier"

@@ -1,0 +1,150 @@
+"""The only module that knows vLLM's offloading API differs between releases 0.25.0 and 0.33.0.
+
+Every shim detects a feature (hasattr, inspect.signature, dataclasses.fields) instead of
+comparing version strings, and its comment names the releases it covers. The reference is
+../shared/ref/vllm-tier-api.md (section numbers below point into it).
+
+Imports of vLLM happen here at module import; `memkv_vllm.tier` imports this module, and vLLM
+imports `memkv_vllm.tier` only when a `memkv` tier is configured (lazy registration).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import os
+import sys
+from typing import Any, Collection
+
+from vllm.v1.kv_offload import base as _offload_base
+from vllm.v1.kv_offload.base import (  # identical in every release
+    LookupResult,
+    OffloadingCounterMetadata,
+    OffloadingHistogramMetadata,
+    RequestOffloadingContext,
+)
+from vllm.v1.kv_offload.file_mapper import FileMapper
+from vllm.v1.kv_offload.tiering import base as _tier_base
+from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager
+
+__all__ = [
+    "LookupResult",
+    "OffloadingCounterMetadata",
+    "OffloadingHistogramMetadata",
+    "RequestOffloadingContext",
+    "SecondaryTierManager",
+    "JobResult",
+]
+
+# -- constructor (section 2, 3.1) ------------------------------------------------------------------
+# 0.31+: the factory always passes `backpressure_detector=` and the base __init__ accepts it.
+BASE_ACCEPTS_BACKPRESSURE = "backpressure_detector" in inspect.signature(SecondaryTierManager.__init__).parameters
+
+
+def init_base(tier: SecondaryTierManager, offloading_spec, primary_kv_view: memoryview, tier_type: str,
+              backpressure_detector: Any) -> None:
+    if BASE_ACCEPTS_BACKPRESSURE:
+        SecondaryTierManager.__init__(tier, offloading_spec, primary_kv_view, tier_type, backpressure_detector)
+    else:
+        SecondaryTierManager.__init__(tier, offloading_spec, primary_kv_view, tier_type)
+
+
+# -- class attributes (section 3.3) -----------------------------------------------------------------
+# 0.27+: `Medium` enum (CPU, STORAGE). MemKV is memory, so CPU is the honest medium for
+# TierFilter matching. 0.25/0.26: no enum; the attribute is unused there.
+_Medium = getattr(_offload_base, "Medium", None)
+TIER_MEDIUM = _Medium.CPU if _Medium is not None else None
+
+# 0.32+: `cache_hit_source` is derived from `medium` (CPU -> "host", i.e. the CPU pool) unless
+# set; a remote memory store is not the local pool, so say "external_unspecified" explicitly.
+try:
+    from vllm.v1.metrics.cache_hit_source import CacheHitSource as _CacheHitSource
+
+    TIER_CACHE_HIT_SOURCE: Any = _CacheHitSource.EXTERNAL_UNSPECIFIED
+except ImportError:  # <= 0.31
+    TIER_CACHE_HIT_SOURCE = None
+
+# 0.26+: `Locality` enum; a cluster reached over the network is REMOTE.
+_Locality = getattr(_offload_base, "Locality", None)
+
+
+def parse_locality(value: str | None):
+    if _Locality is None:
+        return None
+    return _Locality(value) if value is not None else _Locality.REMOTE
+
+
+# -- job descriptors (section 3.4) -------------------------------------------------------------------
+def job_slot_ids(job) -> Collection[int]:
+    """Primary-pool rows of a job: `chunk_ids` from 0.30, `block_ids` before."""
+    ids = getattr(job, "chunk_ids", None)
+    return job.block_ids if ids is None else ids
+
+
+_RESULT_FIELDS = {f.name for f in dataclasses.fields(JobResult)}
+# 0.28+: a failed promotion may keep the keys that did load.
+SUPPORTS_PARTIAL_PROMOTION = "successful_keys" in _RESULT_FIELDS
+
+
+def job_result(job_id: int, success: bool, *, successful_keys: Collection[bytes] | None = None,
+               transfer_time: float | None = None, transfer_bytes: int | None = None) -> JobResult:
+    """A JobResult with the optional fields this release has (0.28: successful_keys,
+    transfer_time; 0.31: transfer_bytes); the dataclass rejects unknown kwargs."""
+    kwargs: dict[str, Any] = {"job_id": job_id, "success": success}
+    if successful_keys and "successful_keys" in _RESULT_FIELDS:
+        kwargs["successful_keys"] = tuple(successful_keys)
+    if transfer_time is not None and "transfer_time" in _RESULT_FIELDS:
+        kwargs["transfer_time"] = transfer_time
+    if transfer_bytes is not None and "transfer_bytes" in _RESULT_FIELDS:
+        kwargs["transfer_bytes"] = transfer_bytes
+    return JobResult(**kwargs)
+
+
+# -- key namespace (section 5) -----------------------------------------------------------------------
+def file_mapper_for(offloading_spec, root: str) -> FileMapper:
+    """vLLM's own FileMapper, used only to name keys. The kwarg was `gpu_blocks_per_file` and
+    the spec attribute `block_size_factor` in 0.25; `blocks_per_file` / `blocks_per_chunk` from 0.26."""
+    params = inspect.signature(FileMapper.from_offloading_spec).parameters
+    per_chunk = getattr(offloading_spec, "blocks_per_chunk", None)
+    if per_chunk is None:
+        per_chunk = offloading_spec.block_size_factor
+    kw = "blocks_per_file" if "blocks_per_file" in params else "gpu_blocks_per_file"
+    kwargs = {kw: per_chunk}
+    if "parallel_agnostic" in params:
+        kwargs["parallel_agnostic"] = True  # as the fs tier does: FileMapper decides if it applies
+    return FileMapper.from_offloading_spec(root, offloading_spec, **kwargs)
+
+
+def block_hash_and_group(key: bytes) -> tuple[bytes, int]:
+    """An OffloadKey is block_hash + group_idx as 4 big-endian bytes (all releases)."""
+    return bytes(key[:-4]), int.from_bytes(key[-4:], "big")
+
+
+# -- hash seed (vllm/v1/core/kv_cache_utils.py) ----------------------------------------------------
+def block_hash_reuse_problem() -> str | None:
+    """Why this process's block hashes cannot match another process's, or None.
+
+    <= 0.32: NONE_HASH is random per process unless PYTHONHASHSEED is set.
+    0.33+: a fixed default seed for cryptographic hashes (sha256, the default); random only for
+    xxhash-based ones. The module is already imported in the engine process; never import it
+    here (it drags half of vLLM in).
+    """
+    if os.environ.get("PYTHONHASHSEED") is not None:
+        return None
+    utils = sys.modules.get("vllm.v1.core.kv_cache_utils")
+    if utils is not None and hasattr(utils, "resolve_none_hash_seed"):
+        seed = getattr(utils, "_NONE_HASH_SEED", None)
+        default = getattr(utils, "DEFAULT_NONE_HASH_SEED", None)
+        if seed is None or seed == default:
+            return None
+        return ("PYTHONHASHSEED is not set and the prefix-caching hash is not cryptographic, so "
+                "block hashes are random per process")
+    if utils is None:
+        # Not imported: cannot tell whether this release seeds randomly; say what to do.
+        return ("PYTHONHASHSEED is not set; on vLLM releases before 0.33 block hashes are random "
+                "per process")
+    return "PYTHONHASHSEED is not set, so this vLLM release seeds block hashes randomly per process"
+
+
+# -- 0.33 config info metric -------------------------------------------------------------------------
+HAS_CONFIG_INFO = hasattr(SecondaryTierManager, "config_info_keys")

@@ -1,0 +1,68 @@
+"""Tier keys of `{"type": "memkv", ...}` in `secondary_tiers`: defaults and validation.
+
+Values arrive as parsed from JSON (no coercion by vLLM). A key this tier does not know, or a
+value of the wrong type or range, is a startup error naming the key: a typo must not silently
+fall back to a default on a production fleet.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Mapping
+
+from memkv.errors import ConfigError
+
+# Keys the framework itself may put in a tier dict besides `type`: accepted and passed on.
+FRAMEWORK_KEYS = ("locality",)
+
+
+@dataclasses.dataclass(frozen=True)
+class TierSettings:
+    prefix: str = ""  # key namespace, e.g. one per fleet (and a lane on the nodes)
+    n_read_threads: int = 8  # load (promotion) priority threads
+    n_write_threads: int = 8  # store (cascade) priority threads
+    blocks_per_op: int = 8  # blocks per batched request
+    load_failure_grace_s: float = 60.0  # withhold a failed load's report while a transfer could land
+    max_store_backlog_mb: int = 2048  # stores queued or in flight above this are shed
+    lookup_timeout_s: float = 5.0  # a lookup unresolved this long answers MISS; <= 0 disables
+    locality: str | None = None
+
+    @classmethod
+    def from_tier_config(cls, config: Mapping[str, Any]) -> "TierSettings":
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(config) - known)
+        if unknown:
+            raise ConfigError(
+                f"memkv tier: unknown key(s) {unknown}; known keys: {sorted(known - {'locality'})}"
+            )
+        settings = cls(**config)
+        settings._validate()
+        return settings
+
+    def _validate(self) -> None:
+        def fail(key: str, want: str) -> None:
+            raise ConfigError(f"memkv tier: {key} must be {want}, got {getattr(self, key)!r}")
+
+        if not isinstance(self.prefix, str) or len(self.prefix.encode()) > 128:
+            fail("prefix", "a string of at most 128 bytes")
+        for key, lo, hi in (("n_read_threads", 1, 256), ("n_write_threads", 1, 256), ("blocks_per_op", 1, 4096),
+                            ("max_store_backlog_mb", 1, 1 << 30)):
+            v = getattr(self, key)
+            if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
+                fail(key, f"an integer in {lo}..{hi}")
+        for key in ("load_failure_grace_s", "lookup_timeout_s"):
+            v = getattr(self, key)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or v != v:
+                fail(key, "a number")
+        if self.load_failure_grace_s < 0:
+            fail("load_failure_grace_s", ">= 0")
+        if self.locality not in (None, "LOCAL", "REMOTE"):
+            fail("locality", '"LOCAL" or "REMOTE"')
+
+    @property
+    def max_store_backlog_bytes(self) -> int:
+        return self.max_store_backlog_mb << 20
+
+    @property
+    def lookup_deadline_s(self) -> float | None:
+        return self.lookup_timeout_s if self.lookup_timeout_s > 0 else None

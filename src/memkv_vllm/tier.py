@@ -1,0 +1,284 @@
+"""`MemKVSecondaryTierManager`: a MemKV cluster as a secondary tier of TieringOffloadingSpec.
+
+Data path. One MemKV value = one CPU-pool row = one offloaded chunk across all TP ranks
+(`primary_kv_view.strides[0]` bytes). Store (cascade) sends the rows straight from the pool
+(`Client.batch_put_views` on row slices); load (promotion) receives straight into the
+destination rows (`Client.batch_get_into`), full-length and checksum-verified or the block
+fails. Jobs are cut into tasks of `blocks_per_op` rows on priority threads (transfers.py).
+
+Contracts with vLLM (base.py of the tiering framework):
+  * every method below runs on the scheduler side and returns without waiting on the network;
+  * every submitted job is reported exactly once by get_finished_jobs (empty jobs at once);
+  * no byte is written into a row after its job was reported: a task returns only when its
+    socket reads are over (or, on a transport that can land late, after load_failure_grace_s);
+  * drain_jobs blocks until every result can be taken.
+
+Failure isolation: a node that is down or slow makes lookups answer MISS (the client's down
+mark, and this tier's lookup_timeout_s deadline on every vLLM release); a failed load purges
+its keys from MemKV and is remembered as a miss, so it recomputes and re-stores once rather
+than looping; stores over `max_store_backlog_mb` are shed; loads never are.
+
+Threading: see the docstrings of LookupService and TransferPool. This class keeps no state of
+its own that worker threads write, except through those two and TierStats.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any
+
+from memkv import __version__ as memkv_version
+from memkv.client.cluster import Client
+from memkv.config import ClientConfig
+from memkv.errors import AuthError, ConfigError, ConnectError, MemKVError, MemKVTimeout, ProtocolError, ServerError
+from memkv.license import check_license
+from memkv_vllm import compat
+from memkv_vllm import metrics as tm
+from memkv_vllm.config import TierSettings
+from memkv_vllm.keys import KeyNamespace
+from memkv_vllm.lookup import LookupService
+from memkv_vllm.transfers import LOAD, STORE, TaskResult, TransferPool
+
+log = logging.getLogger("vllm.memkv_vllm")
+
+
+class TierStartupError(RuntimeError):
+    """The tier cannot start: the message names the server or setting and the likely cause."""
+
+
+def explain_probe_failure(exc: MemKVError) -> str:
+    """A startup message with the likely cause, for each way a server can fail the probe."""
+    if isinstance(exc, AuthError):
+        return f"{exc} -- check that MEMKV_AUTH_KEY matches the key the node was started with"
+    if isinstance(exc, (ConnectError, MemKVTimeout)):
+        return f"{exc} -- check the address in MEMKV_SERVERS and that `memkv serve` runs there and is reachable"
+    if isinstance(exc, ProtocolError):
+        return f"{exc} -- is this the node's data port (not its admin port), and is the node the same protocol version?"
+    if isinstance(exc, ServerError):
+        return f"{exc} -- the node refused the connection"
+    return str(exc)
+
+
+class MemKVSecondaryTierManager(compat.SecondaryTierManager):
+    """The `memkv` tier. Tier keys: see memkv_vllm.config.TierSettings."""
+
+    # 0.27+: what the tier is made of (memory), for TierFilter; 0.32+: not the local CPU pool.
+    if compat.TIER_MEDIUM is not None:
+        medium = compat.TIER_MEDIUM
+    if compat.TIER_CACHE_HIT_SOURCE is not None:
+        cache_hit_source = compat.TIER_CACHE_HIT_SOURCE
+
+    def __init__(self, offloading_spec, primary_kv_view: memoryview, tier_type: str,
+                 backpressure_detector: Any = None, **tier_config: Any) -> None:
+        # Validate everything cheap before touching the network or allocating anything.
+        self.settings = TierSettings.from_tier_config(tier_config)
+        compat.init_base(self, offloading_spec, primary_kv_view, tier_type, backpressure_detector)
+        self.locality = compat.parse_locality(self.settings.locality)
+        assert primary_kv_view.strides is not None, "primary_kv_view.strides cannot be None"
+        self.row_bytes = primary_kv_view.strides[0]
+        client_config = ClientConfig.from_env()
+        license_status = check_license(client_config.license, client_config.license_public_key)
+        if license_status is not None:
+            log.info(license_status.log_line())
+        self.client = Client(client_config)
+        try:
+            self._probe_all()
+            self.namespace = KeyNamespace(self.settings.prefix, offloading_spec, self.row_bytes)
+            self._write_config_record()
+        except BaseException:
+            self.client.close()
+            raise
+        self._rows = primary_kv_view.cast("B")  # flat bytes of the whole pool; rows are slices
+        self.stats = tm.TierStats()
+        self._backlog_bytes = 0
+        self._backlog_lock = threading.Lock()
+        self._pool = TransferPool(self.settings.n_read_threads, self.settings.n_write_threads,
+                                  self.settings.load_failure_grace_s)
+        self._lookup = LookupService(self._probe_keys, self.settings.lookup_deadline_s,
+                                     on_timeout=lambda n: self.stats.count(tm.LOOKUPS, n, ("timeout",)))
+        self._closed = False
+        problem = compat.block_hash_reuse_problem()
+        if problem:
+            log.warning("MemKV tier: %s: blocks stored by this engine cannot be reused by a restarted or "
+                        "another engine. Set PYTHONHASHSEED (e.g. 0) on every instance that should share KV.", problem)
+        s = self.settings
+        log.info(
+            "MemKV tier ready (servers=%s, rdma=%s, block_bytes=%d, namespace=%s, n_read_threads=%d, "
+            "n_write_threads=%d, blocks_per_op=%d, lookup_timeout_s=%s, max_store_backlog_mb=%d, memkv=%s)",
+            [a.name for a in self.client.servers()], self.client.has_rdma(), self.row_bytes, self.namespace.namespace,
+            s.n_read_threads, s.n_write_threads, s.blocks_per_op, s.lookup_timeout_s, s.max_store_backlog_mb, memkv_version,
+        )
+
+    # ---------------------------------------------------------------------------------------------
+    # Startup
+    # ---------------------------------------------------------------------------------------------
+
+    def _probe_all(self) -> None:
+        """Every configured server, not just one: with HRW a bad entry would silently lose its
+        share of the keys at runtime."""
+        for node in self.client._nodes:
+            try:
+                node.ping()
+            except MemKVError as exc:
+                raise TierStartupError(f"MemKV tier cannot start: server {node.name}: {explain_probe_failure(exc)}") from exc
+            limit = node.limits.max_value_bytes if node.limits else 0
+            if limit < self.row_bytes:
+                raise TierStartupError(
+                    f"MemKV tier cannot start: server {node.name} accepts values up to {limit} bytes but a CPU-pool "
+                    f"row is {self.row_bytes} bytes -- start the node with --max-value-size >= {self.row_bytes} or "
+                    "use a smaller block_size"
+                )
+
+    def _write_config_record(self) -> None:
+        key = self.namespace.config_key
+        if not self.client.exists([key])[0]:
+            record = self.namespace.config_record()
+            if not self.client.batch_put_views([(key, record)])[0]:
+                log.warning("MemKV tier: could not write the namespace record %r", key)
+
+    # ---------------------------------------------------------------------------------------------
+    # Lookups
+    # ---------------------------------------------------------------------------------------------
+
+    def _probe_keys(self, offload_keys: list[bytes]) -> list[bool]:
+        return self.client.exists(self.namespace.keys(offload_keys))
+
+    def lookup(self, key, req_context):
+        found = self._lookup.lookup(key, req_context.req_id)
+        if found is None:
+            self.stats.count(tm.LOOKUPS, 1, ("retry",))
+            return compat.LookupResult.RETRY
+        if found:
+            self.stats.count(tm.LOOKUPS, 1, ("hit",))
+            return compat.LookupResult.HIT
+        if not self._lookup.was_timeout(key):
+            self.stats.count(tm.LOOKUPS, 1, ("miss",))
+        return compat.LookupResult.MISS
+
+    def on_schedule_end(self, context) -> None:
+        self._lookup.flush()
+
+    def on_request_finished(self, req_context) -> None:
+        self._lookup.cleanup(req_context.req_id)
+
+    def on_new_request(self, req_context):
+        return compat.RequestOffloadingContext()
+
+    # ---------------------------------------------------------------------------------------------
+    # Transfers
+    # ---------------------------------------------------------------------------------------------
+
+    def _row(self, slot: int) -> memoryview:
+        start = int(slot) * self.row_bytes
+        return self._rows[start : start + self.row_bytes]
+
+    def _tasks(self, keys: list[bytes], slots: list[int], run) -> list:
+        step = self.settings.blocks_per_op
+        return [
+            (lo, len(keys[lo : lo + step]), (lambda k=keys[lo : lo + step], s=slots[lo : lo + step]: run(k, s)))
+            for lo in range(0, len(keys), step)
+        ]
+
+    def submit_store(self, job_metadata) -> None:
+        keys = list(job_metadata.keys)
+        slots = [int(s) for s in compat.job_slot_ids(job_metadata)]
+        nbytes = len(keys) * self.row_bytes
+        with self._backlog_lock:
+            shed = self._backlog_bytes + nbytes > self.settings.max_store_backlog_bytes
+            if not shed:
+                self._backlog_bytes += nbytes
+        if shed and keys:
+            self.stats.count(tm.SHEDS, len(keys))
+            self._pool.finish_now(job_metadata.job_id, STORE, keys, False, shed=True)
+            return
+        self._pool.submit(job_metadata.job_id, STORE, keys, self._tasks(keys, slots, self._store_task))
+
+    def _store_task(self, keys: list[bytes], slots: list[int]) -> TaskResult:
+        try:
+            mk = self.namespace.keys(keys)
+            present = self.client.exists(mk)  # one small round trip saves resending 16 MiB values
+            todo = [i for i, p in enumerate(present) if not p]
+            ok = list(present)
+            if todo:
+                stored = self.client.batch_put_views([(mk[i], self._row(slots[i])) for i in todo])
+                for i, s in zip(todo, stored):
+                    ok[i] = s
+                self.stats.count(tm.STORE_BYTES, self.row_bytes * sum(stored))
+            return TaskResult(ok)
+        finally:
+            with self._backlog_lock:
+                self._backlog_bytes -= len(keys) * self.row_bytes
+
+    def submit_load(self, job_metadata) -> None:
+        keys = list(job_metadata.keys)
+        slots = [int(s) for s in compat.job_slot_ids(job_metadata)]
+        self._pool.submit(job_metadata.job_id, LOAD, keys, self._tasks(keys, slots, self._load_task))
+
+    def _load_task(self, keys: list[bytes], slots: list[int]) -> TaskResult:
+        mk = self.namespace.keys(keys)
+        ok = self.client.batch_get_into([(k, self._row(s)) for k, s in zip(mk, slots)])
+        self.stats.count(tm.LOAD_BYTES, self.row_bytes * sum(ok))
+        failed = [k for k, good in zip(mk, ok) if not good]
+        if failed:
+            # Purge: a value that cannot load (evicted, corrupt, another layout) must recompute
+            # and re-store once instead of failing the same promotion again.
+            self.client.delete(failed)
+        # Over TCP the bytes are received by this thread: once batch_get_into returned, nothing
+        # can land in the rows any more.
+        return TaskResult(ok, may_land_late=self.client.has_rdma())
+
+    def get_finished_jobs(self):
+        results = []
+        for f in self._pool.take_finished():
+            success = all(f.ok)
+            self.stats.observe(tm.JOB_SECONDS, f.seconds, (f.kind,))
+            if not success and not f.shed:
+                self.stats.count(tm.JOBS_FAILED, 1, (f.kind,))
+            if f.kind == LOAD and not success:
+                self._lookup.mark_miss([k for k, good in zip(f.keys, f.ok) if not good])
+                loaded = [k for k, good in zip(f.keys, f.ok) if good]
+                results.append(compat.job_result(f.job_id, False, successful_keys=loaded or None,
+                                                 transfer_time=f.seconds,
+                                                 transfer_bytes=len(loaded) * self.row_bytes))
+            else:
+                results.append(compat.job_result(f.job_id, success, transfer_time=f.seconds,
+                                                 transfer_bytes=sum(f.ok) * self.row_bytes))
+        return results
+
+    def has_pending_work(self) -> bool:
+        return self._pool.busy() or self._lookup.pending()
+
+    def drain_jobs(self) -> None:
+        self._pool.wait_idle()
+
+    # ---------------------------------------------------------------------------------------------
+    # Metrics and lifecycle
+    # ---------------------------------------------------------------------------------------------
+
+    @classmethod
+    def build_metric_definitions(cls, extra_config: dict[str, Any]) -> dict[str, Any]:
+        return tm.metric_definitions()
+
+    def get_stats(self):
+        return self.stats.take()
+
+    @classmethod
+    def config_info_keys(cls, tier_config: dict[str, Any]) -> tuple[str, ...]:
+        return ("memkv_servers", "memkv_prefix", "memkv_blocks_per_op") if compat.HAS_CONFIG_INFO else ()
+
+    def config_info(self) -> dict[str, Any]:
+        return {
+            "memkv_servers": ",".join(a.name for a in self.client.servers()),
+            "memkv_prefix": self.settings.prefix,
+            "memkv_blocks_per_op": self.settings.blocks_per_op,
+        }
+
+    def shutdown(self) -> None:
+        if getattr(self, "_closed", True):
+            return
+        self._closed = True
+        self._lookup.shutdown()
+        self._pool.shutdown()
+        self.client.close()
+        self._rows.release()  # a live export would keep vLLM's /dev/shm region from closing

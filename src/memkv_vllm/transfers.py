@@ -1,0 +1,172 @@
+"""Store and load jobs on priority threads, each job reported exactly once.
+
+A job is split into tasks of at most `blocks_per_op` blocks. `n_read_threads` threads take
+load tasks first, `n_write_threads` threads take store tasks first; either takes the other
+kind when its own queue is empty, so neither starves. A task returns one success flag per
+block (it never raises: any exception fails all of its blocks). When the last task of a job
+returns, the job's `Finished` record is queued; an empty job is queued at submission (a job
+with no tasks would otherwise never finish -- vLLM's DualQueueThreadPool has that trap).
+
+A finished record may carry `not_before`: a failed load whose transfer could still land in its
+rows (a transport that writes asynchronously, such as RDMA) is withheld until then
+(load_failure_grace_s), so no byte reaches a row after the job was reported.
+
+Threading: submit/take_finished/busy/wait_idle/shutdown from the scheduler thread; tasks on
+the pool's threads. `_cond` guards the queues, the job table and the finished list.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+import threading
+import time
+from typing import Callable, Sequence
+
+log = logging.getLogger("vllm.memkv_vllm.transfers")
+
+LOAD, STORE = "load", "store"
+
+
+@dataclasses.dataclass
+class TaskResult:
+    ok: list[bool]  # one flag per block of the task
+    may_land_late: bool = False  # a failed transfer might still write into its rows
+
+
+@dataclasses.dataclass
+class Finished:
+    job_id: int
+    kind: str
+    keys: list[bytes]
+    ok: list[bool]
+    seconds: float
+    not_before: float = 0.0
+    shed: bool = False
+
+
+class _Job:
+    __slots__ = ("job_id", "kind", "keys", "ok", "remaining", "started", "may_land_late")
+
+    def __init__(self, job_id: int, kind: str, keys: list[bytes], n_tasks: int) -> None:
+        self.job_id = job_id
+        self.kind = kind
+        self.keys = keys
+        self.ok = [False] * len(keys)
+        self.remaining = n_tasks
+        self.started = time.monotonic()
+        self.may_land_late = False
+
+
+class TransferPool:
+    def __init__(self, n_read_threads: int, n_write_threads: int, grace_s: float) -> None:
+        self._grace_s = grace_s
+        self._cond = threading.Condition()
+        self._queues: dict[str, collections.deque] = {LOAD: collections.deque(), STORE: collections.deque()}
+        self._jobs: dict[int, _Job] = {}
+        self._finished: list[Finished] = []
+        self._stopping = False
+        self._threads = [
+            threading.Thread(target=self._run, args=(LOAD,), name=f"memkv-load-{i}", daemon=True) for i in range(n_read_threads)
+        ] + [
+            threading.Thread(target=self._run, args=(STORE,), name=f"memkv-store-{i}", daemon=True) for i in range(n_write_threads)
+        ]
+        for t in self._threads:
+            t.start()
+
+    # -- scheduler side ----------------------------------------------------------------------------
+
+    def submit(self, job_id: int, kind: str, keys: list[bytes],
+               tasks: Sequence[tuple[int, int, Callable[[], TaskResult]]]) -> None:
+        """`tasks`: (first block index, block count, callable) covering `keys` in order."""
+        with self._cond:
+            if not tasks:
+                self._finished.append(Finished(job_id, kind, keys, [True] * len(keys), 0.0))
+                return
+            self._jobs[job_id] = _Job(job_id, kind, keys, len(tasks))
+            for lo, n, fn in tasks:
+                self._queues[kind].append((job_id, lo, n, fn))
+            self._cond.notify(len(tasks))
+
+    def finish_now(self, job_id: int, kind: str, keys: list[bytes], success: bool, shed: bool = False) -> None:
+        """Report a job without running anything (shed stores)."""
+        with self._cond:
+            self._finished.append(Finished(job_id, kind, keys, [success] * len(keys), 0.0, shed=shed))
+
+    def take_finished(self) -> list[Finished]:
+        now = time.monotonic()
+        with self._cond:
+            ready = [f for f in self._finished if f.not_before <= now]
+            if len(ready) != len(self._finished):
+                self._finished = [f for f in self._finished if f.not_before > now]
+            else:
+                self._finished = []
+            return ready
+
+    def busy(self) -> bool:
+        with self._cond:
+            return bool(self._jobs or self._finished)
+
+    def wait_idle(self, timeout_s: float | None = None) -> bool:
+        """Block until every submitted job's result can be taken (withheld ones included)."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        with self._cond:
+            while True:
+                now = time.monotonic()
+                held = [f.not_before for f in self._finished if f.not_before > now]
+                if not self._jobs and not held:
+                    return True
+                wait = None if not held else max(held) - now
+                if deadline is not None:
+                    left = deadline - now
+                    if left <= 0:
+                        return False
+                    wait = left if wait is None else min(wait, left)
+                self._cond.wait(wait)
+
+    def shutdown(self, timeout_s: float = 10.0) -> None:
+        with self._cond:
+            self._stopping = True
+            for q in self._queues.values():
+                q.clear()
+            self._cond.notify_all()
+        deadline = time.monotonic() + timeout_s
+        for t in self._threads:
+            t.join(max(0.0, deadline - time.monotonic()))
+
+    # -- pool threads ------------------------------------------------------------------------------
+
+    def _run(self, preferred: str) -> None:
+        other = STORE if preferred == LOAD else LOAD
+        while True:
+            with self._cond:
+                while not self._stopping and not self._queues[preferred] and not self._queues[other]:
+                    self._cond.wait()
+                if self._stopping:
+                    return
+                q = self._queues[preferred] if self._queues[preferred] else self._queues[other]
+                job_id, lo, n, fn = q.popleft()
+            try:
+                result = fn()
+                if len(result.ok) != n:
+                    raise RuntimeError(f"task returned {len(result.ok)} flags for {n} blocks")
+            except Exception:
+                log.exception("memkv transfer task failed")
+                result = TaskResult([False] * n)
+            self._task_done(job_id, lo, result)
+
+    def _task_done(self, job_id: int, lo: int, result: TaskResult) -> None:
+        with self._cond:
+            job = self._jobs[job_id]
+            job.ok[lo : lo + len(result.ok)] = result.ok
+            job.may_land_late |= result.may_land_late and not all(result.ok)
+            job.remaining -= 1
+            if job.remaining:
+                return
+            del self._jobs[job_id]
+            not_before = 0.0
+            if job.kind == LOAD and job.may_land_late and self._grace_s > 0:
+                not_before = time.monotonic() + self._grace_s
+            self._finished.append(Finished(job_id, job.kind, job.keys, job.ok, time.monotonic() - job.started, not_before))
+            self._cond.notify_all()
