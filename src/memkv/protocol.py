@@ -660,6 +660,8 @@ class ServerHandshake:
 
     def receive_hello(self, data: bytes) -> bytes:
         """Parse ClientHello; return ServerHello bytes. Raises after producing a refusal."""
+        if len(data) != CLIENT_HELLO.size:
+            raise RemoteProtocolError("client hello has the wrong size", ErrorCode.MALFORMED)
         magic, version, client_nonce = CLIENT_HELLO.unpack(data)
         if magic != HELLO_MAGIC:
             raise RemoteProtocolError(f"bad hello magic {bytes(magic)!r}", ErrorCode.BAD_MAGIC)
@@ -685,6 +687,8 @@ class ServerHandshake:
     def receive_auth(self, data: bytes) -> None:
         """Verify ClientAuth. Raises AuthError when the client does not hold the key."""
         assert self._transcript is not None, "hello not received"
+        if len(data) != CLIENT_AUTH.size:
+            raise RemoteProtocolError("client auth has the wrong size", ErrorCode.MALFORMED)
         magic, proof = CLIENT_AUTH.unpack(data)
         if magic != AUTH_MAGIC:
             raise RemoteProtocolError(f"bad auth magic {bytes(magic)!r}", ErrorCode.BAD_MAGIC)

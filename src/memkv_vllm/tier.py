@@ -173,26 +173,37 @@ class MemKVSecondaryTierManager(compat.SecondaryTierManager):
         start = int(slot) * self.row_bytes
         return self._rows[start : start + self.row_bytes]
 
-    def _tasks(self, keys: list[bytes], slots: list[int], run) -> list:
+    def _tasks(self, keys: list[bytes], slots: list[int], run, admit=None) -> tuple[list, int]:
+        """Cut a job into tasks of `blocks_per_op` blocks; `admit(n_blocks)` may refuse a task
+        (store backpressure). Returns (tasks, blocks refused)."""
         step = self.settings.blocks_per_op
-        return [
-            (lo, len(keys[lo : lo + step]), (lambda k=keys[lo : lo + step], s=slots[lo : lo + step]: run(k, s)))
-            for lo in range(0, len(keys), step)
-        ]
+        tasks, refused = [], 0
+        for lo in range(0, len(keys), step):
+            k, s = keys[lo : lo + step], slots[lo : lo + step]
+            if admit is not None and not admit(len(k)):
+                refused += len(k)
+                continue
+            tasks.append((lo, len(k), lambda k=k, s=s: run(k, s)))
+        return tasks, refused
+
+    def _admit_store(self, n_blocks: int) -> bool:
+        """Backpressure: admit a store task while the backlog (queued + in flight) stays under
+        max_store_backlog_mb. An empty backlog always admits one task, so a single job larger
+        than the limit still stores its first blocks rather than never storing at all."""
+        nbytes = n_blocks * self.row_bytes
+        with self._backlog_lock:
+            if self._backlog_bytes and self._backlog_bytes + nbytes > self.settings.max_store_backlog_bytes:
+                return False
+            self._backlog_bytes += nbytes
+            return True
 
     def submit_store(self, job_metadata) -> None:
         keys = list(job_metadata.keys)
         slots = [int(s) for s in compat.job_slot_ids(job_metadata)]
-        nbytes = len(keys) * self.row_bytes
-        with self._backlog_lock:
-            shed = self._backlog_bytes + nbytes > self.settings.max_store_backlog_bytes
-            if not shed:
-                self._backlog_bytes += nbytes
-        if shed and keys:
-            self.stats.count(tm.SHEDS, len(keys))
-            self._pool.finish_now(job_metadata.job_id, STORE, keys, False, shed=True)
-            return
-        self._pool.submit(job_metadata.job_id, STORE, keys, self._tasks(keys, slots, self._store_task))
+        tasks, shed = self._tasks(keys, slots, self._store_task, admit=self._admit_store)
+        if shed:
+            self.stats.count(tm.SHEDS, shed)
+        self._pool.submit(job_metadata.job_id, STORE, keys, tasks, shed=shed)
 
     def _store_task(self, keys: list[bytes], slots: list[int]) -> TaskResult:
         try:
@@ -213,7 +224,8 @@ class MemKVSecondaryTierManager(compat.SecondaryTierManager):
     def submit_load(self, job_metadata) -> None:
         keys = list(job_metadata.keys)
         slots = [int(s) for s in compat.job_slot_ids(job_metadata)]
-        self._pool.submit(job_metadata.job_id, LOAD, keys, self._tasks(keys, slots, self._load_task))
+        tasks, _ = self._tasks(keys, slots, self._load_task)  # loads are never shed
+        self._pool.submit(job_metadata.job_id, LOAD, keys, tasks)
 
     def _load_task(self, keys: list[bytes], slots: list[int]) -> TaskResult:
         mk = self.namespace.keys(keys)
@@ -233,7 +245,7 @@ class MemKVSecondaryTierManager(compat.SecondaryTierManager):
         for f in self._pool.take_finished():
             success = all(f.ok)
             self.stats.observe(tm.JOB_SECONDS, f.seconds, (f.kind,))
-            if not success and not f.shed:
+            if sum(f.ok) + f.shed < len(f.ok):  # a shed block is backpressure, not a failure
                 self.stats.count(tm.JOBS_FAILED, 1, (f.kind,))
             if f.kind == LOAD and not success:
                 self._lookup.mark_miss([k for k, good in zip(f.keys, f.ok) if not good])

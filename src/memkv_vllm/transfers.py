@@ -43,20 +43,23 @@ class Finished:
     ok: list[bool]
     seconds: float
     not_before: float = 0.0
-    shed: bool = False
+    shed: int = 0  # blocks never attempted (store backlog full); their `ok` is False
+
+
 
 
 class _Job:
-    __slots__ = ("job_id", "kind", "keys", "ok", "remaining", "started", "may_land_late")
+    __slots__ = ("job_id", "kind", "keys", "ok", "remaining", "started", "may_land_late", "shed")
 
-    def __init__(self, job_id: int, kind: str, keys: list[bytes], n_tasks: int) -> None:
+    def __init__(self, job_id: int, kind: str, keys: list[bytes], n_tasks: int, shed: int) -> None:
         self.job_id = job_id
         self.kind = kind
         self.keys = keys
-        self.ok = [False] * len(keys)
+        self.ok = [False] * len(keys)  # blocks no task covers stay False
         self.remaining = n_tasks
         self.started = time.monotonic()
         self.may_land_late = False
+        self.shed = shed
 
 
 class TransferPool:
@@ -78,21 +81,17 @@ class TransferPool:
     # -- scheduler side ----------------------------------------------------------------------------
 
     def submit(self, job_id: int, kind: str, keys: list[bytes],
-               tasks: Sequence[tuple[int, int, Callable[[], TaskResult]]]) -> None:
-        """`tasks`: (first block index, block count, callable) covering `keys` in order."""
+               tasks: Sequence[tuple[int, int, Callable[[], TaskResult]]], shed: int = 0) -> None:
+        """`tasks`: (first block index, block count, callable). Blocks no task covers were
+        shed by the caller (`shed` of them) and report failure."""
         with self._cond:
-            if not tasks:
-                self._finished.append(Finished(job_id, kind, keys, [True] * len(keys), 0.0))
+            if not tasks:  # an empty job succeeds at once; a wholly shed one fails at once
+                self._finished.append(Finished(job_id, kind, keys, [not shed] * len(keys), 0.0, shed=shed))
                 return
-            self._jobs[job_id] = _Job(job_id, kind, keys, len(tasks))
+            self._jobs[job_id] = _Job(job_id, kind, keys, len(tasks), shed)
             for lo, n, fn in tasks:
                 self._queues[kind].append((job_id, lo, n, fn))
             self._cond.notify(len(tasks))
-
-    def finish_now(self, job_id: int, kind: str, keys: list[bytes], success: bool, shed: bool = False) -> None:
-        """Report a job without running anything (shed stores)."""
-        with self._cond:
-            self._finished.append(Finished(job_id, kind, keys, [success] * len(keys), 0.0, shed=shed))
 
     def take_finished(self) -> list[Finished]:
         now = time.monotonic()
@@ -168,5 +167,7 @@ class TransferPool:
             not_before = 0.0
             if job.kind == LOAD and job.may_land_late and self._grace_s > 0:
                 not_before = time.monotonic() + self._grace_s
-            self._finished.append(Finished(job_id, job.kind, job.keys, job.ok, time.monotonic() - job.started, not_before))
+            self._finished.append(
+                Finished(job_id, job.kind, job.keys, job.ok, time.monotonic() - job.started, not_before, job.shed)
+            )
             self._cond.notify_all()

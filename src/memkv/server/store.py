@@ -260,14 +260,15 @@ class Store:
 
     # -- internals (lock held) ------------------------------------------------------------------
 
-    def _unlink(self, entry: Entry) -> None:
-        """Remove a live entry from the index; free its buffer unless a reader holds it."""
+    def _unlink(self, entry: Entry, keep_buffer: bool = False) -> None:
+        """Remove a live entry from the index; free its buffer unless a reader holds it (or the
+        caller keeps it: an eviction handing the buffer straight to the next value)."""
         del self._index[entry.key]
         del entry.lane.entries[entry.key]
         entry.lane.bytes -= entry.buf.size
         self.stored_bytes -= entry.length
         entry.live = False
-        if entry.pins == 0:
+        if entry.pins == 0 and not keep_buffer:
             self._give_back(entry.buf)
 
     def _give_back(self, buf: ValueBuffer) -> None:
@@ -317,7 +318,12 @@ class Store:
             victim.lane.evictions += 1
             self.evictions += 1
             pinned = victim.pins > 0
-            self._unlink(victim)
+            # A victim of this size class hands its buffer over directly, however full the
+            # free pool is (values larger than capacity / 8 never fit in the pool).
+            reusable = not pinned and size <= victim.buf.size <= size * (1 + REUSE_SLACK)
+            self._unlink(victim, keep_buffer=reusable)
+            if reusable:
+                return victim.buf
             if not pinned:
                 reused = self._take_pooled(size)
                 if reused is not None:
