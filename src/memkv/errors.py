@@ -125,7 +125,8 @@ class IntegrityError(MemKVError):
 
 def map_os_error(exc: OSError, op: str, server: str | None = None) -> TransportError:
     """Translate a socket-level OSError raised during `op` ("connect", "read", "write")."""
-    if isinstance(exc, socket.timeout) or isinstance(exc, TimeoutError):
+    # BlockingIOError: a kernel timeout (SO_RCVTIMEO/SO_SNDTIMEO) expired on a blocking socket.
+    if isinstance(exc, (socket.timeout, TimeoutError, BlockingIOError)):
         cls = {"connect": ConnectTimeout, "read": ReadTimeout, "write": WriteTimeout}[op]
         return cls(f"{op} timed out", server)
     if op == "connect":

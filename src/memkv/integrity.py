@@ -51,6 +51,19 @@ class Checksummer:
             return blake3.blake3(value, key=self._value_key).digest()
         raise ValueError(f"unknown checksum algorithm {algo}")
 
+    def hasher(self, algo: int):
+        """A streaming hasher (update/digest) for `algo`: lets a reader hash each chunk right
+        after receiving it, while it is still in cache. `finish(hasher)` gives the checksum."""
+        algo = ChecksumAlgo(algo)
+        if algo == ChecksumAlgo.XXH3_128:
+            return xxhash.xxh3_128()
+        return blake3.blake3(key=self._value_key)
+
+    @staticmethod
+    def finish(hasher) -> bytes:
+        digest = hasher.digest()
+        return digest + _PAD16 if len(digest) == 16 else digest
+
     def verify(self, value, algo: int, checksum: bytes) -> bool:
         try:
             algo = ChecksumAlgo(algo)

@@ -43,10 +43,15 @@ KeyLike = bytes | str
 
 def _key(k: KeyLike) -> bytes:
     if isinstance(k, str):
-        return k.encode()
-    if isinstance(k, (bytes, bytearray, memoryview)):
-        return bytes(k)
-    raise TypeError(f"keys must be bytes or str, got {type(k).__name__}")
+        key = k.encode()
+    elif isinstance(k, (bytes, bytearray, memoryview)):
+        key = bytes(k)
+    else:
+        raise TypeError(f"keys must be bytes or str, got {type(k).__name__}")
+    if not 0 < len(key) <= p.DEFAULT_MAX_KEY_BYTES:
+        # A usage error, raised before any I/O: it must not read as a node failure (a miss).
+        raise ValueError(f"keys must be 1..{p.DEFAULT_MAX_KEY_BYTES} bytes, got {len(key)}: {key[:64]!r}")
+    return key
 
 
 def _byte_view(buf) -> memoryview:

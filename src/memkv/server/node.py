@@ -30,7 +30,7 @@ from memkv.config import ServerConfig
 from memkv.errors import AuthError, LocalProtocolError, RemoteProtocolError
 from memkv.server.metrics import NodeMetrics
 from memkv.server.store import NoSpace, Store
-from memkv.sockio import discard, recv_exactly, recv_exactly_into, send_all
+from memkv.sockio import discard, recv_exactly, recv_exactly_into, send_all, set_recv_timeout, set_timeouts
 
 log = logging.getLogger("memkv.node")
 
@@ -127,6 +127,7 @@ class Node:
         self.metrics.connections.inc()
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            set_timeouts(sock, self.config.io_timeout_s)
             Connection(self, sock, peer).run()
         except Exception:  # never let one connection take the node down
             log.exception("connection from %s failed", peer)
@@ -153,8 +154,6 @@ class Connection:
         self._scratch: memoryview | None = None
 
     def run(self) -> None:
-        cfg = self.node.config
-        self.sock.settimeout(cfg.io_timeout_s)
         if not self._handshake():
             return
         while not self.node._stopping.is_set():
@@ -216,11 +215,14 @@ class Connection:
         assert codec is not None
         prefix = bytearray(p.FRAME_PREFIX_BYTES)
         view = memoryview(prefix)
-        self.sock.settimeout(cfg.idle_timeout_s)
-        n = self.sock.recv_into(view)
+        set_recv_timeout(self.sock, cfg.idle_timeout_s)
+        try:
+            n = self.sock.recv_into(view)
+        except BlockingIOError:  # SO_RCVTIMEO expired: idle past idle_timeout_s
+            raise socket.timeout("idle timeout") from None
         if n == 0:
             raise _CleanClose()
-        self.sock.settimeout(cfg.io_timeout_s)
+        set_recv_timeout(self.sock, cfg.io_timeout_s)
         if n < len(prefix):
             recv_exactly_into(self.sock, view[n:])
         header = codec.parse_header(prefix)
@@ -313,7 +315,7 @@ class Connection:
             return
         try:
             self.codec.broken = None  # the error frame itself must still go out
-            self.sock.settimeout(1.0)
+            set_timeouts(self.sock, 1.0)
             self.sock.sendall(self.codec.encode(p.ErrorReply(code, message), validate=False))
         except (OSError, LocalProtocolError):
             pass
