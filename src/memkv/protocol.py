@@ -256,12 +256,13 @@ def payload_length(msg: Message) -> int:
 def _check_keys(keys: Sequence[bytes], limits: Limits, err: type) -> None:
     if len(keys) > limits.max_batch:
         raise err(f"batch of {len(keys)} keys exceeds max_batch {limits.max_batch}", ErrorCode.BATCH_TOO_LARGE)
-    for key in keys:
-        if not 0 < len(key) <= limits.max_key_bytes:
-            raise err(
-                f"key of {len(key)} bytes: keys must be 1..{limits.max_key_bytes} bytes",
-                ErrorCode.KEY_TOO_LONG,
-            )
+    if not keys:
+        return
+    lengths = list(map(len, keys))  # C-speed scan: this runs for every batch on both sides
+    shortest, longest = min(lengths), max(lengths)
+    if shortest == 0 or longest > limits.max_key_bytes:
+        bad = longest if longest > limits.max_key_bytes else shortest
+        raise err(f"key of {bad} bytes: keys must be 1..{limits.max_key_bytes} bytes", ErrorCode.KEY_TOO_LONG)
 
 
 def _pack_keys(keys: Sequence[bytes]) -> bytes:

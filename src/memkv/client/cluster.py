@@ -32,13 +32,22 @@ from memkv.client import metrics as m
 from memkv.client.hrw import RendezvousRing
 from memkv.client.node import NodeClient
 from memkv.config import ClientConfig, ServerAddress
-from memkv.errors import MemKVError, NodeUnavailable
+from memkv.errors import MemKVError, NodeUnavailable, RemoteProtocolError
 from memkv.integrity import Checksummer, parse_integrity
 
 log = logging.getLogger("memkv.client")
 
 T = TypeVar("T")
 KeyLike = bytes | str
+
+
+def _keys(keys: Sequence[KeyLike]) -> list[bytes]:
+    """Validated key list; the all-bytes batch (the tier's case) is checked at C speed."""
+    if all(type(k) is bytes for k in keys):
+        if keys and (min(map(len, keys)) == 0 or max(map(len, keys)) > p.DEFAULT_MAX_KEY_BYTES):
+            return [_key(k) for k in keys]  # let _key name the bad one
+        return list(keys)
+    return [_key(k) for k in keys]
 
 
 def _key(k: KeyLike) -> bytes:
@@ -172,20 +181,7 @@ class Client:
 
     def exists(self, keys: Sequence[KeyLike]) -> list[bool]:
         """Which keys are stored. An unreachable node's keys answer False."""
-        ks = [_key(k) for k in keys]
-
-        def run(node: NodeClient, idx: list[int]) -> list[bool]:
-            sub = [ks[i] for i in idx]
-            try:
-                out: list[bool] = []
-                for chunk in self._chunks(node, sub):
-                    out += [s == p.ItemStatus.OK for s in self._timed(node, "exists", lambda c=chunk: node.statuses(p.ExistsRequest(tuple(c))))]
-                return out
-            except MemKVError as exc:
-                self._count_failure(node, "exists", exc)
-                return [False] * len(sub)
-
-        result = self._scatter(ks, run)
+        result = self._status_batch("exists", _keys(keys), p.ExistsRequest)
         hits = sum(result)
         m.KEYS.labels("exists", "hit").inc(hits)
         m.KEYS.labels("exists", "miss").inc(len(result) - hits)
@@ -205,20 +201,7 @@ class Client:
 
     def delete(self, keys: Sequence[KeyLike]) -> list[bool]:
         """Delete keys; True where a value was deleted. An unreachable node's keys answer False."""
-        ks = [_key(k) for k in keys]
-
-        def run(node: NodeClient, idx: list[int]) -> list[bool]:
-            sub = [ks[i] for i in idx]
-            try:
-                out: list[bool] = []
-                for chunk in self._chunks(node, sub):
-                    out += [s == p.ItemStatus.OK for s in self._timed(node, "delete", lambda c=chunk: node.statuses(p.DeleteRequest(tuple(c))))]
-                return out
-            except MemKVError as exc:
-                self._count_failure(node, "delete", exc)
-                return [False] * len(sub)
-
-        return self._scatter(ks, run)
+        return self._status_batch("delete", _keys(keys), p.DeleteRequest)
 
     def batch_put_views(self, items: Sequence[tuple[KeyLike, object]]) -> list[bool]:
         """Store (key, buffer) pairs; each buffer is sent from the caller's memory in place.
@@ -327,6 +310,70 @@ class Client:
         if lo < len(views):
             yield lo, len(views)
 
+    def _status_batch(self, op: str, keys: list[bytes], request: Callable[[tuple[bytes, ...]], p.Request]) -> list[bool]:
+        """EXISTS / DELETE over the keys' owners, pipelined: every node's requests are sent
+        before any reply is read, so a batch costs about one round trip of the slowest node and
+        no thread handoff. A node that fails answers False for its keys."""
+        if self._closed:
+            raise RuntimeError("Client is closed")
+        out = [False] * len(keys)
+        if not keys:
+            return out
+        started = time.perf_counter()
+        inflight: list[tuple[NodeClient, object, list[list[int]]]] = []
+        try:
+            for n, idx in self._group(keys).items():
+                node = self._nodes[n]
+                step = (node.limits or p.Limits()).max_batch
+                chunks = [idx[i : i + step] for i in range(0, len(idx), step)]
+                try:
+                    conn = node.borrow()
+                except MemKVError as exc:
+                    self._count_failure(node, op, exc)
+                    continue
+                inflight.append((node, conn, chunks))
+                try:
+                    for chunk in chunks:
+                        conn.send(request(tuple(keys[i] for i in chunk)))
+                except MemKVError as exc:
+                    inflight.pop()
+                    node.give_back(conn, exc)
+                    self._count_failure(node, op, exc)
+            while inflight:
+                node, conn, chunks = inflight[0]
+                try:
+                    for chunk in chunks:
+                        reply = conn.read_reply()
+                        if not isinstance(reply, p.StatusReply) or len(reply.statuses) != len(chunk):
+                            raise RemoteProtocolError(f"{node.name}: reply does not match the {op} request")
+                        for i, status in zip(chunk, reply.statuses):
+                            out[i] = status == p.ItemStatus.OK
+                except MemKVError as exc:
+                    inflight.pop(0)
+                    node.give_back(conn, exc)
+                    self._count_failure(node, op, exc)
+                    for chunk in chunks:
+                        for i in chunk:
+                            out[i] = False  # a half-read reply counts for nothing
+                    continue
+                inflight.pop(0)
+                node.give_back(conn)
+                m.REQUESTS.labels(node.name, op, "ok").inc()
+        finally:
+            for node, conn, _ in inflight:  # only on an unexpected exception: never leak a slot
+                node.give_back(conn, RuntimeError("abandoned"))
+        m.SECONDS.labels(op).observe(time.perf_counter() - started)
+        return out
+
+    def _group(self, keys: list[bytes]) -> dict[int, list[int]]:
+        """Key indices by owning node."""
+        if len(self._nodes) == 1:
+            return {0: list(range(len(keys)))}
+        groups: dict[int, list[int]] = {}
+        for i, n in enumerate(self._ring.owners(keys)):
+            groups.setdefault(n, []).append(i)
+        return groups
+
     def _put_on(self, node: NodeClient, keys: list[bytes], views: list[memoryview], raise_errors: bool) -> bytes:
         algo = self.checksummer.algo
         statuses = bytearray()
@@ -369,10 +416,7 @@ class Client:
             return []
         if len(self._nodes) == 1:
             return run(self._nodes[0], list(range(len(keys))))
-        groups: dict[int, list[int]] = {}
-        owner = self._ring.owner
-        for i, k in enumerate(keys):
-            groups.setdefault(owner(k), []).append(i)
+        groups = self._group(keys)
         out: list[T] = [None] * len(keys)  # type: ignore[list-item]
         parts = list(groups.items())
         futures = [(idx, self._executor.submit(run, self._nodes[n], idx)) for n, idx in parts[1:]]

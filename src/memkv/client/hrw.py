@@ -48,14 +48,23 @@ class RendezvousRing:
         if len(self._seeds) == 1:
             return 0
         if self._uniform:
-            best, best_h = 0, -1
-            for i, s in enumerate(self._seeds):
-                h = xxhash.xxh3_64_intdigest(key, seed=s)
-                if h > best_h:
-                    best, best_h = i, h
-            return best
+            digest = xxhash.xxh3_64_intdigest
+            scores = [digest(key, s) for s in self._seeds]
+            return scores.index(max(scores))  # first maximum: ties go to the lower index
         scores = [self.score(i, key) for i in range(len(self._seeds))]
         return max(range(len(scores)), key=lambda i: (scores[i], -i))
 
     def owners(self, keys: Sequence[bytes]) -> list[int]:
-        return [self.owner(k) for k in keys]
+        """Owners of many keys (the batch path: one pass, no per-key method call)."""
+        n = len(self._seeds)
+        if n == 1:
+            return [0] * len(keys)
+        if not self._uniform:
+            return [self.owner(k) for k in keys]
+        digest = xxhash.xxh3_64_intdigest
+        seeds = self._seeds
+        out = []
+        for key in keys:
+            scores = [digest(key, s) for s in seeds]
+            out.append(scores.index(max(scores)))
+        return out

@@ -120,9 +120,15 @@ class NodeConnection:
 
     def request(self, msg: p.Request, payload: Sequence[memoryview] = ()) -> p.Message:
         """Send one request (plus value payload) and read a reply that carries no payload."""
+        self.send(msg, payload)
+        return self.read_reply()
+
+    def send(self, msg: p.Request, payload: Sequence[memoryview] = ()) -> None:
         frame = self.codec.encode(msg)
         with self._io("write"):
             send_all(self.sock, [frame, *payload])
+
+    def read_reply(self) -> p.Message:
         return self._read_reply(self.codec)
 
     def get_into(self, keys: Sequence[bytes], views: Sequence[memoryview], checksummer: Checksummer) -> list[bool]:
@@ -238,17 +244,15 @@ class NodeClient:
 
     # -- connections ----------------------------------------------------------------------------
 
-    @contextlib.contextmanager
-    def connection(self, fail_fast: bool = True) -> Iterator[NodeConnection]:
-        """Borrow a connection. Any MemKVError inside marks the node down (except an integrity
-        or server-side error, which says nothing about the link) and destroys the connection."""
+    def borrow(self, fail_fast: bool = True) -> NodeConnection:
+        """Take a connection from the pool (connecting if none is idle). Every borrow must be
+        matched by exactly one `give_back`. Raises NodeUnavailable while the node is marked down."""
         if self._closed:
             raise ConnectError("client is closed", self.name)
         if fail_fast and self.is_down:
             raise NodeUnavailable(self.name, self._down_until - time.monotonic())
         if not self._slots.acquire(timeout=self._connect_timeout_s + self._io_timeout_s):
             raise PoolTimeout("all pooled connections are busy", self.name)
-        conn: NodeConnection | None = None
         try:
             with self._lock:
                 conn = self._idle.pop() if self._idle else None
@@ -259,28 +263,41 @@ class NodeClient:
                     self.mark_down(exc)
                     raise
                 self.limits, self.node_id = conn.limits, conn.hello.node_id
-            try:
-                yield conn
-            except (TransportError, RemoteProtocolError, AuthError) as exc:
-                # (A LocalProtocolError is our caller's usage error, raised before anything
-                # was sent: it says nothing about the node, so it does not mark it down.)
-                conn.close()
-                conn = None
-                self.mark_down(exc)
-                raise
-            except BaseException:
-                conn.close()
-                conn = None
-                raise
-            self._mark_up()
-        finally:
-            if conn is not None:
-                with self._lock:
-                    if self._closed:
-                        conn.close()
-                    else:
-                        self._idle.append(conn)
+            return conn
+        except BaseException:
             self._slots.release()
+            raise
+
+    def give_back(self, conn: NodeConnection, error: BaseException | None = None) -> None:
+        """Return a borrowed connection. After an error it is destroyed (its stream position is
+        unknown); a transport or remote protocol error also marks the node down. A
+        LocalProtocolError is the caller's usage error, raised before anything was sent: it
+        says nothing about the node."""
+        try:
+            if error is not None:
+                conn.close()
+                if isinstance(error, (TransportError, RemoteProtocolError, AuthError)):
+                    self.mark_down(error)
+                return
+            self._mark_up()
+            with self._lock:
+                if self._closed:
+                    conn.close()
+                else:
+                    self._idle.append(conn)
+        finally:
+            self._slots.release()
+
+    @contextlib.contextmanager
+    def connection(self, fail_fast: bool = True) -> Iterator[NodeConnection]:
+        """Borrow a connection for the block; see `borrow` and `give_back`."""
+        conn = self.borrow(fail_fast)
+        try:
+            yield conn
+        except BaseException as exc:
+            self.give_back(conn, exc)
+            raise
+        self.give_back(conn)
 
     def close(self) -> None:
         with self._lock:

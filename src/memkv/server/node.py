@@ -299,7 +299,7 @@ class Connection:
             store.release(pinned)
 
     def _count_keys(self, op: str, statuses: bytes) -> None:
-        hits = sum(1 for s in statuses if s == p.ItemStatus.OK)
+        hits = statuses.count(p.ItemStatus.OK)
         if hits:
             self.metrics.keys.labels(op, "ok").inc(hits)
         if len(statuses) - hits:

@@ -207,9 +207,10 @@ class Store:
                     self._give_back(entry.buf)
 
     def exists(self, keys: Sequence[bytes]) -> bytes:
-        index = self._index
+        contains = self._index.__contains__
         with self._lock:
-            return bytes(ItemStatus.OK if k in index else ItemStatus.MISS for k in keys)
+            found = list(map(contains, keys))
+        return bytes(ItemStatus.MISS - f for f in found)  # OK = 0, MISS = 1
 
     def delete(self, keys: Sequence[bytes]) -> bytes:
         out = bytearray()
