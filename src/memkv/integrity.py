@@ -1,6 +1,6 @@
 """Per-value checksums: computed by the writer, stored with the value, verified by the reader.
 
-Threat model (docs/security.md has the long form): the frame MAC authenticates everything
+Threat model (docs/protocol.md, "Threat model", has the long form): the frame MAC authenticates everything
 except the value bytes; the checksum in the MACed meta covers the value bytes.
 
 * `xxh3` (default, xxh3-128): detects corruption (a flipped bit in memory, a torn write,

@@ -13,7 +13,10 @@ import pytest
 
 from memkv.local import LocalNode, new_key_hex
 
-pytest.importorskip("vllm.v1.kv_offload.tiering.factory", reason="vLLM with the tiering framework is not installed")
+try:
+    import vllm.v1.kv_offload.tiering.factory  # noqa: F401
+except ImportError:  # the plain test run: skip this folder instead of failing to import it
+    collect_ignore_glob = ["test_*.py"]
 
 
 @pytest.fixture(scope="session")

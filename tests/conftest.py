@@ -1,0 +1,153 @@
+"""Shared fixtures: real `memkv serve` processes on 127.0.0.1 and clients for them.
+
+* `auth_key_hex`: one fresh 64-hex key per test session.
+* `start_node(...)`: a factory that starts a real node (`memkv.local.LocalNode`, listening on
+  127.0.0.1:0; the node prints its real ports) and stops every node it started when the test
+  ends, in `finally`. `start_module_node` is the same factory for module-scoped fixtures.
+* `make_client(nodes, ...)`: a factory for `memkv.Client` over a list of nodes, with small
+  timeouts suited to tests; every client it built is closed when the test ends.
+* `wait_until(predicate, timeout_s)`: the one way tests wait: a deadline-bounded poll.
+
+Nothing here sleeps unbounded or loops without a bound.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+
+import pytest
+
+from memkv import Client, ClientConfig
+from memkv.config import AuthKey, ServerAddress
+from memkv.local import LocalNode, new_key_hex
+
+DEFAULT_CAPACITY = "256MiB"
+
+
+@pytest.fixture(scope="session")
+def auth_key_hex() -> str:
+    return new_key_hex()
+
+
+class NodeFactory:
+    """Starts LocalNodes and remembers them so that `stop_all` can stop every one."""
+
+    def __init__(self, auth_key_hex: str) -> None:
+        self.auth_key_hex = auth_key_hex
+        self.nodes: list[LocalNode] = []
+
+    def __call__(
+        self,
+        capacity: str = DEFAULT_CAPACITY,
+        extra_args: Sequence[str] = (),
+        auth_key_hex: str | None = None,
+        env: dict | None = None,
+    ) -> LocalNode:
+        node = LocalNode(
+            self.auth_key_hex if auth_key_hex is None else auth_key_hex,
+            capacity=capacity,
+            extra_args=extra_args,
+            ready_timeout_s=30.0,
+            env=env,
+        )
+        self.nodes.append(node)
+        return node
+
+    def many(self, count: int, **kwargs) -> list[LocalNode]:
+        return [self(**kwargs) for _ in range(count)]
+
+    def stop_all(self) -> None:
+        for node in reversed(self.nodes):
+            try:
+                node.stop(timeout_s=10.0)
+            except (OSError, subprocess.TimeoutExpired):  # keep stopping the others
+                node.kill()
+
+
+def _node_factory(auth_key_hex: str) -> Iterator[NodeFactory]:
+    factory = NodeFactory(auth_key_hex)
+    try:
+        yield factory
+    finally:
+        factory.stop_all()
+
+
+@pytest.fixture
+def start_node(auth_key_hex: str) -> Iterator[NodeFactory]:
+    yield from _node_factory(auth_key_hex)
+
+
+@pytest.fixture(scope="module")
+def start_module_node(auth_key_hex: str) -> Iterator[NodeFactory]:
+    yield from _node_factory(auth_key_hex)
+
+
+def server_address(node: LocalNode, weight: float = 1.0) -> ServerAddress:
+    return ServerAddress(node.host, node.port, weight)
+
+
+def build_client(
+    nodes: Sequence[LocalNode],
+    auth_key_hex: str,
+    io_timeout_s: float = 2.0,
+    connect_timeout_s: float = 1.0,
+    down_for_s: float = 0.5,
+    **kwargs,
+) -> Client:
+    return Client(
+        ClientConfig(
+            servers=tuple(server_address(n) for n in nodes),
+            auth_key=AuthKey.from_hex(auth_key_hex, "test session key"),
+            io_timeout_s=io_timeout_s,
+            connect_timeout_s=connect_timeout_s,
+            down_for_s=down_for_s,
+            **kwargs,
+        )
+    )
+
+
+class ClientFactory:
+    def __init__(self, auth_key_hex: str) -> None:
+        self.auth_key_hex = auth_key_hex
+        self.clients: list[Client] = []
+
+    def __call__(self, nodes: Sequence[LocalNode], auth_key_hex: str | None = None, **kwargs) -> Client:
+        client = build_client(nodes, self.auth_key_hex if auth_key_hex is None else auth_key_hex, **kwargs)
+        self.clients.append(client)
+        return client
+
+    def close_all(self) -> None:
+        for client in self.clients:
+            client.close()
+
+
+@pytest.fixture
+def make_client(auth_key_hex: str) -> Iterator[ClientFactory]:
+    factory = ClientFactory(auth_key_hex)
+    try:
+        yield factory
+    finally:
+        factory.close_all()
+
+
+def poll_until(predicate: Callable[[], object], timeout_s: float, interval_s: float = 0.02, what: str = "condition"):
+    """Call `predicate` until it returns something truthy or `timeout_s` passes; return its
+    value or fail the test. The waits between calls are bounded by the deadline."""
+    deadline = time.monotonic() + timeout_s
+    pause = threading.Event()  # never set: its wait() is a bounded pause
+    while True:
+        value = predicate()
+        if value:
+            return value
+        left = deadline - time.monotonic()
+        if left <= 0:
+            pytest.fail(f"timed out after {timeout_s}s waiting for {what}")
+        pause.wait(min(interval_s, left))
+
+
+@pytest.fixture
+def wait_until() -> Callable[..., object]:
+    return poll_until
