@@ -47,9 +47,10 @@ def run_client_bench(config: ClientConfig, value_bytes: int, n_values: int, roun
 
     bar = None
     if progress:
+        from rich.console import Console
         from rich.progress import Progress
 
-        bar = Progress(transient=True)
+        bar = Progress(transient=True, console=Console(stderr=True))  # stdout stays the report
         task = bar.add_task("bench", total=rounds * 2)
         bar.start()
     try:

@@ -1,20 +1,37 @@
-"""The `memkv` command.
+"""The `memkv` command: run a node, and look at a cluster as an operator.
 
     memkv serve     run a node (defaults: 127.0.0.1:9900, admin on port+1, capacity 1/4 of RAM)
     memkv keygen    print a new 64-hex-character auth key
-    memkv probe     authenticated round trip to every configured server (exit 0 ok, 1 failed)
-    memkv status    each server's admin status as a table (or --json)
-    memkv bench     move values through the client; with no servers configured, against an
-                    embedded local node on loopback
+    memkv probe     authenticated round trip to every configured server
+    memkv status    each server's admin status as a table: used/capacity, values, hit ratio,
+                    evictions, health (and per lane with --lanes)
+    memkv bench     move values through the client, with a progress bar on stderr; with no
+                    servers configured, against an embedded local node on loopback
     memkv get/put/del   small key tools for debugging a namespace
 
-Exit codes: 0 success, 1 the operation failed (a server down, a miss for `get`), 2 bad usage or
-configuration.
+Client commands read the cluster from the `MEMKV_*` variables or `MEMKV_CONFIG` (see
+docs/configuration.md), exactly as the vLLM tier does.
+
+There is no `memkv ls`: the protocol has no authenticated way to list keys, and the admin port
+(unauthenticated) must not serve key names, which reveal models and prompt-content hashes.
+
+Exit codes, the same for every command:
+    0  success
+    1  the operation failed: a server down or not ready, a miss for `get`, a key not deleted,
+       a value not stored, a benchmark that did not verify
+    2  bad usage or configuration: an unknown flag, a bad MEMKV_* value, a key over 480 bytes,
+       an unreadable input file
+
+`--json` (every client command) prints one JSON object on stdout with an "ok" field, also
+when the command fails; human-readable messages go to stderr. Secrets are never printed
+(except by `keygen`, whose job it is).
 """
 
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
+import hashlib
 import json
 import logging
 import os
@@ -22,7 +39,6 @@ import secrets
 import signal
 import sys
 import threading
-import time
 import urllib.error
 import urllib.request
 
@@ -31,10 +47,12 @@ from memkv.config import (
     DEFAULT_HOST,
     DEFAULT_PORT,
     ENV_AUTH_KEY,
+    ENV_CONFIG,
     ENV_SERVERS,
     AuthKey,
     ClientConfig,
     LaneSpec,
+    ServerAddress,
     ServerConfig,
     default_capacity_bytes,
     default_key_path,
@@ -45,25 +63,49 @@ from memkv.config import (
 from memkv.errors import ConfigError, MemKVError
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
+ENV_LOG_LEVEL = "MEMKV_LOG_LEVEL"
+
+
+class UsageError(Exception):
+    """A bad argument found after parsing (a key too long, an unreadable file): exit 2."""
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = _parser()
-    args = parser.parse_args(argv)
+    args = parser.parse_args(argv)  # argparse itself exits 2 on bad usage
     logging.basicConfig(level=getattr(logging, args.log_level.upper()), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         return args.func(args)
     except ConfigError as exc:
-        print(f"memkv: configuration error: {exc}", file=sys.stderr)
-        return EXIT_USAGE
+        return _fail(args, EXIT_USAGE, f"configuration error: {exc}")
+    except UsageError as exc:
+        return _fail(args, EXIT_USAGE, str(exc))
+    except BrokenPipeError:
+        # stdout closed early (`memkv get k | head -c 10`): stop quietly.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return EXIT_FAILED
     except KeyboardInterrupt:
         return EXIT_FAILED
 
 
+def _fail(args, code: int, message: str) -> int:
+    print(f"memkv: {message}", file=sys.stderr)
+    if getattr(args, "json", False):
+        _print_json({"ok": False, "error": message, "exit_code": code})
+    return code
+
+
+def _print_json(doc) -> None:
+    print(json.dumps(doc, indent=2, sort_keys=False), flush=True)
+
+
 def _parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="memkv", description="MemKV: in-memory KV-cache store for LLM inference")
+    ap = argparse.ArgumentParser(prog="memkv", description="MemKV: in-memory KV-cache store for LLM inference",
+                                 epilog="exit codes: 0 success, 1 operation failed, 2 bad usage or configuration")
     ap.add_argument("--version", action="version", version=f"memkv {__version__}")
-    ap.add_argument("--log-level", default=os.environ.get("MEMKV_LOG_LEVEL", "warning"), choices=["debug", "info", "warning", "error"])
+    ap.add_argument("--log-level", default=os.environ.get(ENV_LOG_LEVEL, "warning"), choices=["debug", "info", "warning", "error"],
+                    help=f"log level (default: ${ENV_LOG_LEVEL} or warning)")
     sub = ap.add_subparsers(dest="command", required=True)
 
     s = sub.add_parser("serve", help="run a node")
@@ -82,36 +124,42 @@ def _parser() -> argparse.ArgumentParser:
     s.set_defaults(func=cmd_serve)
 
     k = sub.add_parser("keygen", help="print a new auth key (64 hex characters)")
+    k.add_argument("--json", action="store_true", help='print {"auth_key": ...}')
     k.set_defaults(func=cmd_keygen)
 
-    pr = sub.add_parser("probe", help="check connectivity and auth of every configured server")
+    pr = sub.add_parser("probe", help="authenticated round trip to every configured server")
     pr.add_argument("--json", action="store_true")
     pr.set_defaults(func=cmd_probe)
 
     st = sub.add_parser("status", help="show each configured server's admin status")
     st.add_argument("--json", action="store_true")
+    st.add_argument("--lanes", action="store_true", help="also show each node's eviction lanes")
     st.add_argument("--admin-port-offset", type=int, default=1, help="admin port = data port + this (default 1)")
+    st.add_argument("--timeout", type=float, default=2.0, help="seconds to wait for each node's admin port (default 2)")
     st.set_defaults(func=cmd_status)
 
-    b = sub.add_parser("bench", help="store and load values through the client")
+    b = sub.add_parser("bench", help="store and load values through the client (progress bar on stderr)")
     b.add_argument("--value-size", default="16MiB")
     b.add_argument("--values", type=int, default=32, help="values per round (default 32)")
     b.add_argument("--rounds", type=int, default=3)
     b.add_argument("--threads", type=int, default=2)
-    b.add_argument("--embedded", action="store_true", help="run against a local node started for the run (default when MEMKV_SERVERS is unset)")
+    b.add_argument("--embedded", action="store_true", help="run against a local node started for the run (default when neither MEMKV_SERVERS nor MEMKV_CONFIG is set)")
     b.add_argument("--json", action="store_true")
     b.set_defaults(func=cmd_bench)
 
-    g = sub.add_parser("get", help="print or save one value")
+    g = sub.add_parser("get", help="print or save one value (exit 1 on a miss)")
     g.add_argument("key")
     g.add_argument("-o", "--output", help="write the value to this file (default: stdout)")
+    g.add_argument("--json", action="store_true", help="print the value's metadata as JSON (the value itself only goes to --output)")
     g.set_defaults(func=cmd_get)
     pu = sub.add_parser("put", help="store one value from a file or stdin")
     pu.add_argument("key")
     pu.add_argument("file", help="path, or - for stdin")
+    pu.add_argument("--json", action="store_true")
     pu.set_defaults(func=cmd_put)
-    d = sub.add_parser("del", help="delete keys")
+    d = sub.add_parser("del", help="delete keys (exit 1 unless every key was deleted)")
     d.add_argument("keys", nargs="+")
+    d.add_argument("--json", action="store_true")
     d.set_defaults(func=cmd_del)
     return ap
 
@@ -127,9 +175,16 @@ def _server_key(args) -> AuthKey:
     path = default_key_path()
     if path.exists():
         return AuthKey.from_file(path, "default key file")
-    path.parent.mkdir(parents=True, exist_ok=True)
     key_hex = secrets.token_hex(32)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except OSError as exc:
+        # A hardened service (read-only or missing home) cannot keep a generated key: say what to set.
+        raise ConfigError(
+            f"no auth key configured ({ENV_AUTH_KEY} or --key-file) and none can be created at {path}: "
+            f"{exc.strerror}; create one with `memkv keygen`"
+        ) from None
     with os.fdopen(fd, "w") as f:
         f.write(key_hex + "\n")
     print(f"memkv: no auth key configured; created one in {path} (mode 0600).", flush=True)
@@ -193,7 +248,11 @@ def _fmt(host: str) -> str:
 
 
 def cmd_keygen(args) -> int:
-    print(secrets.token_hex(32))
+    key_hex = secrets.token_hex(32)
+    if args.json:
+        _print_json({"ok": True, "auth_key": key_hex})
+    else:
+        print(key_hex)
     return EXIT_OK
 
 
@@ -203,28 +262,49 @@ def _client():
     return Client(ClientConfig.from_env())
 
 
+def _key_arg(text: str) -> bytes:
+    from memkv.protocol import DEFAULT_MAX_KEY_BYTES
+
+    key = text.encode()
+    if not 0 < len(key) <= DEFAULT_MAX_KEY_BYTES:
+        raise UsageError(f"a key must be 1..{DEFAULT_MAX_KEY_BYTES} bytes, got {len(key)}")
+    return key
+
+
+def _unreachable(client, server: str) -> str | None:
+    """Why `server` is marked down after a failed call, or None when it answered."""
+    for h in client.health():
+        if h["server"] == server and not h["up"]:
+            return h["last_error"] or "unreachable"
+    return None
+
+
 def cmd_probe(args) -> int:
     config = ClientConfig.from_env()
     from memkv.client.cluster import Client
 
-    results, failed = [], False
+    results = []
     with Client(config) as client:
-        for node in client._nodes:
+        for node in client._nodes:  # every server, in the configured order, ignoring down marks
             try:
                 rtt = node.ping()
-                results.append({"server": node.name, "ok": True, "node_id": node.node_id, "rtt_ms": round(rtt * 1000, 3)})
+                results.append({"server": node.name, "ok": True, "node_id": node.node_id, "rtt_ms": round(rtt * 1000, 3),
+                                "max_value_bytes": node.limits.max_value_bytes if node.limits else None})
             except MemKVError as exc:
-                failed = True
                 results.append({"server": node.name, "ok": False, "error": str(exc)})
+    ok = all(r["ok"] for r in results)
     if args.json:
-        print(json.dumps(results, indent=2))
+        _print_json({"ok": ok, "servers": results})
     else:
         for r in results:
             if r["ok"]:
                 print(f"ok    {r['server']}  node={r['node_id']}  rtt={r['rtt_ms']:.3f} ms")
             else:
                 print(f"FAIL  {r['server']}  {r['error']}")
-    return EXIT_FAILED if failed else EXIT_OK
+    return EXIT_OK if ok else EXIT_FAILED
+
+
+# -- status -----------------------------------------------------------------------------------------
 
 
 def fetch_status(host: str, admin_port: int, timeout_s: float = 2.0) -> dict:
@@ -233,75 +313,215 @@ def fetch_status(host: str, admin_port: int, timeout_s: float = 2.0) -> dict:
         return json.load(resp)
 
 
+def _status_row(server: ServerAddress, offset: int, timeout_s: float) -> dict:
+    row: dict = {"server": server.name, "admin": f"{_fmt(server.host)}:{server.port + offset}"}
+    try:
+        s = fetch_status(server.host, server.port + offset, timeout_s)
+        hits, misses = int(s["hits"]), int(s["misses"])
+        row.update({
+            "health": "ok" if s["ready"] else "draining",
+            "node_id": s["node_id"],
+            "version": s.get("version"),
+            "uptime_s": s.get("uptime_s"),
+            "used_bytes": s["allocated_bytes"],
+            "stored_bytes": s["stored_bytes"],
+            "capacity_bytes": s["capacity_bytes"],
+            "used_ratio": s["allocated_bytes"] / s["capacity_bytes"] if s["capacity_bytes"] else None,
+            "values": s["values"],
+            "hits": hits,
+            "misses": misses,
+            "hit_ratio": hits / (hits + misses) if hits + misses else None,
+            "evictions": s["evictions"],
+            "connections": s["connections"],
+            "max_value_bytes": s.get("max_value_bytes"),
+            "lanes": [
+                {k: lane[k] for k in ("name", "prefix", "share", "share_bytes", "used_bytes", "values", "evictions") if k in lane}
+                for lane in s.get("lanes", [])
+            ],
+        })
+    except urllib.error.URLError as exc:
+        row.update({"health": "down", "error": f"admin port {row['admin']}: {getattr(exc, 'reason', exc)}"})
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        row.update({"health": "down", "error": f"admin port {row['admin']}: bad answer ({type(exc).__name__}: {exc})"})
+    return row
+
+
+def _cluster_totals(rows: list[dict]) -> dict:
+    up = [r for r in rows if "error" not in r]
+    hits, misses = sum(r["hits"] for r in up), sum(r["misses"] for r in up)
+    capacity = sum(r["capacity_bytes"] for r in up)
+    used = sum(r["used_bytes"] for r in up)
+    return {
+        "servers": len(rows),
+        "healthy": sum(1 for r in rows if r["health"] == "ok"),
+        "used_bytes": used,
+        "stored_bytes": sum(r["stored_bytes"] for r in up),
+        "capacity_bytes": capacity,
+        "used_ratio": used / capacity if capacity else None,
+        "values": sum(r["values"] for r in up),
+        "hits": hits,
+        "misses": misses,
+        "hit_ratio": hits / (hits + misses) if hits + misses else None,
+        "evictions": sum(r["evictions"] for r in up),
+        "connections": sum(r["connections"] for r in up),
+    }
+
+
 def cmd_status(args) -> int:
     config = ClientConfig.from_env()
-    rows, failed = [], False
-    for server in config.servers:
-        try:
-            s = fetch_status(server.host, server.port + args.admin_port_offset)
-            lookups = s["hits"] + s["misses"]
-            rows.append({
-                "server": server.name, "healthy": bool(s["ready"]), "node_id": s["node_id"],
-                "used_bytes": s["allocated_bytes"], "stored_bytes": s["stored_bytes"], "capacity_bytes": s["capacity_bytes"],
-                "values": s["values"], "hit_ratio": (s["hits"] / lookups) if lookups else None,
-                "evictions": s["evictions"], "connections": s["connections"],
-            })
-        except (OSError, ValueError, KeyError) as exc:
-            failed = True
-            rows.append({"server": server.name, "healthy": False, "error": str(getattr(exc, "reason", exc))})
+    servers = list(config.servers)
+    with concurrent.futures.ThreadPoolExecutor(min(16, len(servers))) as pool:  # a dead node costs one timeout, not N
+        rows = list(pool.map(lambda s: _status_row(s, args.admin_port_offset, args.timeout), servers))
+    totals = _cluster_totals(rows)
+    ok = totals["healthy"] == len(rows)
     if args.json:
-        print(json.dumps(rows, indent=2))
-        return EXIT_FAILED if failed else EXIT_OK
+        _print_json({"ok": ok, "servers": rows, "cluster": totals})
+        return EXIT_OK if ok else EXIT_FAILED
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title="MemKV cluster")
-    for col in ("server", "health", "used / capacity", "values", "hit ratio", "evictions", "conns"):
-        table.add_column(col)
+    console = Console(width=None if sys.stdout.isatty() else 200)
+    table = Table(title="MemKV cluster", show_footer=len(rows) > 1)
+    cols = ("server", "node", "health", "used / capacity", "values", "hit ratio", "evictions", "conns", "uptime")
+    footer = ("total", "", f"{totals['healthy']}/{totals['servers']} ok", _used(totals), str(totals["values"]),
+              _ratio(totals["hit_ratio"]), str(totals["evictions"]), str(totals["connections"]), "")
+    for col, foot in zip(cols, footer):
+        table.add_column(col, footer=foot, justify="right" if col in ("values", "evictions", "conns", "uptime") else "left")
     for r in rows:
         if "error" in r:
-            table.add_row(r["server"], "[red]DOWN[/red]", r["error"], "", "", "", "")
+            table.add_row(r["server"], "", "[red]DOWN[/red]", r["error"], "", "", "", "", "")
             continue
-        ratio = "-" if r["hit_ratio"] is None else f"{r['hit_ratio']:.1%}"
-        table.add_row(r["server"], "[green]ok[/green]" if r["healthy"] else "[yellow]draining[/yellow]",
-                      f"{format_size(r['used_bytes'])} / {format_size(r['capacity_bytes'])}", str(r["values"]), ratio,
-                      str(r["evictions"]), str(r["connections"]))
-    Console().print(table)
-    return EXIT_FAILED if failed else EXIT_OK
+        health = "[green]ok[/green]" if r["health"] == "ok" else "[yellow]draining[/yellow]"
+        table.add_row(r["server"], str(r["node_id"]), health, _used(r), str(r["values"]), _ratio(r["hit_ratio"]),
+                      str(r["evictions"]), str(r["connections"]), _duration(r.get("uptime_s")))
+    console.print(table)
+    if args.lanes:
+        lanes = Table(title="lanes")
+        for col in ("server", "lane", "prefix", "used / share", "values", "evictions"):
+            lanes.add_column(col)
+        for r in rows:
+            for lane in r.get("lanes", []):
+                lanes.add_row(r["server"], lane["name"], repr(lane.get("prefix", "")),
+                              f"{format_size(lane['used_bytes'])} / {format_size(lane['share_bytes'])}",
+                              str(lane["values"]), str(lane["evictions"]))
+        console.print(lanes)
+    for r in rows:
+        if r["health"] != "ok":
+            print(f"memkv: {r['server']}: {r.get('error', 'not ready (shutting down)')}", file=sys.stderr)
+    return EXIT_OK if ok else EXIT_FAILED
+
+
+def _used(r: dict) -> str:
+    pct = f" ({r['used_ratio']:.0%})" if r.get("used_ratio") is not None else ""
+    return f"{format_size(r['used_bytes'])} / {format_size(r['capacity_bytes'])}{pct}"
+
+
+def _ratio(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1%}"
+
+
+def _duration(seconds: float | None) -> str:
+    if seconds is None:
+        return ""
+    s = int(seconds)
+    if s < 120:
+        return f"{s}s"
+    if s < 7200:
+        return f"{s // 60}m"
+    if s < 172800:
+        return f"{s // 3600}h"
+    return f"{s // 86400}d"
+
+
+# -- get / put / del --------------------------------------------------------------------------------
 
 
 def cmd_get(args) -> int:
+    key = _key_arg(args.key)
+    present = down = None
     with _client() as client:
-        value = client.get(args.key)
-    if value is None:
-        print(f"memkv: {args.key}: miss", file=sys.stderr)
-        return EXIT_FAILED
-    if args.output:
-        with open(args.output, "wb") as f:
-            f.write(value)
+        server = client.owner(key).name
+        value = client.get(key)
+        if value is None:  # a miss reads like an unreachable node: ask the owner directly
+            try:
+                present = client.exists_on(server, [key])[0]
+            except MemKVError as exc:
+                down = str(exc)
+    doc = {"ok": value is not None, "key": args.key, "server": server, "found": value is not None}
+    if down:
+        doc["error"] = f"server {server} unreachable: {down}"
+    elif present:
+        doc["error"] = "stored but not loaded (it failed its checksum, or changed while being read)"
+    elif value is None:
+        doc["error"] = "miss"
     else:
-        sys.stdout.buffer.write(value)
-    return EXIT_OK
+        doc.update({"bytes": len(value), "sha256": hashlib.sha256(value).hexdigest(), "output": args.output})
+        if args.output:
+            try:
+                with open(args.output, "wb") as f:
+                    f.write(value)
+            except OSError as exc:
+                raise UsageError(f"cannot write {args.output}: {exc.strerror}") from None
+        elif not args.json:
+            sys.stdout.buffer.write(value)
+            sys.stdout.buffer.flush()
+    if value is None:
+        print(f"memkv: {args.key}: {doc['error']}", file=sys.stderr)
+    if args.json:
+        _print_json(doc)
+    return EXIT_OK if value is not None else EXIT_FAILED
 
 
 def cmd_put(args) -> int:
-    data = sys.stdin.buffer.read() if args.file == "-" else open(args.file, "rb").read()
+    key = _key_arg(args.key)
+    try:
+        if args.file == "-":
+            data = sys.stdin.buffer.read()
+        else:
+            with open(args.file, "rb") as f:
+                data = f.read()
+    except OSError as exc:
+        raise UsageError(f"cannot read {args.file}: {exc.strerror}") from None
+    if not data:
+        raise UsageError("refusing to store an empty value")
     with _client() as client:
+        server = client.owner(key).name
         try:
-            client.put(args.key, data)
+            client.put(key, data)
+            error = None
         except MemKVError as exc:
-            print(f"memkv: put failed: {exc}", file=sys.stderr)
-            return EXIT_FAILED
-    print(f"stored {len(data)} bytes under {args.key}")
-    return EXIT_OK
+            error = str(exc)
+    doc = {"ok": error is None, "key": args.key, "server": server, "bytes": len(data)}
+    if error:
+        doc["error"] = error
+        print(f"memkv: put failed: {error}", file=sys.stderr)
+    if args.json:
+        _print_json(doc)
+    elif not error:
+        print(f"stored {len(data)} bytes under {args.key} on {server}")
+    return EXIT_OK if error is None else EXIT_FAILED
 
 
 def cmd_del(args) -> int:
+    keys = [_key_arg(k) for k in args.keys]
     with _client() as client:
-        deleted = client.delete(args.keys)
-    for key, ok in zip(args.keys, deleted):
-        print(f"{'deleted' if ok else 'missing'}  {key}")
-    return EXIT_OK if all(deleted) else EXIT_FAILED
+        deleted = client.delete(keys)
+        results = []
+        for text, key, ok in zip(args.keys, keys, deleted):
+            server = client.owner(key).name
+            down = None if ok else _unreachable(client, server)
+            result = "deleted" if ok else ("unreachable" if down else "missing")
+            entry = {"key": text, "server": server, "result": result}
+            if down:
+                entry["error"] = down
+            results.append(entry)
+    ok = all(deleted)
+    if args.json:
+        _print_json({"ok": ok, "keys": results})
+    else:
+        for r in results:
+            print(f"{r['result']:<11}  {r['key']}" + (f"  ({r['server']}: {r['error']})" if "error" in r else ""))
+    return EXIT_OK if ok else EXIT_FAILED
 
 
 # -- bench ----------------------------------------------------------------------------------------------
@@ -311,20 +531,30 @@ def cmd_bench(args) -> int:
     from memkv.benchmark import run_client_bench
 
     value_bytes = parse_size(args.value_size, "--value-size")
-    embedded = args.embedded or not os.environ.get(ENV_SERVERS)
-    if embedded:
-        from memkv.local import LocalNode, new_key_hex
+    for name in ("values", "rounds", "threads"):
+        if getattr(args, name) < 1:
+            raise UsageError(f"--{name} must be at least 1")
+    progress = not args.json
+    embedded = args.embedded or not (os.environ.get(ENV_SERVERS) or os.environ.get(ENV_CONFIG))
+    try:
+        if embedded:
+            from memkv.local import LocalNode, new_key_hex
 
-        key = new_key_hex()
-        capacity = max(256 << 20, int(value_bytes * args.values * 1.25))
-        with LocalNode(key, capacity=str(capacity)) as node:
-            config = ClientConfig.from_env({ENV_SERVERS: node.address, ENV_AUTH_KEY: key})
-            print(f"memkv bench: embedded node at {node.address} (capacity {format_size(capacity)})", file=sys.stderr)
-            result = run_client_bench(config, value_bytes, args.values, args.rounds, args.threads, progress=not args.json)
-    else:
-        result = run_client_bench(ClientConfig.from_env(), value_bytes, args.values, args.rounds, args.threads, progress=not args.json)
+            key = new_key_hex()
+            capacity = max(256 << 20, int(value_bytes * args.values * 1.25))
+            with LocalNode(key, capacity=str(capacity)) as node:
+                config = ClientConfig.from_env({ENV_SERVERS: node.address, ENV_AUTH_KEY: key})
+                print(f"memkv bench: embedded node at {node.address} (capacity {format_size(capacity)})", file=sys.stderr)
+                result = run_client_bench(config, value_bytes, args.values, args.rounds, args.threads, progress=progress)
+        else:
+            result = run_client_bench(ClientConfig.from_env(), value_bytes, args.values, args.rounds, args.threads, progress=progress)
+    except (MemKVError, RuntimeError) as exc:
+        if isinstance(exc, ConfigError):
+            raise
+        return _fail(args, EXIT_FAILED, f"bench failed: {exc}")
+    result = {"ok": bool(result["verified"]), **result}
     if args.json:
-        print(json.dumps(result, indent=2))
+        _print_json(result)
     else:
         print(f"values {format_size(value_bytes)} x {args.values}, {args.threads} threads, {args.rounds} rounds, servers {result['servers']}")
         print(f"put  {result['put_gbps']:.2f} GB/s   (best round {result['put_gbps_best']:.2f})")

@@ -5,7 +5,7 @@ Client settings come from, in order of precedence:
   2. the client.yaml named by `MEMKV_CONFIG`,
   3. the defaults below.
 Every bad value raises ConfigError naming the variable (or yaml key) and never echoing a secret.
-docs/configuration.md lists every setting; tests/unit/test_docs_options.py keeps the two in step.
+docs/configuration.md lists every setting; tests/ops/test_docs_options.py keeps the two in step.
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ read from `Store.stats()` at scrape time by a custom collector, so they are neve
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from memkv.server.store import Store
@@ -45,6 +45,9 @@ class NodeMetrics:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         r.register(StoreCollector(store))
+        # process_resident_memory_bytes & co: RSS against stored bytes is the node's memory
+        # overhead (docs/operations.md); a private registry does not get them by default.
+        ProcessCollector(registry=r)
         self.requests = Counter("memkv_node_requests", "Requests served, by op", ["op"], registry=r)
         self.keys = Counter("memkv_node_keys", "Keys processed, by op and result", ["op", "result"], registry=r)
         self.request_seconds = Histogram(
