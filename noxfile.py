@@ -40,49 +40,65 @@ VLLM_RELEASES = [
     "0.33.0",
 ]
 
-# What each release needs to import its tiering code on a CPU box, beyond torch and vLLM.
-# Requirement strings follow the wheel's own Requires-Dist. 0.27-0.29 import less than the
-# others (no vllm.v1.core.kv_cache_utils on their import path), hence the shorter lists.
-_BASE = [
+# What each release needs to import its tiering code on a CPU box, beyond torch and vLLM:
+# "deps" go to one pip call, "no_deps" to a second one with --no-deps. Requirement strings
+# follow the wheel's own Requires-Dist. 0.27-0.29 import less than the others (nothing on
+# their import path reaches vllm.v1.core.kv_cache_utils), hence the shorter lists.
+# fmt: off
+_COMMON = [
     "numpy", "packaging", "regex", "psutil", "pyzmq>=25.0.0", "urllib3", "cbor2",
-    "aiohttp>=3.13.3", "requests>=2.26.0", "prometheus_client>=0.18.0",
-]  # fmt: skip
-_ENGINE = ["pillow", "pybase64", "cachetools", "msgspec", "cloudpickle", "uvloop", "py-cpuinfo"]
+    "prometheus_client>=0.18.0",
+]
+_ENGINE = ["pybase64", "cachetools", "msgspec", "cloudpickle", "uvloop", "py-cpuinfo"]
+_STRUCTURED_OUTPUT = ["llguidance<1.8.0,>=1.7.0", "apache-tvm-ffi", "pydantic"]
+_API_SERVER = ["fastapi<0.137.0,>=0.133.0", "partial-json-parser"]
+_HTTP_OLD = ["aiohttp>=3.13.3", "requests>=2.26.0"]
 _HARMONY_OLD = ["openai-harmony>=0.0.3", "openai>=2.0.0"]
-_HARMONY_NEW = ["openai_harmony", "openai>=2.25.0"]
-_API = ["fastapi<0.137.0,>=0.133.0", "partial-json-parser"]
-_STRUCTURED = ["llguidance<1.8.0,>=1.7.0", "apache-tvm-ffi", "pydantic"]
-_XGRAMMAR_ANY = "xgrammar<1.0.0,>=0.2.1"
+
+_DEPS_0_25 = {
+    "deps": _COMMON + _HTTP_OLD + _HARMONY_OLD + ["transformers>=5.5.3", "pillow"]
+    + _ENGINE + _STRUCTURED_OUTPUT,
+    "no_deps": ["xgrammar<1.0.0,>=0.2.1"],
+}
+_DEPS_0_27 = {"deps": _COMMON + _HTTP_OLD + _HARMONY_OLD + ["transformers>=5.5.3"], "no_deps": []}
 
 VLLM_IMPORT_DEPS: dict[str, dict[str, list[str]]] = {
-    # "deps": one pip call; "no_deps": a second pip call with --no-deps.
-    "0.25.0": {"deps": _BASE + ["transformers>=5.5.3"] + _HARMONY_OLD + _ENGINE + _STRUCTURED,
-               "no_deps": [_XGRAMMAR_ANY]},
-    "0.25.1": {"deps": _BASE + ["transformers>=5.5.3"] + _HARMONY_OLD + _ENGINE + _STRUCTURED,
-               "no_deps": [_XGRAMMAR_ANY]},
-    "0.26.0": {"deps": _BASE + ["transformers>=5.5.3"] + _HARMONY_OLD + _ENGINE + _STRUCTURED,
-               "no_deps": [_XGRAMMAR_ANY]},
-    "0.27.0": {"deps": _BASE + ["transformers>=5.5.3"] + _HARMONY_OLD, "no_deps": []},
-    "0.27.1": {"deps": _BASE + ["transformers>=5.5.3"] + _HARMONY_OLD, "no_deps": []},
-    "0.28.0": {"deps": _BASE + ["transformers>=5.5.3"] + _HARMONY_OLD, "no_deps": []},
-    "0.29.0": {"deps": _BASE + ["transformers>=5.10.4"] + _HARMONY_OLD
-                       + ["pillow", "pybase64", "cachetools"],
-               "no_deps": []},
-    "0.30.0": {"deps": _BASE + ["transformers>=5.10.4", "openai-harmony>=0.0.3",
-                                "openai>=2.25.0"] + _ENGINE + _API + _STRUCTURED,
-               "no_deps": [_XGRAMMAR_ANY]},
-    "0.31.0": {"deps": _BASE + ["transformers<5.18.0,>=5.10.4"] + _HARMONY_NEW + _ENGINE
-                       + _API + _STRUCTURED,
-               "no_deps": ["xgrammar==0.2.7"]},
-    "0.32.0": {"deps": _BASE + ["transformers<5.20.0,>=5.16.1", "aiohttp>=3.14.3",
-                                "requests>=2.33.0", "pillow>=12.3.0"] + _HARMONY_NEW + _ENGINE
-                       + _API + _STRUCTURED,
-               "no_deps": ["xgrammar==0.2.8"]},
-    "0.33.0": {"deps": _BASE + ["transformers<5.21.0,>=5.16.1", "aiohttp>=3.14.4",
-                                "requests>=2.33.0", "pillow>=13.0.0"] + _HARMONY_NEW + _ENGINE
-                       + _API + _STRUCTURED,
-               "no_deps": ["xgrammar==0.2.8"]},
-}  # fmt: skip
+    "0.25.0": _DEPS_0_25,
+    "0.25.1": _DEPS_0_25,
+    "0.26.0": _DEPS_0_25,
+    "0.27.0": _DEPS_0_27,
+    "0.27.1": _DEPS_0_27,
+    "0.28.0": _DEPS_0_27,
+    "0.29.0": {
+        "deps": _COMMON + _HTTP_OLD + _HARMONY_OLD + ["transformers>=5.10.4"]
+        + ["pillow", "pybase64", "cachetools"],
+        "no_deps": [],
+    },
+    "0.30.0": {
+        "deps": _COMMON + _HTTP_OLD + ["openai-harmony>=0.0.3", "openai>=2.25.0"]
+        + ["transformers>=5.10.4", "pillow"] + _ENGINE + _API_SERVER + _STRUCTURED_OUTPUT,
+        "no_deps": ["xgrammar<1.0.0,>=0.2.1"],
+    },
+    "0.31.0": {
+        "deps": _COMMON + _HTTP_OLD + ["oss-harmony>=0.0.11", "openai>=2.25.0"]
+        + ["transformers<5.18.0,>=5.10.4", "pillow"] + _ENGINE + _API_SERVER
+        + _STRUCTURED_OUTPUT,
+        "no_deps": ["xgrammar==0.2.7"],
+    },
+    "0.32.0": {
+        "deps": _COMMON + ["aiohttp>=3.14.3", "requests>=2.33.0"]
+        + ["oss-harmony>=0.0.11", "openai>=2.25.0"] + ["transformers<5.20.0,>=5.16.1"]
+        + ["pillow>=12.3.0"] + _ENGINE + _API_SERVER + _STRUCTURED_OUTPUT,
+        "no_deps": ["xgrammar==0.2.8"],
+    },
+    "0.33.0": {
+        "deps": _COMMON + ["aiohttp>=3.14.4", "requests>=2.33.0"]
+        + ["oss-harmony>=0.0.11", "openai>=2.25.0"] + ["transformers<5.21.0,>=5.16.1"]
+        + ["pillow>=13.0.0"] + _ENGINE + _API_SERVER + _STRUCTURED_OUTPUT,
+        "no_deps": ["xgrammar==0.2.8"],
+    },
+}
+# fmt: on
 
 TORCH = "torch==2.13.0"
 
@@ -116,7 +132,9 @@ def _register(release: str) -> None:
         conformance(session, release)
 
     session_fn.__doc__ = f"tests/conformance against vLLM {release}"
-    nox.session(name=f"conformance-{release}", tags=["conformance"], reuse_venv=True)(session_fn)
+    nox.session(name=f"conformance-{release}", tags=["conformance"], reuse_venv=True)(
+        session_fn
+    )
 
 
 for _release in VLLM_RELEASES:

@@ -20,9 +20,9 @@ import pytest
 
 pytest.importorskip("vllm", reason="conformance tests need vLLM (run them through nox)")
 
-from vllm.v1.kv_offload.base import LookupResult  # noqa: E402
+from vllm.v1.kv_offload.base import LookupResult
 
-from tests.conformance.vllm_harness import (  # noqa: E402
+from tests.conformance.vllm_harness import (
     Geometry,
     HeadlessEngine,
     make_key,
@@ -38,7 +38,12 @@ TRANSIENT = {LookupResult.RETRY, LookupResult.HIT_PENDING}
 
 
 def fs_tier(root: Path) -> dict:
-    return {"type": "fs", "root_dir": str(root), "n_read_threads": 2, "n_write_threads": 2}
+    return {
+        "type": "fs",
+        "root_dir": str(root),
+        "n_read_threads": 2,
+        "n_write_threads": 2,
+    }
 
 
 def stored_files(root: Path) -> list[Path]:
@@ -94,7 +99,9 @@ def test_lookup_of_an_evicted_chunk_retries_then_hits(engine):
 
 
 def test_lookup_of_a_never_stored_key_retries_then_misses(engine):
-    trace = engine.lookup_until_resolved([make_key("never stored")], engine.new_request())
+    trace = engine.lookup_until_resolved(
+        [make_key("never stored")], engine.new_request()
+    )
     assert trace.resolved
     assert trace.per_key(0)[0] is LookupResult.RETRY
     assert trace.final == (LookupResult.MISS,)
@@ -107,16 +114,19 @@ def test_promoted_rows_hold_the_original_bytes_after_every_row_was_overwritten(e
     # Fillers rewrote the whole pool: no row still holds an original payload, so
     # matching bytes below can only have come back from the tier.
     originals = {engine.payloads[k] for k in keys}
-    assert not originals & {engine._read_row(r) for r in range(engine.num_rows)}
+    assert not originals & {engine.read_row(r) for r in range(engine.num_rows)}
 
     loaded = engine.promote_and_read(keys)
 
     for key in keys:
         assert loaded.data[key] == engine.payloads[key], (
-            f"row {stored_rows[key]} -> {loaded.rows[key]}: bytes differ")  # fmt: skip
+            f"row {stored_rows[key]} -> {loaded.rows[key]}: bytes differ"
+        )
 
 
-def test_restarted_engine_over_the_same_root_dir_hits_the_first_engines_chunks(tmp_path):
+def test_restarted_engine_over_the_same_root_dir_hits_the_first_engines_chunks(
+    tmp_path,
+):
     keys = make_keys(3)
     with HeadlessEngine([fs_tier(tmp_path / "fs")], Geometry(world_size=2)) as first:
         cascade(first, keys)
@@ -137,13 +147,19 @@ def test_rows_hold_every_ranks_slice_padded_to_a_page(tmp_path, world_size):
     with HeadlessEngine([fs_tier(tmp_path / "fs")], geometry) as engine:
         view = engine.view
         assert row_bytes(engine.manager) == row_bytes(engine.spec) == expected_row
-        assert view.shape == (engine.num_rows, expected_row) == (geometry.num_rows, expected_row)
+        assert (
+            view.shape
+            == (engine.num_rows, expected_row)
+            == (geometry.num_rows, expected_row)
+        )
         assert view.strides == (expected_row, 1)
         assert view.format == "b" and view.c_contiguous
 
         keys = make_keys(2)
         cascade(engine, keys)
-        assert {f.stat().st_size for f in stored_files(tmp_path / "fs")} == {expected_row}
+        assert {f.stat().st_size for f in stored_files(tmp_path / "fs")} == {
+            expected_row
+        }
         engine.fill_pool_to_evict(keys)
         loaded = engine.promote_and_read(keys)
         assert all(loaded.data[k] == engine.payloads[k] for k in keys)
@@ -182,7 +198,10 @@ def test_shutdown_removes_the_primary_region_from_dev_shm(tmp_path):
 
 def test_a_registered_out_of_tree_tier_is_built_and_a_second_registration_is_swallowed():
     name = f"harness_{uuid.uuid4().hex[:8]}"
-    module, cls = "vllm.v1.kv_offload.tiering.example.manager", "ExampleSecondaryTierManager"
+    module, cls = (
+        "vllm.v1.kv_offload.tiering.example.manager",
+        "ExampleSecondaryTierManager",
+    )
     assert register_tier(name, module, cls) is True
     assert register_tier(name, module, cls) is False
     assert register_tier("fs", module, cls) is False  # built-in names stay taken

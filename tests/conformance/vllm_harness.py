@@ -24,8 +24,9 @@ Keys are made with vLLM's own ``make_offload_key`` from a 32-byte hash (what the
 ``sha256`` prefix hash yields) and a group index. Payloads are deterministic per key, so a
 test can check the bytes that come back from any tier byte for byte.
 
-Every wait is bounded twice, by a step count and by wall time, and fails with a message
-that says what was still pending.
+Every wait is bounded twice, by a step count and by wall time: run_until_idle() raises
+TimeoutError, lookup_until_resolved() returns a trace with ``resolved=False`` (so a test
+can also assert that something is still pending).
 
 Threading: a ``HeadlessEngine`` is driven from one thread (the test's). vLLM's own
 threads (tier I/O pools, async-lookup workers, the 0.33 tier-poll thread) run underneath.
@@ -46,6 +47,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from types import SimpleNamespace
 from typing import Any
 
+from typing_extensions import Self
 from vllm.v1.kv_offload.base import (
     LookupResult,
     OffloadKey,
@@ -71,15 +73,19 @@ __all__ = [
     "primary_view",
     "register_tier",
     "row_bytes",
+    "row_ids",
     "shm_region_paths",
     "stats_values",
     "tiering_config",
 ]
 
 DEFAULT_MODEL_NAME = "harness/tiny-model"
-# HIT and MISS are final answers; RETRY and HIT_PENDING mean "ask again next step".
+# HIT and MISS are final answers. RETRY (tier probe pending; also the answer that starts
+# a promotion on 0.25-0.27) and HIT_PENDING (promotion in flight, 0.28+) mean "ask again".
 FINAL_RESULTS = frozenset({LookupResult.HIT, LookupResult.MISS})
-_PAGE_BYTES = mmap.PAGESIZE  # TieringOffloadingSpec.BLOCK_SIZE_ALIGNMENT in every release
+_PAGE_BYTES = (
+    mmap.PAGESIZE
+)  # TieringOffloadingSpec.BLOCK_SIZE_ALIGNMENT in every release
 _LAYER_NAME = "model.layers.0.self_attn.attn"
 
 
@@ -98,11 +104,17 @@ class Geometry:
     num_rows: int = 8  # primary-pool rows (chunks)
 
     def __post_init__(self) -> None:
-        if self.world_size < 1 or self.num_rows < 1 or self.worker_kv_bytes_per_block < 1:
+        if (
+            self.world_size < 1
+            or self.num_rows < 1
+            or self.worker_kv_bytes_per_block < 1
+        ):
             raise ValueError(f"bad geometry: {self}")
         if self.block_size % self.gpu_block_size:
-            raise ValueError(f"block_size {self.block_size} is not a multiple of "
-                             f"gpu_block_size {self.gpu_block_size}")  # fmt: skip
+            raise ValueError(
+                f"block_size {self.block_size} is not a multiple of "
+                f"gpu_block_size {self.gpu_block_size}"
+            )
 
     @property
     def blocks_per_chunk(self) -> int:
@@ -169,6 +181,11 @@ def row_bytes(manager_or_spec: Any) -> int:
     return _spec_row_bytes(manager_or_spec)
 
 
+def row_ids(load_store_spec: Any) -> list[int]:
+    """Primary rows named by the LoadStoreSpec that prepare_store/prepare_load returned."""
+    return _row_ids(load_store_spec)
+
+
 def register_tier(tier_type: str, module_path: str, class_name: str) -> bool:
     """Register an out-of-tree tier class; False if ``tier_type`` was already registered.
 
@@ -188,10 +205,36 @@ def shm_region_paths(engine_id: str) -> list[str]:
 
 
 def stats_values(stats: Any) -> dict[str, dict[tuple, Any]]:
-    """``{metric: {labelvalues: value}}`` from an OffloadingConnectorStats (or None)."""
+    """``{metric: {labelvalues: value}}`` from an OffloadingConnectorStats (or None).
+
+    Reads ``stats.data["data"]``, the self-describing layout every release 0.25-0.33 uses.
+    """
     if stats is None:
         return {}
     return {name: dict(values) for name, values in stats.data.get("data", {}).items()}
+
+
+def build_spec(
+    extra_config: dict[str, Any],
+    geometry: Geometry = Geometry(),
+    *,
+    engine_id: str | None = None,
+    model_name: str = DEFAULT_MODEL_NAME,
+) -> Any:
+    """A real offloading spec (class chosen by ``extra_config["spec_name"]``).
+
+    ``engine_id`` names the /dev/shm region; give each live engine its own.
+    """
+    engine_id = engine_id or f"harness-{uuid.uuid4().hex[:12]}"
+    if extra_config.get("block_size", geometry.block_size) != geometry.block_size:
+        raise ValueError("extra_config block_size disagrees with the geometry")
+    if _spec_takes_offloading_config():
+        config = _build_offloading_config(extra_config, geometry, engine_id, model_name)
+        return OffloadingSpecFactory.create_spec(config)
+    vllm_config, kv_cache_config = _build_vllm_and_kv_cache_config(
+        extra_config, geometry, engine_id, model_name
+    )
+    return OffloadingSpecFactory.create_spec(vllm_config, kv_cache_config)
 
 
 # =====================================================================================
@@ -208,11 +251,17 @@ def _fill_dataclass(cls: type, values: Mapping[str, Any]) -> Any:
     required field we have no value for is a harness bug, reported by name.
     """
     fields = dataclasses.fields(cls)
-    missing = [f.name for f in fields if f.name not in values
-               and f.default is dataclasses.MISSING
-               and f.default_factory is dataclasses.MISSING]  # fmt: skip
+    missing = [
+        f.name
+        for f in fields
+        if f.name not in values
+        and f.default is dataclasses.MISSING
+        and f.default_factory is dataclasses.MISSING
+    ]
     if missing:
-        raise TypeError(f"harness has no value for required {cls.__name__} fields {missing}")
+        raise TypeError(
+            f"harness has no value for required {cls.__name__} fields {missing}"
+        )
     return cls(**{f.name: values[f.name] for f in fields if f.name in values})
 
 
@@ -230,42 +279,59 @@ def _build_offloading_config(
     for one full-attention group of one layer."""
     from vllm.v1.kv_offload import config as cfg
 
-    values: dict[str, Any] = {
-        # OffloadingGroupConfig
-        "tokens_per_block": geometry.gpu_block_size,
-        "layer_names": (_LAYER_NAME,),
-        "group_id": 0,  # 0.30+
-        "sliding_window_size_in_chunks": None,  # 0.33
-        # OffloadingModelConfig
-        "name": model_name,
-        "dtype": "bfloat16",
-        "max_model_len": 0,  # 0.33: unknown
-        # OffloadingCacheConfig
-        "tokens_per_hash": geometry.gpu_block_size,
-        "blocks_per_chunk": geometry.blocks_per_chunk,
-        # OffloadingParallelConfig: the scheduler side is rank 0
-        "rank": 0,
-        "world_size": geometry.world_size,
-        "tp_size": geometry.world_size,
-        "pp_size": 1,
-        "pcp_size": 1,
-        "dcp_size": 1,
-        "data_parallel_index": 0,
-        "data_parallel_size": 1,  # 0.28+
-        "data_parallel_rank_local": None,  # 0.28+
-        # One non-MLA full-attention group: what the connector marks portable.
-        "is_parallelism_agnostic": True,
-        # OffloadingConfig
-        "worker_kv_bytes_per_block": geometry.worker_kv_bytes_per_block,
-        "enable_kv_cache_events": False,
-        "extra_config": extra_config,
-        "engine_id": engine_id,
-    }
-    values["groups"] = (_fill_dataclass(cfg.OffloadingGroupConfig, values),)
-    values["model"] = _fill_dataclass(cfg.OffloadingModelConfig, values)
-    values["cache"] = _fill_dataclass(cfg.OffloadingCacheConfig, values)
-    values["parallel"] = _fill_dataclass(cfg.OffloadingParallelConfig, values)
-    return _fill_dataclass(cfg.OffloadingConfig, values)
+    group = _fill_dataclass(
+        cfg.OffloadingGroupConfig,
+        {
+            "tokens_per_block": geometry.gpu_block_size,
+            "layer_names": (_LAYER_NAME,),
+            "group_id": 0,  # 0.30+
+            "sliding_window_size_in_chunks": None,  # 0.33: a full-attention layer
+        },
+    )
+    model = _fill_dataclass(
+        cfg.OffloadingModelConfig,
+        {
+            "name": model_name,
+            "dtype": "bfloat16",
+            "max_model_len": 0,  # 0.33: unknown
+        },
+    )
+    cache = _fill_dataclass(
+        cfg.OffloadingCacheConfig,
+        {
+            "tokens_per_hash": geometry.gpu_block_size,
+            "blocks_per_chunk": geometry.blocks_per_chunk,
+        },
+    )
+    parallel = _fill_dataclass(
+        cfg.OffloadingParallelConfig,
+        {
+            "rank": 0,  # the scheduler side
+            "world_size": geometry.world_size,
+            "tp_size": geometry.world_size,
+            "pp_size": 1,
+            "pcp_size": 1,
+            "dcp_size": 1,
+            "data_parallel_index": 0,
+            "data_parallel_size": 1,  # 0.28+
+            "data_parallel_rank_local": None,  # 0.28+
+            # One non-MLA full-attention group: what the connector marks portable.
+            "is_parallelism_agnostic": True,
+        },
+    )
+    return _fill_dataclass(
+        cfg.OffloadingConfig,
+        {
+            "groups": (group,),
+            "worker_kv_bytes_per_block": geometry.worker_kv_bytes_per_block,
+            "enable_kv_cache_events": False,
+            "extra_config": extra_config,
+            "engine_id": engine_id,
+            "model": model,
+            "cache": cache,
+            "parallel": parallel,
+        },
+    )
 
 
 def _build_vllm_and_kv_cache_config(
@@ -279,15 +345,28 @@ def _build_vllm_and_kv_cache_config(
 
     num_gpu_blocks = 16
     kv_cache_spec = kvi.FullAttentionSpec(
-        block_size=geometry.gpu_block_size, num_kv_heads=1, head_size=64, dtype=torch.bfloat16
+        block_size=geometry.gpu_block_size,
+        num_kv_heads=1,
+        head_size=64,
+        dtype=torch.bfloat16,
     )
-    kv_cache_config = _fill_dataclass(kvi.KVCacheConfig, {
-        "num_blocks": num_gpu_blocks,
-        "kv_cache_tensors": [kvi.KVCacheTensor(
-            size=geometry.worker_kv_bytes_per_block * num_gpu_blocks, shared_by=[_LAYER_NAME])],
-        "kv_cache_groups": [kvi.KVCacheGroupSpec(
-            layer_names=[_LAYER_NAME], kv_cache_spec=kv_cache_spec)],
-    })  # fmt: skip
+    kv_cache_config = _fill_dataclass(
+        kvi.KVCacheConfig,
+        {
+            "num_blocks": num_gpu_blocks,
+            "kv_cache_tensors": [
+                kvi.KVCacheTensor(
+                    size=geometry.worker_kv_bytes_per_block * num_gpu_blocks,
+                    shared_by=[_LAYER_NAME],
+                )
+            ],
+            "kv_cache_groups": [
+                kvi.KVCacheGroupSpec(
+                    layer_names=[_LAYER_NAME], kv_cache_spec=kv_cache_spec
+                )
+            ],
+        },
+    )
     vllm_config = SimpleNamespace(
         instance_id=engine_id,
         use_v2_model_runner=False,
@@ -297,15 +376,21 @@ def _build_vllm_and_kv_cache_config(
         kv_events_config=None,
         model_config=SimpleNamespace(model=model_name, use_mla=False),
         cache_config=SimpleNamespace(
-            block_size=geometry.gpu_block_size, cache_dtype="auto",
-            enable_prefix_caching=True, hash_block_size=None,
+            block_size=geometry.gpu_block_size,
+            cache_dtype="auto",
+            enable_prefix_caching=True,
+            hash_block_size=None,
         ),
         parallel_config=SimpleNamespace(
-            world_size=geometry.world_size, tensor_parallel_size=geometry.world_size,
-            pipeline_parallel_size=1, prefill_context_parallel_size=1,
-            decode_context_parallel_size=1, rank=0, data_parallel_rank=0,
+            world_size=geometry.world_size,
+            tensor_parallel_size=geometry.world_size,
+            pipeline_parallel_size=1,
+            prefill_context_parallel_size=1,
+            decode_context_parallel_size=1,
+            rank=0,
+            data_parallel_rank=0,
         ),
-    )  # fmt: skip
+    )
     return vllm_config, kv_cache_config
 
 
@@ -341,33 +426,6 @@ def _row_ids(load_store_spec: Any) -> list[int]:
     """Primary rows of a CPULoadStoreSpec: ``block_ids`` in every release (0.30+ also
     aliases it as ``chunk_ids``; int64 before 0.30, int32 from 0.30)."""
     return [int(row) for row in load_store_spec.block_ids]
-
-
-# Transient lookup answers: RETRY (tier probe pending; also the promotion-initiating
-# answer on 0.25-0.27) and HIT_PENDING (promotion in flight, 0.28+).
-
-
-def build_spec(
-    extra_config: dict[str, Any],
-    geometry: Geometry = Geometry(),
-    *,
-    engine_id: str | None = None,
-    model_name: str = DEFAULT_MODEL_NAME,
-) -> Any:
-    """A real offloading spec (class chosen by ``extra_config["spec_name"]``).
-
-    ``engine_id`` names the /dev/shm region; give each live engine its own.
-    """
-    engine_id = engine_id or f"harness-{uuid.uuid4().hex[:12]}"
-    if extra_config.get("block_size", geometry.block_size) != geometry.block_size:
-        raise ValueError("extra_config block_size disagrees with the geometry")
-    if _spec_takes_offloading_config():
-        config = _build_offloading_config(extra_config, geometry, engine_id, model_name)
-        return OffloadingSpecFactory.create_spec(config)
-    vllm_config, kv_cache_config = _build_vllm_and_kv_cache_config(
-        extra_config, geometry, engine_id, model_name
-    )
-    return OffloadingSpecFactory.create_spec(vllm_config, kv_cache_config)
 
 
 # =====================================================================================
@@ -432,25 +490,34 @@ class HeadlessEngine:
     ) -> None:
         self.geometry = geometry
         self.engine_id = engine_id or f"harness-{uuid.uuid4().hex[:12]}"
-        self.config = tiering_config(secondary_tiers, geometry, **dict(extra_config or {}))
-        self.spec = build_spec(self.config, geometry, engine_id=self.engine_id,
-                               model_name=model_name)  # fmt: skip
+        self.config = tiering_config(
+            secondary_tiers, geometry, **dict(extra_config or {})
+        )
+        self.spec = build_spec(
+            self.config, geometry, engine_id=self.engine_id, model_name=model_name
+        )
         self.manager = self.spec.get_manager()
         self.view = primary_view(self.manager)
         self.row_bytes = self.view.strides[0]
         self.num_rows = _spec_num_rows(self.spec)
-        assert self.row_bytes == _spec_row_bytes(self.spec) == geometry.row_bytes, (
-            self.row_bytes, _spec_row_bytes(self.spec), geometry.row_bytes)  # fmt: skip
+        if self.row_bytes != geometry.row_bytes:
+            self.manager.shutdown()
+            raise AssertionError(
+                f"row is {self.row_bytes} B, geometry says {geometry.row_bytes}"
+            )
         # A flat byte view for writing/reading rows; released in shutdown() because a
         # live export keeps the /dev/shm mmap from closing (BufferError on 0.25).
         self._flat: memoryview | None = self.view.cast("B")
-        self._lock = _manager_lock(self.manager)
+        # Hold it around manager calls of your own (a no-op context before 0.33); the
+        # driver's methods take it themselves, and it is not reentrant.
+        self.lock = _manager_lock(self.manager)
+        self._lock = self.lock  # older name, kept for existing callers
         self._new_req_ids: list[str] = []
         self._req_seq = itertools.count()
         self.payloads: dict[OffloadKey, bytes] = {}  # every payload written, by key
         self._closed = False
 
-    def __enter__(self) -> HeadlessEngine:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc_info: object) -> None:
@@ -459,19 +526,23 @@ class HeadlessEngine:
     # -- scheduler-side calls ---------------------------------------------------------
 
     def new_request(
-        self, req_id: str | None = None, kv_transfer_params: dict[str, Any] | None = None
+        self,
+        req_id: str | None = None,
+        kv_transfer_params: dict[str, Any] | None = None,
     ) -> ReqContext:
         """on_new_request for a new ReqContext; it is reported as new at the next step."""
-        req = ReqContext(req_id=req_id or f"req-{next(self._req_seq)}",
-                         kv_transfer_params=kv_transfer_params)  # fmt: skip
-        with self._lock:
+        req = ReqContext(
+            req_id=req_id or f"req-{next(self._req_seq)}",
+            kv_transfer_params=kv_transfer_params,
+        )
+        with self.lock:
             self.manager.on_new_request(req)
         self._new_req_ids.append(req.req_id)
         return req
 
     def finish_request(self, req: ReqContext) -> None:
         """on_request_finished (the manager delays the tiers' copy until stores settle)."""
-        with self._lock:
+        with self.lock:
             self.manager.on_request_finished(req)
 
     def store_chunks(
@@ -485,16 +556,20 @@ class HeadlessEngine:
         complete_store submits the cascade to every secondary tier; call
         run_until_idle() to wait for it. Default payloads come from payload_for().
         """
-        with self._lock:
+        with self.lock:
             out = self.manager.prepare_store(list(keys), req)
         assert out is not None, "prepare_store returned None: no evictable primary rows"
         rows = dict(zip(out.keys_to_store, _row_ids(out.store_spec), strict=True))
         for key, row in rows.items():
-            data = payloads[key] if payloads is not None else payload_for(key, self.row_bytes)
+            data = (
+                payloads[key]
+                if payloads is not None
+                else payload_for(key, self.row_bytes)
+            )
             self._write_row(row, data)
             self.payloads[key] = data
         if rows:  # the manager counts a pending store only when something was prepared
-            with self._lock:
+            with self.lock:
                 self.manager.complete_store(list(rows), req)
         return StoreOutcome(rows=rows, evicted=list(out.evicted_keys))
 
@@ -504,11 +579,11 @@ class HeadlessEngine:
         The manager polls the tiers' finished jobs inside on_schedule_end (at most once
         per step) and flushes promotions and lookup batches there.
         """
-        with self._lock:
-            self._end_step(preempted_req_ids)
+        with self.lock:
+            self.end_step_locked(preempted_req_ids)
 
     def has_pending_work(self) -> bool:
-        with self._lock:
+        with self.lock:
             return self.manager.has_pending_work()
 
     def run_until_idle(
@@ -523,12 +598,14 @@ class HeadlessEngine:
                 break
             self.step()
             time.sleep(poll_s)  # the model-execution window: tier threads run
-        raise TimeoutError(f"manager still has pending work after {steps} steps / {timeout_s} s")
+        raise TimeoutError(
+            f"manager still has pending work after {steps} steps / {timeout_s} s"
+        )
 
     def in_primary(self, key: OffloadKey) -> bool:
         """Whether the primary tier holds ``key`` (readable or being written)."""
         probe = ReqContext(req_id="harness-probe")
-        with self._lock:
+        with self.lock:
             result = self.manager.primary_tier.lookup(key, probe)
         return result in (LookupResult.HIT, LookupResult.HIT_PENDING)
 
@@ -540,7 +617,9 @@ class HeadlessEngine:
         after (so promotions find evictable rows). Asserts ``keys`` left the primary."""
         self.run_until_idle(timeout_s)
         filler = self.new_request(f"filler-{next(self._req_seq)}")
-        fillers = make_keys(self.num_rows, tag=f"filler/{self.engine_id}/{filler.req_id}")
+        fillers = make_keys(
+            self.num_rows, tag=f"filler/{self.engine_id}/{filler.req_id}"
+        )
         outcome = self.store_chunks(filler, fillers)
         self.finish_request(filler)
         self.step()
@@ -568,12 +647,12 @@ class HeadlessEngine:
         start = time.monotonic()
         resolved = False
         for _ in range(max_steps):
-            with self._lock:
+            with self.lock:
                 results = tuple(self.manager.lookup(key, req) for key in keys)
                 steps.append(results)
                 resolved = all(r in FINAL_RESULTS for r in results)
                 if not resolved:
-                    self._end_step(())
+                    self.end_step_locked()
             if resolved or time.monotonic() - start >= timeout_s:
                 break
             time.sleep(poll_s)
@@ -592,12 +671,18 @@ class HeadlessEngine:
         req = req or self.new_request()
         trace = self.lookup_until_resolved(keys, req, max_steps, timeout_s)
         assert trace.resolved and all(r is LookupResult.HIT for r in trace.final), (
-            f"not all keys hit: {[trace.summary(i) for i in range(len(keys))]}")  # fmt: skip
-        with self._lock:
-            rows = dict(zip(keys, _row_ids(self.manager.prepare_load(list(keys), req)),
-                            strict=True))  # fmt: skip
-        data = {key: self._read_row(row) for key, row in rows.items()}
-        with self._lock:
+            f"not all keys hit: {[trace.summary(i) for i in range(len(keys))]}"
+        )
+        with self.lock:
+            rows = dict(
+                zip(
+                    keys,
+                    _row_ids(self.manager.prepare_load(list(keys), req)),
+                    strict=True,
+                )
+            )
+        data = {key: self.read_row(row) for key, row in rows.items()}
+        with self.lock:
             self.manager.complete_load(list(keys), req)
         if own_req:
             self.finish_request(req)
@@ -605,21 +690,21 @@ class HeadlessEngine:
         return LoadedChunks(rows=rows, data=data, trace=trace)
 
     def touch(self, keys: Sequence[OffloadKey], req: ReqContext) -> None:
-        with self._lock:
+        with self.lock:
             self.manager.touch(list(keys), req)
 
     def take_events(self) -> list[Any]:
-        with self._lock:
+        with self.lock:
             return list(self.manager.take_events())
 
     def get_stats(self) -> Any:
         """The manager's OffloadingConnectorStats since the last call (or None)."""
-        with self._lock:
+        with self.lock:
             return self.manager.get_stats()
 
     def reset_cache(self) -> None:
         """reset_cache (drains every tier's jobs, empties the primary), as after sleep."""
-        with self._lock:
+        with self.lock:
             self.manager.reset_cache()
             _after_reset(self.manager)
 
@@ -632,19 +717,23 @@ class HeadlessEngine:
         if self._flat is not None:
             self._flat.release()
             self._flat = None
-        del self.view  # ours is the tier's view object; drop our reference only
         self.manager.shutdown()
         leftover = shm_region_paths(self.engine_id)
         assert not leftover, f"primary region not removed at shutdown: {leftover}"
 
-    # -- internals --------------------------------------------------------------------
-
-    def _end_step(self, preempted_req_ids: Iterable[str]) -> None:
+    def end_step_locked(self, preempted_req_ids: Iterable[str] = ()) -> None:
+        """step() for a caller that already holds ``self.lock`` (e.g. its own lookups
+        and the step end in one region, as the scheduler does)."""
         context = ScheduleEndContext(
-            new_req_ids=list(self._new_req_ids), preempted_req_ids=list(preempted_req_ids)
+            new_req_ids=list(self._new_req_ids),
+            preempted_req_ids=list(preempted_req_ids),
         )
         self._new_req_ids.clear()
         self.manager.on_schedule_end(context)
+
+    _end_step = end_step_locked  # older name, kept for existing callers
+
+    # -- internals --------------------------------------------------------------------
 
     def _write_row(self, row: int, data: bytes) -> None:
         if len(data) != self.row_bytes:
@@ -652,6 +741,9 @@ class HeadlessEngine:
         assert self._flat is not None, "engine is shut down"
         self._flat[row * self.row_bytes : (row + 1) * self.row_bytes] = data
 
-    def _read_row(self, row: int) -> bytes:
+    def read_row(self, row: int) -> bytes:
+        """The current bytes of primary row ``row``."""
         assert self._flat is not None, "engine is shut down"
         return bytes(self._flat[row * self.row_bytes : (row + 1) * self.row_bytes])
+
+    _read_row = read_row  # older name, kept for existing callers
