@@ -139,3 +139,10 @@ def _register(release: str) -> None:
 
 for _release in VLLM_RELEASES:
     _register(_release)
+
+
+@nox.session(name="tests", reuse_venv=True)
+def tests(session: nox.Session) -> None:
+    """Unit, integration and deployment tests: real `memkv serve` nodes, no vLLM."""
+    session.install("-e", ".[test,ops]")
+    session.run("pytest", "tests/unit", "tests/integration", "tests/ops", *session.posargs)

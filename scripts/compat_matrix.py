@@ -1,0 +1,74 @@
+"""Run the conformance suite on every vLLM release and record the matrix in docs/compatibility.md.
+
+    python3 -m pip install nox==2026.10.20
+    python3 scripts/compat_matrix.py [--reuse] [RELEASE ...]
+
+Each release runs in its own nox session (`conformance-<release>`, built from the package
+index on first use, ~1 minute and ~2 GB each). The table between the markers in
+docs/compatibility.md is replaced with this run's results, with machine and date.
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+DOC = ROOT / "docs" / "compatibility.md"
+BEGIN, END = "<!-- matrix:begin -->", "<!-- matrix:end -->"
+SUMMARY = re.compile(r"=+ (.*(?:passed|failed|error).*) in ([\d.]+)s")
+
+
+def releases() -> list[str]:
+    sys.path.insert(0, str(ROOT))
+    import noxfile
+
+    return list(noxfile.VLLM_RELEASES)
+
+
+def run(release: str, reuse: bool) -> tuple[str, str, float]:
+    cmd = [sys.executable, "-m", "nox", "-s", f"conformance-{release}"]
+    if reuse:
+        cmd.insert(3, "-R")
+    cmd += ["--", "-q", "-p", "no:cacheprovider"]
+    started = time.monotonic()
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=3600)
+    found = SUMMARY.findall(proc.stdout + proc.stderr)
+    summary = found[-1][0] if found else "no pytest summary"
+    verdict = "PASS" if proc.returncode == 0 else "FAIL"
+    return verdict, summary, time.monotonic() - started
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--reuse", action="store_true", help="reuse existing nox venvs (skip installs)")
+    ap.add_argument("release", nargs="*")
+    args = ap.parse_args()
+    chosen = args.release or releases()
+    rows = []
+    for release in chosen:
+        verdict, summary, took = run(release, args.reuse)
+        print(f"{release}: {verdict} ({summary}) {took:.0f}s", flush=True)
+        rows.append(f"| {release} | {verdict} | {summary} |")
+    stamp = time.strftime("%Y-%m-%d", time.gmtime())
+    machine = f"{platform.machine()}, {platform.system()} {platform.release()}, Python {platform.python_version()}"
+    table = "\n".join([
+        f"Run {stamp} on {machine} by `scripts/compat_matrix.py` (torch 2.13.0 CPU build, vLLM installed `--no-deps`).",
+        "",
+        "| vLLM | result | tests |",
+        "|---|---|---|",
+        *rows,
+    ])
+    text = DOC.read_text()
+    start, end = text.index(BEGIN) + len(BEGIN), text.index(END)
+    DOC.write_text(text[:start] + "\n" + table + "\n" + text[end:])
+    sys.exit(0 if all("| PASS |" in r for r in rows) else 1)
+
+
+if __name__ == "__main__":
+    main()
