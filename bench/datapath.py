@@ -1,14 +1,18 @@
-"""Data path ceiling: 16 MiB values through memkv.Client vs a raw Python socket, same run.
+"""Data path ceiling: values through memkv.Client vs a raw Python socket and Redis, same run.
 
-    python bench/datapath.py [--value-size 16MiB] [--values 32] [--threads 2] [--reps 5]
+    python bench/datapath.py                       # 16 MiB values, 2 threads, 1 node
+    python bench/datapath.py --value-size 4MiB --threads 4 --nodes 2
+    python bench/datapath.py --sweep               # sizes, threads, nodes: scaling.json + PNG
 
-The baseline is the fastest plain Python design measured on this machine
-(../shared/ref/limits.md): a blocking socket per thread, `sendall(memoryview)` of a slot of a
-pre-faulted pool, `recv_into` a slot of the server's pre-faulted pool, one ack byte per value.
-It has no framing, no authentication, no checksums and no store: what MemKV adds costs the
-difference. Both run in each repetition, interleaved, against server processes on 127.0.0.1;
-the ratio is taken per repetition (the host drifts between a fast and a slow state) and the
-median is printed. Results: bench/out/datapath.json.
+Baselines, measured in every repetition next to MemKV (the host drifts between a fast and a
+slow state, so only same-repetition ratios mean anything):
+  * raw: the fastest plain Python design on this machine (../shared/ref/limits.md): a blocking
+    socket per thread, `sendall` of a slot of a pre-faulted pool into `recv_into` a slot of the
+    server's pre-faulted pool, one ack byte per value. No framing, authentication, checksums or
+    store: what MemKV adds costs the difference.
+  * redis: a real `redis-server` started by the bench (skipped if not installed; `apt-get
+    install redis-server`), driven by redis-py with SET/GET of the same values.
+Targets (16 MiB): memkv >= 0.8 x raw, >= 2 x Redis. Results: bench/out/datapath.json.
 """
 
 from __future__ import annotations
@@ -18,11 +22,13 @@ import concurrent.futures
 import json
 import os
 import platform
+import shutil
 import socket
 import statistics
 import struct
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -38,7 +44,7 @@ OUT = Path(__file__).resolve().parent / "out"
 _REQ = struct.Struct(">cI")  # op b"P"/b"G", slot
 
 
-# -- the raw baseline -------------------------------------------------------------------------------
+# -- raw baseline --------------------------------------------------------------------------------------
 
 
 def raw_server(port_file: str, value_bytes: int, slots: int) -> None:
@@ -50,18 +56,13 @@ def raw_server(port_file: str, value_bytes: int, slots: int) -> None:
         conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         hdr = bytearray(_REQ.size)
         with conn:
-            while True:
-                n = conn.recv_into(hdr)
-                if n == 0:
-                    return
-                while n < len(hdr):
-                    n += conn.recv_into(memoryview(hdr)[n:])
+            while conn.recv_into(hdr, len(hdr), socket.MSG_WAITALL) == len(hdr):
                 op, slot = _REQ.unpack(hdr)
                 view = pool[slot * value_bytes : (slot + 1) * value_bytes]
                 if op == b"P":
                     got = 0
                     while got < value_bytes:
-                        got += conn.recv_into(view[got:])
+                        got += conn.recv_into(view[got:], value_bytes - got, socket.MSG_WAITALL)
                     conn.sendall(b"k")
                 else:
                     conn.sendall(view)
@@ -72,9 +73,10 @@ def raw_server(port_file: str, value_bytes: int, slots: int) -> None:
 
 
 class RawClient:
-    def __init__(self, port: int, threads: int) -> None:
+    def __init__(self, port: int) -> None:
         self._local = threading.local()
         self.port = port
+        self._socks: list[socket.socket] = []
 
     def _sock(self) -> socket.socket:
         s = getattr(self._local, "sock", None)
@@ -82,6 +84,7 @@ class RawClient:
             s = socket.create_connection(("127.0.0.1", self.port))
             s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             self._local.sock = s
+            self._socks.append(s)
         return s
 
     def put(self, slot: int, view: memoryview) -> None:
@@ -95,10 +98,171 @@ class RawClient:
         s.sendall(_REQ.pack(b"G", slot))
         got = 0
         while got < len(view):
-            got += s.recv_into(view[got:])
+            got += s.recv_into(view[got:], len(view) - got, socket.MSG_WAITALL)
+
+    def close(self) -> None:
+        for s in self._socks:
+            s.close()
 
 
-# -- the run ----------------------------------------------------------------------------------------
+def start_raw(value_bytes: int, slots: int) -> tuple[subprocess.Popen, int]:
+    port_file = Path(tempfile.mkdtemp()) / "port"
+    proc = subprocess.Popen([sys.executable, __file__, "--value-size", str(value_bytes), "--raw-server", str(port_file), str(slots)])
+    deadline = time.monotonic() + 60
+    while not (port_file.exists() and port_file.read_text()):
+        if time.monotonic() > deadline or proc.poll() is not None:
+            proc.kill()
+            raise RuntimeError("raw baseline server did not start")
+        time.sleep(0.05)
+    return proc, int(port_file.read_text())
+
+
+# -- Redis baseline ------------------------------------------------------------------------------------
+
+
+def start_redis(max_bytes: int):
+    exe = shutil.which("redis-server")
+    try:
+        import redis
+    except ImportError:
+        return None, None, "redis-py not installed (pip install '.[bench]')"
+    if exe is None:
+        return None, None, "redis-server not installed (apt-get install redis-server)"
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    workdir = tempfile.mkdtemp(prefix="memkv-bench-redis-")
+    proc = subprocess.Popen([exe, "--bind", "127.0.0.1", "--port", str(port), "--save", "", "--appendonly", "no",
+                             "--proto-max-bulk-len", str(max(512 << 20, max_bytes)), "--dir", workdir],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    client = redis.Redis(host="127.0.0.1", port=port, socket_timeout=30)
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            client.ping()
+            break
+        except redis.ConnectionError:
+            if time.monotonic() > deadline:
+                proc.kill()
+                return None, None, "redis-server did not start"
+            time.sleep(0.05)
+    try:
+        import hiredis  # noqa: F401
+
+        parser = "hiredis"
+    except ImportError:
+        parser = "pure-Python parser"
+    return proc, client, f"redis-server {client.info()['redis_version']}, redis-py {redis.__version__} ({parser})"
+
+
+# -- one configuration ---------------------------------------------------------------------------------
+
+
+def measure(value_bytes: int, n: int, threads: int, n_nodes: int, reps: int, bpo: int, with_redis: bool) -> dict:
+    raw, raw_port = start_raw(value_bytes, n)
+    key = new_key_hex()
+    capacity = str(int(value_bytes * n * 1.3 / n_nodes) + (64 << 20))
+    nodes = [LocalNode(key, capacity=capacity) for _ in range(n_nodes)]
+    redis_proc, rclient, redis_note = start_redis(value_bytes) if with_redis else (None, None, "not run")
+    rawc = RawClient(raw_port)
+    try:
+        config = ClientConfig(servers=parse_servers(",".join(x.address for x in nodes), "bench"),
+                              auth_key=AuthKey.from_hex(key, "bench"), pool_size=max(8, threads))
+        client = Client(config)
+        src = memoryview(prefaulted_pool(value_bytes * n))
+        dst = memoryview(prefaulted_pool(value_bytes * n))
+        for i in range(n):
+            fill_pattern(src[i * value_bytes : (i + 1) * value_bytes], i)
+        keys = [f"bench/{i}".encode() for i in range(n)]
+
+        def slot(v, i):
+            return v[i * value_bytes : (i + 1) * value_bytes]
+
+        per_thread = [list(range(t, n, threads)) for t in range(threads)]
+
+        def batches(idx):
+            return [idx[j : j + bpo] for j in range(0, len(idx), bpo)]
+
+        def redis_get(idx):
+            for i in idx:
+                v = rclient.get(keys[i])
+                assert v is not None and len(v) == value_bytes
+
+        ops = {
+            "raw put": lambda idx: [rawc.put(i, slot(src, i)) for i in idx],
+            "memkv put": lambda idx: [client.batch_put_views([(keys[i], slot(src, i)) for i in b]) for b in batches(idx)],
+            "raw get": lambda idx: [rawc.get(i, slot(dst, i)) for i in idx],
+            "memkv get": lambda idx: [client.batch_get_into([(keys[i], slot(dst, i)) for i in b]) for b in batches(idx)],
+        }
+        if rclient is not None:
+            ops["redis put"] = lambda idx: [rclient.set(keys[i], slot(src, i)) for i in idx]
+            ops["redis get"] = redis_get
+        rates: dict[str, list[float]] = {name: [] for name in ops}
+        with concurrent.futures.ThreadPoolExecutor(threads) as ex:
+            for fn in ops.values():  # warm-up: connections, first touch of server memory
+                list(ex.map(fn, per_thread))
+            for _ in range(reps):
+                for name, fn in ops.items():
+                    t = time.perf_counter()
+                    list(ex.map(fn, per_thread))
+                    rates[name].append(value_bytes * n / (time.perf_counter() - t) / 1e9)
+                    if name == "memkv get":
+                        assert dst == src, "memkv get returned wrong bytes"
+                        dst[:8] = b"\0" * 8  # the next repetition must write it again
+        client.close()
+    finally:
+        rawc.close()
+        raw.kill()
+        if redis_proc is not None:
+            redis_proc.kill()
+        for x in nodes:
+            x.stop()
+
+    def per_rep(a: str, b: str) -> list[float]:
+        return [x / y for x, y in zip(rates[a], rates[b])]
+
+    ratios = {f"memkv/raw {op}": per_rep(f"memkv {op}", f"raw {op}") for op in ("put", "get")}
+    if rclient is not None:
+        ratios.update({f"memkv/redis {op}": per_rep(f"memkv {op}", f"redis {op}") for op in ("put", "get")})
+    return {"value_bytes": value_bytes, "values": n, "threads": threads, "nodes": n_nodes, "blocks_per_op": bpo,
+            "reps": reps, "gbps": rates, "ratios": ratios, "redis": redis_note}
+
+
+def print_config(r: dict) -> None:
+    print(f"\n{format_size(r['value_bytes'])} values x {r['values']}, {r['threads']} threads, {r['nodes']} node(s), "
+          f"{r['blocks_per_op']} per batch, {r['reps']} reps; redis: {r['redis']}")
+    print(f"  {'':<11}" + "".join(f"{op:>12}" for op in ("put GB/s", "get GB/s")))
+    for who in ("raw", "memkv", "redis"):
+        if f"{who} put" in r["gbps"]:
+            print(f"  {who:<11}" + "".join(f"{statistics.median(r['gbps'][f'{who} {op}']):>12.2f}" for op in ("put", "get")))
+    for name, vals in r["ratios"].items():
+        print(f"  {name:<18} median {statistics.median(vals):.2f}  (per rep {min(vals):.2f}-{max(vals):.2f})")
+
+
+def plot_sweep(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(13, 3.8))
+    for ax, (axis, label) in zip(axes, (("value_bytes", "value size (MiB)"), ("threads", "client threads"), ("nodes", "nodes"))):
+        sel = [r for r in rows if r["sweep"] == axis]
+        xs = [r[axis] / 2**20 if axis == "value_bytes" else r[axis] for r in sel]
+        for who, style in (("raw", "k--"), ("memkv", "b-o"), ("redis", "r-s")):
+            for op, alpha in (("get", 1.0), ("put", 0.5)):
+                key = f"{who} {op}"
+                if all(key in r["gbps"] for r in sel):
+                    ax.plot(xs, [statistics.median(r["gbps"][key]) for r in sel], style, alpha=alpha, label=key)
+        ax.set_xlabel(label)
+        ax.set_ylabel("GB/s")
+        if axis == "value_bytes":
+            ax.set_xscale("log", base=2)
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=7)
+    fig.suptitle("memkv client throughput vs raw socket and Redis (loopback)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
 
 
 def main() -> None:
@@ -109,84 +273,40 @@ def main() -> None:
     ap.add_argument("--nodes", type=int, default=1)
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--blocks-per-op", type=int, default=1, help="values per client batch call")
+    ap.add_argument("--no-redis", action="store_true")
+    ap.add_argument("--sweep", action="store_true", help="sizes 1-64 MiB, threads 1-16, nodes 1-4")
     ap.add_argument("--raw-server", nargs=2, metavar=("PORT_FILE", "SLOTS"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     value_bytes = parse_size(args.value_size, "--value-size")
     if args.raw_server:
         raw_server(args.raw_server[0], value_bytes, int(args.raw_server[1]))
         return
-
-    n = args.values
-    port_file = OUT / f"raw-{os.getpid()}.port"
+    machine = f"{platform.node()} {platform.machine()} {os.cpu_count()} cpus, Python {platform.python_version()}"
+    stamp = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     OUT.mkdir(exist_ok=True)
-    raw = subprocess.Popen([sys.executable, __file__, "--value-size", str(value_bytes), "--raw-server", str(port_file), str(n)])
-    key = new_key_hex()
-    capacity = str(int(value_bytes * n * 1.3 / args.nodes) + (64 << 20))
-    nodes = [LocalNode(key, capacity=capacity) for _ in range(args.nodes)]
+    if not args.sweep:
+        r = measure(value_bytes, args.values, args.threads, args.nodes, args.reps, args.blocks_per_op, not args.no_redis)
+        print(f"datapath -- {machine} -- {stamp}")
+        print_config(r)
+        (OUT / "datapath.json").write_text(json.dumps({"benchmark": "datapath", "date": stamp, "machine": machine, **r}, indent=2))
+        return
+    rows = []
+    total_bytes = 512 << 20  # per measurement, whatever the value size
+    plan = [("value_bytes", dict(value_bytes=s << 20, threads=2, n_nodes=1)) for s in (1, 4, 16, 64)]
+    plan += [("threads", dict(value_bytes=16 << 20, threads=t, n_nodes=1)) for t in (1, 2, 4, 8, 16)]
+    plan += [("nodes", dict(value_bytes=16 << 20, threads=4, n_nodes=k)) for k in (1, 2, 4)]
+    for axis, cfg in plan:
+        n = max(cfg["threads"], total_bytes // cfg["value_bytes"])
+        r = measure(cfg["value_bytes"], n, cfg["threads"], cfg["n_nodes"], args.reps, args.blocks_per_op,
+                    not args.no_redis and axis == "value_bytes")
+        r["sweep"] = axis
+        print_config(r)
+        rows.append(r)
+    (OUT / "scaling.json").write_text(json.dumps({"benchmark": "scaling", "date": stamp, "machine": machine, "rows": rows}, indent=2))
     try:
-        deadline = time.monotonic() + 60
-        while not port_file.exists() or not port_file.read_text():
-            if time.monotonic() > deadline:
-                raise RuntimeError("raw baseline server did not start")
-            time.sleep(0.05)
-        rawc = RawClient(int(port_file.read_text()), args.threads)
-        config = ClientConfig(servers=parse_servers(",".join(x.address for x in nodes), "bench"),
-                              auth_key=AuthKey.from_hex(key, "bench"))
-        client = Client(config)
-        src = memoryview(prefaulted_pool(value_bytes * n))
-        dst = memoryview(prefaulted_pool(value_bytes * n))
-        for i in range(n):
-            fill_pattern(src[i * value_bytes : (i + 1) * value_bytes], i)
-        keys = [f"bench/{i}".encode() for i in range(n)]
-        slot = lambda v, i: v[i * value_bytes : (i + 1) * value_bytes]  # noqa: E731
-        per_thread = [list(range(t, n, args.threads)) for t in range(args.threads)]
-        bpo = args.blocks_per_op
-
-        def batches(idx):
-            return [idx[j : j + bpo] for j in range(0, len(idx), bpo)]
-
-        ops = {
-            "raw put": lambda idx: [rawc.put(i, slot(src, i)) for i in idx],
-            "memkv put": lambda idx: [client.batch_put_views([(keys[i], slot(src, i)) for i in b]) for b in batches(idx)],
-            "raw get": lambda idx: [rawc.get(i, slot(dst, i)) for i in idx],
-            "memkv get": lambda idx: [client.batch_get_into([(keys[i], slot(dst, i)) for i in b]) for b in batches(idx)],
-        }
-        rates: dict[str, list[float]] = {name: [] for name in ops}
-        with concurrent.futures.ThreadPoolExecutor(args.threads) as ex:
-            for name, fn in ops.items():  # warm-up: connections, first-touch of server memory
-                list(ex.map(fn, per_thread))
-            for rep in range(args.reps):
-                for name, fn in ops.items():
-                    t = time.perf_counter()
-                    list(ex.map(fn, per_thread))
-                    rates[name].append(value_bytes * n / (time.perf_counter() - t) / 1e9)
-                    if name == "memkv get":
-                        assert bytes(dst[:4096]) == bytes(src[:4096]) and dst == src, "memkv get returned wrong bytes"
-        client.close()
-    finally:
-        raw.kill()
-        for x in nodes:
-            x.stop()
-        port_file.unlink(missing_ok=True)
-
-    ratio = {op: [m / r for m, r in zip(rates[f"memkv {op}"], rates[f"raw {op}"])] for op in ("put", "get")}
-    result = {
-        "benchmark": "datapath",
-        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        "machine": f"{platform.node()} {platform.machine()} {os.cpu_count()} cpus, Python {platform.python_version()}",
-        "value_bytes": value_bytes, "values": n, "threads": args.threads, "nodes": args.nodes,
-        "blocks_per_op": bpo, "reps": args.reps,
-        "gbps": {k: v for k, v in rates.items()},
-        "ratio_memkv_over_raw": ratio,
-    }
-    (OUT / "datapath.json").write_text(json.dumps(result, indent=2))
-    print(f"{format_size(value_bytes)} values x {n}, {args.threads} threads, {args.nodes} node(s), "
-          f"{bpo} per batch, {args.reps} reps -- {result['machine']}")
-    print(f"{'op':<10} {'raw GB/s':>10} {'memkv GB/s':>11} {'memkv/raw':>10}   (medians; ratio per rep: min-max)")
-    for op in ("put", "get"):
-        r = ratio[op]
-        print(f"{op:<10} {statistics.median(rates['raw ' + op]):>10.2f} {statistics.median(rates['memkv ' + op]):>11.2f} "
-              f"{statistics.median(r):>10.2f}   ({min(r):.2f}-{max(r):.2f})")
+        plot_sweep(rows, OUT / "scaling.png")
+    except ImportError:
+        print("(matplotlib not installed: no plot)")
 
 
 if __name__ == "__main__":
