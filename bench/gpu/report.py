@@ -1,0 +1,248 @@
+#!/usr/bin/env python3
+"""Tables (markdown) and the plot of docs/performance.md "GPU end to end", from the JSON files
+that bench/gpu/ttft.py and bench/gpu/xfer.py wrote on the GPU host (copied to
+bench/gpu/results/). Runs anywhere (matplotlib only).
+
+  python3 bench/gpu/report.py [--results bench/gpu/results] [--img docs/img/gpu-ttft.png]
+
+Which file plays which role is fixed below (RUNS); the markdown goes to stdout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(os.path.dirname(HERE))
+
+# file -> what it measured (see bench/gpu/stage.md "What ran")
+RUNS = {
+    "run1-4nodes-main-restart.json": "4 nodes, client as shipped (1 MiB receive/verify chunks)",
+    "run2-fs-restart.json": "fs tier engine + a second restart engine on run 1's nodes",
+    "run3-8nodes-main.json": "8 nodes, 32k only (sweep)",
+    "run4-chunk-main-restart.json": "4 nodes, EXPERIMENT: client receive/verify chunk patched to 4 MiB",
+}
+
+
+def load(results: str) -> dict:
+    out = {}
+    for name in RUNS:
+        path = os.path.join(results, name)
+        if os.path.exists(path):
+            with open(path) as f:
+                out[name] = json.load(f)
+    return out
+
+
+def runs_of(doc: dict, role: str | None = None, phase: str | None = None, tokens: int | None = None) -> list:
+    out = []
+    for r_role, eng in doc["engines"].items():
+        if role and r_role != role:
+            continue
+        for r in eng.get("runs", []):
+            if phase and r["phase"] != phase:
+                continue
+            if tokens and r["tokens"] != tokens:
+                continue
+            out.append(r)
+    return out
+
+
+def med(xs):
+    return statistics.median(xs) if xs else None
+
+
+def fmt(xs) -> str:
+    return " / ".join(f"{x:.2f}" for x in xs) if xs else "-"
+
+
+def breakdown(r: dict) -> dict:
+    """Stages of one promotion run (seconds), summing to the run's total."""
+    tl = r["timeline"]
+    total = r["seconds"]
+    sub = tl.get("first_submit_load_s", 0.0)
+    taken = tl.get("last_job_taken_s", sub)
+    # The tier's own job clock (submit_load -> last task done); the manager takes the result at
+    # its next poll (`taken`).
+    done = sub + max(tl["load_job_s"]) if tl.get("load_job_s") else taken
+    return {
+        "lookup": sub,
+        "transfer": done - sub,
+        "notice": taken - done,
+        "to_gpu": total - taken,
+        "total": total,
+        "exists_rounds": tl.get("exists_rounds"),
+        "exists_round_ms": [round(x * 1e3, 1) for x in tl.get("exists_round_s", [])],
+        "gbps": (sum(v for k, v in r.get("tier_counters", {}).items() if "load_bytes" in k) / (done - sub) / 1e9)
+        if done > sub and tl.get("load_job_s") else None,
+    }
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--results", default=os.path.join(HERE, "results"))
+    ap.add_argument("--img", default=os.path.join(REPO, "docs", "img", "gpu-ttft.png"))
+    args = ap.parse_args()
+    docs = load(args.results)
+    r1 = docs["run1-4nodes-main-restart.json"]
+    r2 = docs.get("run2-fs-restart.json")
+    r4 = docs.get("run4-chunk-main-restart.json")
+    kvpt = r1["meta"]["kv_bytes_per_token"]
+
+    # ---- main table ------------------------------------------------------------------------------
+    print("| prompt tokens | KV bytes | recompute | CPU-pool hit | MemKV promotion | MemKV after restart "
+          "| fs tier promotion | recompute / MemKV | fs / MemKV |")
+    print("|---:|---:|---|---|---|---|---|---:|---:|")
+    series = {}
+    for L in (8192, 32768, 65536):
+        rec = [r["seconds"] for r in runs_of(r1, "main", "recompute", L)]
+        cpu = [r["seconds"] for r in runs_of(r1, "main", "cpu_hit", L)]
+        mk = [r["seconds"] for r in runs_of(r1, "main", "memkv", L)]
+        rs = [r["seconds"] for r in runs_of(r1, "restart", "restart_memkv", L)]
+        rs2 = [r["seconds"] for r in runs_of(r2, "restart", "restart_memkv", L)] if r2 else []
+        fs = [r["seconds"] for r in runs_of(r2, "fs", "fs", L)] if r2 else []
+        mk_all = mk + rs + rs2
+        series[L] = {"recompute": rec, "cpu_hit": cpu, "memkv": mk, "restart": rs + rs2, "fs": fs}
+        if r4:
+            series[L]["memkv_c4"] = [r["seconds"] for r in runs_of(r4, "main", "memkv", L)]
+            series[L]["restart_c4"] = [r["seconds"] for r in runs_of(r4, "restart", "restart_memkv", L)]
+        s1 = f"{med(rec) / med(mk_all):.1f}x" if rec and mk_all else "-"
+        s2 = f"{med(fs) / med(mk_all):.1f}x" if fs and mk_all else "-"
+        rs_txt = fmt(rs) + (f"; {fmt(rs2)}" if rs2 else "")
+        print(f"| {L:,} | {L * kvpt / 2**30:g} GiB | {fmt(rec)} s | {fmt(cpu)} s | {fmt(mk)} s | {rs_txt} s "
+              f"| {fmt(fs)} s | {s1} | {s2} |")
+    if r4:
+        print()
+        print("Experiment (run 4, client receive/verify chunk patched from 1 MiB to 4 MiB, same settings otherwise):")
+        print()
+        print("| prompt tokens | recompute | CPU-pool hit | MemKV promotion | MemKV after restart |")
+        print("|---:|---|---|---|---|")
+        for L in (32768, 65536):
+            print(f"| {L:,} | {fmt([r['seconds'] for r in runs_of(r4, 'main', 'recompute', L)])} s "
+                  f"| {fmt([r['seconds'] for r in runs_of(r4, 'main', 'cpu_hit', L)])} s "
+                  f"| {fmt(series[L]['memkv_c4'])} s | {fmt(series[L]['restart_c4'])} s |")
+
+    # ---- breakdown ---------------------------------------------------------------------------------
+    print()
+    print("| 32,768-token promotion | lookup (exists round + steps) | MemKV -> CPU pool | job noticed "
+          "| CPU pool -> GPU + last block + token | total | MemKV -> pool rate |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
+    rows = [("MemKV, run 1 (main)", runs_of(r1, "main", "memkv", 32768)),
+            ("MemKV after restart, runs 1+2", runs_of(r1, "restart", "restart_memkv", 32768)
+             + (runs_of(r2, "restart", "restart_memkv", 32768) if r2 else []))]
+    if r4:
+        rows.append(("MemKV, 4 MiB chunks (run 4 main+restart)", runs_of(r4, "main", "memkv", 32768)
+                     + runs_of(r4, "restart", "restart_memkv", 32768)))
+    bd_plot = {}
+    for label, rr in rows:
+        bds = [breakdown(r) for r in rr]
+        m = {k: med([b[k] for b in bds]) for k in ("lookup", "transfer", "notice", "to_gpu", "total")}
+        g = med([b["gbps"] for b in bds if b["gbps"]])
+        bd_plot[label] = m
+        print(f"| {label} (n={len(bds)}) | {m['lookup'] * 1e3:.0f} ms | {m['transfer'] * 1e3:.0f} ms "
+              f"| {m['notice'] * 1e3:.0f} ms | {m['to_gpu'] * 1e3:.0f} ms | {m['total']:.2f} s | {g:.1f} GB/s |")
+    cpu32 = [r["seconds"] for r in runs_of(r1, "main", "cpu_hit", 32768)] + \
+            ([r["seconds"] for r in runs_of(r2, "fs", "cpu_hit", 32768)] if r2 else [])
+    print(f"| CPU-pool hit (runs 1+2, n={len(cpu32)}) | - | - | - | {med(cpu32) * 1e3:.0f} ms | {med(cpu32):.2f} s | - |")
+    if r2:
+        fsr = runs_of(r2, "fs", "fs", 32768)
+        f_sub = med([r["timeline"].get("first_submit_load_s", 0) for r in fsr])
+        f_taken = med([r["timeline"].get("last_job_taken_s", 0) for r in fsr])
+        f_tot = med([r["seconds"] for r in fsr])
+        bd_plot["fs tier (run 2)"] = {"lookup": f_sub, "transfer": f_taken - f_sub, "notice": 0.0,
+                                      "to_gpu": f_tot - f_taken, "total": f_tot}
+        print(f"| fs tier (run 2, n={len(fsr)}) | {f_sub * 1e3:.0f} ms "
+              f"| {(f_taken - f_sub) * 1e3:.0f} ms (disk -> pool, until taken) "
+              f"| - | {(f_tot - f_taken) * 1e3:.0f} ms | {f_tot:.2f} s | {8 * 2**30 / (f_taken - f_sub) / 1e9:.1f} GB/s |")
+    ex = [breakdown(r) for r in runs_of(r1, "main", "memkv", 32768)]
+    print()
+    print(f"exists rounds per promotion: {sorted({b['exists_rounds'] for b in ex})}, round times "
+          f"{[b['exists_round_ms'] for b in ex]} ms")
+
+    # ---- sweeps --------------------------------------------------------------------------------------
+    print()
+    print("| run | nodes | read threads | blocks_per_op | GIL switch interval | receive/verify chunk | 32k promotion (2 reps) |")
+    print("|---|---:|---:|---:|---:|---:|---|")
+    for name, doc in docs.items():
+        sw = doc["engines"].get("main", {}).get("sweep")
+        if not sw:
+            continue
+        nodes = len(doc["meta"].get("memkv_nodes", []))
+        for s in sw:
+            print(f"| {name.split('-')[0]} | {nodes} | {s['threads']} | {s['blocks_per_op']} | "
+                  f"{s['switch_interval_ms'] or 5} ms | {s.get('verify_chunk_mib') or 1} MiB | {fmt(s['seconds'])} s |")
+
+    xf = os.path.join(args.results, "xfer.json")
+    if os.path.exists(xf):
+        with open(xf) as f:
+            x = json.load(f)
+        print()
+        print(f"xfer.py ({x['args']['values']} x {x['args']['value_mib']} MiB from {x['args']['nodes']} nodes into a "
+              f"{x['buffer']} buffer; put {x['put']['gbps']:.1f} GB/s; host->GPU copy "
+              f"{max(h['gbps'] for h in x.get('h2d', [{'gbps': 0}])):.1f} GB/s)")
+        print()
+        print("| variant | seconds (3 reps) | GB/s (median) |")
+        print("|---|---|---:|")
+        for v in x["variants"]:
+            print(f"| {v['variant']} | {fmt(v['seconds'])} | {v['gbps_median']:.1f} |")
+
+    # ---- plot ------------------------------------------------------------------------------------------
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax, bx) = plt.subplots(1, 2, figsize=(14, 5.2), gridspec_kw={"width_ratios": [1.25, 1]})
+    cats = [("recompute", "recompute (cold)", "#b0b0b0"), ("fs", "vLLM fs tier", "#e39b52"),
+            ("restart", "MemKV after engine restart", "#7aa6d6"), ("memkv", "MemKV promotion", "#2a6db5"),
+            ("cpu_hit", "CPU-pool hit", "#5aa55a")]
+    lengths = [8192, 32768, 65536]
+    w = 0.16
+    for i, (key, label, color) in enumerate(cats):
+        vals = [med(series[L][key]) or 0 for L in lengths]
+        xs = [j + (i - 2) * w for j in range(len(lengths))]
+        bars = ax.bar(xs, vals, w, label=label, color=color)
+        for b, v in zip(bars, vals):
+            if v:
+                ax.text(b.get_x() + b.get_width() / 2, v * 1.04, f"{v:.2f}", ha="center", va="bottom", fontsize=7)
+    ax.set_xticks(range(len(lengths)), [f"{L // 1024}k tokens\n({L * kvpt / 2**30:g} GiB KV)" for L in lengths])
+    ax.set_yscale("log")
+    ax.set_ylabel("time to first token, s (median, log scale)")
+    ax.set_title("Revisited prompt on vLLM 0.25.0, H200, Qwen2.5-32B shape")
+    ax.legend(fontsize=8, loc="upper left")
+    ax.grid(axis="y", alpha=0.3, which="both")
+
+    seg = [("lookup", "lookup", "#999999"), ("transfer", "tier -> CPU pool", "#2a6db5"),
+           ("notice", "job noticed", "#f0c040"), ("to_gpu", "CPU pool -> GPU, last block, token", "#5aa55a")]
+    labels = list(bd_plot) + ["CPU-pool hit"]
+    for yi, lab in enumerate(labels):
+        m = bd_plot.get(lab) or {"lookup": 0, "transfer": 0, "notice": 0, "to_gpu": med(cpu32), "total": med(cpu32)}
+        left = 0.0
+        for k, name, color in seg:
+            if k == "transfer" and lab.startswith("fs"):
+                color = "#e39b52"
+            bx.barh(yi, m[k], left=left, color=color, label=name if yi == 0 else None)
+            left += m[k]
+        bx.text(left + 0.03, yi, f"{m['total']:.2f} s", va="center", fontsize=8)
+    bx.axvline(1.2, color="red", ls="--", lw=1)
+    bx.axvline(0.8, color="red", ls=":", lw=1)
+    bx.text(1.2, len(labels) - 0.4, " 1.2 s", color="red", fontsize=8)
+    bx.text(0.8, len(labels) - 0.4, " 0.8 s", color="red", fontsize=8)
+    bx.set_yticks(range(len(labels)), [lab.replace(" (", "\n(") for lab in labels], fontsize=8)
+    bx.invert_yaxis()
+    bx.set_xlabel("seconds (median)")
+    bx.set_title("Where a 32k-token promotion spends its time")
+    bx.legend(fontsize=7, loc="lower right")
+    bx.set_xlim(0, max(m["total"] for m in bd_plot.values()) * 1.15)
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(args.img), exist_ok=True)
+    fig.savefig(args.img, dpi=110)
+    print(f"\nwrote {args.img}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

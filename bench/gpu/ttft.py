@@ -1,0 +1,938 @@
+#!/usr/bin/env python3
+"""Time to first token of a revisited long prompt on a real vLLM engine, promoted from MemKV.
+
+Runs on a GPU host with vLLM installed (0.25.0 on the H200 host: bench/gpu/stage.md) and this
+repository's `src/` on PYTHONPATH. It starts `--nodes` MemKV nodes on loopback itself, then
+runs each engine in its own child process (so the "restart" engine is a real new process):
+
+  main     one engine with TieringOffloadingSpec + the `memkv` tier. Per prompt:
+             recompute  first sight of the prompt (cold; stores cascade GPU -> CPU pool -> MemKV)
+             cpu_hit    after llm.reset_prefix_cache()                      (GPU cache emptied)
+             memkv      after llm.reset_prefix_cache(reset_connector=True)  (CPU pool emptied too;
+                        the secondary tiers are not reset by vLLM: blocks come back from MemKV)
+           first a sweep of tier settings (read threads x blocks_per_op [x GIL switch interval]
+           [x client receive/verify chunk: an experiment that patches the client]) on its own
+           32k prompt; the best setting is used for every later measurement and the restart.
+  restart  a second engine process, same MemKV nodes, same settings: each prompt once (its
+           GPU cache and CPU pool start empty, so every hit comes from MemKV).
+  fs       a third engine process with vLLM's own `fs` tier instead of memkv (O_DIRECT files
+           under --fs-root), same prompts, same three phases: recompute, cpu_hit, fs.
+
+Every engine runs in-process (VLLM_ENABLE_V1_MULTIPROCESSING=0) so the tier object is
+reachable: its counters (`tier.stats.totals`, the values behind vllm:kv_offload_memkv_*) are
+read back around every run, and so are vLLM's Prometheus metrics (llm.get_metrics()). Greedy
+output (max_tokens=1, top-5 logprobs) must be identical in every phase of a prompt, across
+engines too; a mismatch is reported and makes the exit status 1.
+
+The model is a Qwen2.5-32B-shaped dummy (64 layers, hidden 5120, 40 heads, 8 KV heads,
+intermediate 27648; load_format="dummy", no tokenizer, token-id prompts): 256 KiB of KV per
+token, 16 MiB per 64-token offload block.
+
+Usage (on the GPU host, from the repository root):
+  eval "$(bash bench/gpu/stage.sh env)"; python3 bench/gpu/ttft.py --out-dir $OUT
+  ... --phases fs                       # only the fs engine
+  ... --phases main,restart --keep-nodes   # leave the nodes running for a later invocation
+Output: a table on stdout and <out-dir>/ttft-<phases>.json. bench/gpu/report.py turns one or
+more of those JSON files into the docs table and plot.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import platform
+import random
+import re
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import threading
+import time
+import traceback
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(os.path.dirname(HERE))
+BLOCK_TOKENS = 64
+READY_RE = re.compile(r"memkv node listening on (\S+):(\d+) \(admin (\S+):(\d+)\)")
+
+SHAPES = {
+    # Qwen2.5-32B dimensions (vocab included); max_position_embeddings raised for 64k prompts.
+    "32b": dict(hidden_size=5120, intermediate_size=27648, num_hidden_layers=64, num_attention_heads=40,
+                num_key_value_heads=8, vocab_size=152064),
+    # A toy for smoke tests of this script (8 layers: prefill too cheap to show anything).
+    "toy": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=8, num_attention_heads=16,
+                num_key_value_heads=4, vocab_size=32000),
+}
+
+
+def log(msg: str) -> None:
+    print(f"[ttft {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+# =================================================================================================
+# MemKV nodes (detached processes, so a later invocation can reuse them with --reuse-nodes)
+# =================================================================================================
+
+def start_nodes(n: int, capacity: str, max_value: str, state_dir: str, extra: list[str]) -> dict:
+    os.makedirs(state_dir, exist_ok=True)
+    key = os.urandom(32).hex()
+    env = {**os.environ, "MEMKV_AUTH_KEY": key, "PYTHONUNBUFFERED": "1"}
+    procs = []
+    for i in range(n):
+        path = os.path.join(state_dir, f"node{i}.log")
+        f = open(path, "w")
+        cmd = [sys.executable, "-m", "memkv", "serve", "--listen", "127.0.0.1:0", "--admin-port", "0",
+               "--capacity", capacity, "--max-value-size", max_value, "--node-id", f"bench{i}", *extra]
+        p = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        f.close()
+        procs.append((p, path))
+    nodes = []
+    deadline = time.monotonic() + 60
+    for p, path in procs:
+        while True:
+            text = open(path).read()
+            m = READY_RE.search(text)
+            if m:
+                nodes.append({"pid": p.pid, "address": f"{m.group(1)}:{m.group(2)}", "admin": int(m.group(4)), "log": path})
+                break
+            if p.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"memkv node did not start:\n{text[-3000:]}")
+            time.sleep(0.05)
+    state = {"key": key, "nodes": nodes, "capacity": capacity, "max_value": max_value}
+    with open(os.path.join(state_dir, "nodes.json"), "w") as f:
+        json.dump(state, f)
+    log(f"started {n} memkv nodes: {[x['address'] for x in nodes]} (capacity {capacity} each)")
+    return state
+
+
+def stop_nodes(state: dict) -> None:
+    for node in state["nodes"]:
+        try:
+            os.kill(node["pid"], signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+    deadline = time.monotonic() + 10
+    for node in state["nodes"]:
+        while time.monotonic() < deadline:
+            try:
+                os.kill(node["pid"], 0)
+            except ProcessLookupError:
+                break
+            time.sleep(0.1)
+        else:
+            try:
+                os.kill(node["pid"], signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+def node_status(state: dict) -> list:
+    out = []
+    try:
+        from memkv.cli import fetch_status
+    except Exception as exc:  # pragma: no cover - informational only
+        return [f"fetch_status unavailable: {exc}"]
+    for node in state["nodes"]:
+        try:
+            out.append(fetch_status("127.0.0.1", node["admin"]))
+        except Exception as exc:
+            out.append({"address": node["address"], "error": str(exc)})
+    return out
+
+
+# =================================================================================================
+# Engine child: one vLLM engine, in-process, measuring a list of runs
+# =================================================================================================
+
+def prompt_ids(length: int, seed: int, vocab: int) -> list[int]:
+    r = random.Random(seed)
+    return [r.randrange(3, vocab) for _ in range(length)]
+
+
+def prompt_seed(length: int, rep: int) -> int:
+    return 1_000_003 * length + rep  # the same prompt in every engine process
+
+
+def sweep_seed(length: int) -> int:
+    return 7_777_777 + length
+
+
+class TierProbe:
+    """Wrappers installed on the secondary tier object (in-process engine) to timestamp the
+    stages of a promotion: first lookup, exists rounds (memkv), submit_load, job completion
+    (the tier's own job clock), and when the manager took the finished job."""
+
+    def __init__(self, tier, kind: str) -> None:
+        self.tier = tier
+        self.kind = kind
+        self.events: list[tuple] = []
+        self._lock = threading.Lock()
+        self._first_lookup = None
+        self.installed: list[str] = []
+        self._install()
+
+    def ev(self, *e) -> None:
+        with self._lock:
+            self.events.append((time.perf_counter(), *e))
+
+    def reset(self) -> None:
+        with self._lock:
+            self.events = []
+        self._first_lookup = None
+
+    def _install(self) -> None:
+        tier = self.tier
+        try:
+            orig_lookup = tier.lookup
+
+            def lookup(key, req_context, _o=orig_lookup):
+                if self._first_lookup is None:
+                    self._first_lookup = time.perf_counter()
+                    self.ev("first_lookup")
+                return _o(key, req_context)
+
+            tier.lookup = lookup
+            self.installed.append("lookup")
+        except Exception as exc:
+            log(f"probe: lookup wrapper failed: {exc}")
+        try:
+            orig_submit = tier.submit_load
+
+            def submit_load(job, _o=orig_submit):
+                self.ev("submit_load", len(job.keys))
+                return _o(job)
+
+            tier.submit_load = submit_load
+            self.installed.append("submit_load")
+        except Exception as exc:
+            log(f"probe: submit_load wrapper failed: {exc}")
+        try:
+            orig_gfj = tier.get_finished_jobs
+
+            def get_finished_jobs(_o=orig_gfj):
+                res = list(_o())
+                for r in res:
+                    self.ev("job_taken", getattr(r, "job_id", None), bool(getattr(r, "success", True)),
+                            getattr(r, "transfer_time", None), getattr(r, "transfer_bytes", None))
+                return res
+
+            tier.get_finished_jobs = get_finished_jobs
+            self.installed.append("get_finished_jobs")
+        except Exception as exc:
+            log(f"probe: get_finished_jobs wrapper failed: {exc}")
+        if self.kind == "memkv":
+            try:
+                lk = tier._lookup
+                orig_probe = lk._probe
+
+                def probe(keys, _o=orig_probe):
+                    t = time.perf_counter()
+                    r = _o(keys)
+                    self.ev("probe", t, len(keys), int(sum(bool(x) for x in r)))
+                    return r
+
+                lk._probe = probe
+                self.installed.append("exists_probe")
+            except Exception as exc:
+                log(f"probe: exists wrapper failed: {exc}")
+            self.wrap_pool(tier._pool)
+
+    def wrap_pool(self, pool) -> None:
+        try:
+            orig_take = pool.take_finished
+
+            def take_finished(_o=orig_take):
+                fins = _o()
+                for f in fins:
+                    self.ev("job_done", f.kind, f.seconds, len(f.keys), int(sum(f.ok)))
+                return fins
+
+            pool.take_finished = take_finished
+            self.installed.append("pool")
+        except Exception as exc:
+            log(f"probe: pool wrapper failed: {exc}")
+
+    def timeline(self, t0: float, t1: float) -> dict:
+        """Stages of the run that started at t0 and returned at t1 (seconds from t0)."""
+        with self._lock:
+            evs = list(self.events)
+        out: dict = {"total_s": t1 - t0}
+        first = [e for e in evs if e[1] == "first_lookup"]
+        if first:
+            out["first_lookup_s"] = first[0][0] - t0
+        probes = [e for e in evs if e[1] == "probe"]
+        if probes:
+            out["exists_rounds"] = len(probes)
+            out["exists_keys"] = sum(e[3] for e in probes)
+            out["exists_hits"] = sum(e[4] for e in probes)
+            out["exists_round_s"] = [round(e[0] - e[2], 6) for e in probes]
+            out["last_exists_end_s"] = probes[-1][0] - t0
+        subs = [e for e in evs if e[1] == "submit_load"]
+        if subs:
+            out["load_jobs"] = len(subs)
+            out["load_blocks"] = sum(e[2] for e in subs)
+            out["first_submit_load_s"] = subs[0][0] - t0
+            out["last_submit_load_s"] = subs[-1][0] - t0
+        done = [e for e in evs if e[1] == "job_done" and e[2] == "load"]
+        if done:
+            out["load_job_s"] = [round(e[3], 6) for e in done]
+            out["load_done_s"] = max(e[0] for e in done) - t0  # when the tier handed it over
+            out["load_job_blocks_ok"] = sum(e[5] for e in done)
+        taken = [e for e in evs if e[1] == "job_taken"]
+        if taken:
+            out["jobs_taken"] = len(taken)
+            out["last_job_taken_s"] = taken[-1][0] - t0
+            tt = [e[4] for e in taken if e[4] is not None]
+            if tt:
+                out["job_transfer_time_s"] = [round(x, 6) for x in tt]
+        return out
+
+
+def find_manager(llm):
+    """The TieringOffloadingManager of an in-process engine (vLLM 0.25 attribute chain, with a
+    bounded search as fallback for other releases)."""
+    try:
+        ec = llm.llm_engine.engine_core.engine_core
+        sched = ec.scheduler
+        conn = sched.connector
+        mgr = conn.connector_scheduler.manager
+        if hasattr(mgr, "secondary_tiers"):
+            return mgr, sched, conn
+    except Exception:
+        pass
+    seen, frontier = set(), [llm]
+    sched = conn = None
+    for _ in range(8):
+        nxt = []
+        for obj in frontier:
+            if id(obj) in seen:
+                continue
+            seen.add(id(obj))
+            if hasattr(obj, "secondary_tiers") and hasattr(obj, "primary_tier"):
+                return obj, sched, conn
+            if type(obj).__name__ == "Scheduler" and hasattr(obj, "connector"):
+                sched = obj
+                conn = obj.connector
+            d = getattr(obj, "__dict__", None)
+            if d:
+                nxt.extend(v for v in d.values() if hasattr(v, "__dict__") and not isinstance(v, type))
+        frontier = nxt
+    raise RuntimeError("cannot find the TieringOffloadingManager (is VLLM_ENABLE_V1_MULTIPROCESSING=0 set?)")
+
+
+def metrics_snapshot(llm) -> dict:
+    """{name{labels}: value} of vLLM's kv-offload Prometheus series (counters, histogram sums/counts)."""
+    out = {}
+    try:
+        for m in llm.get_metrics():
+            if "kv_offload" not in m.name and "prefix_cache" not in m.name:
+                continue
+            lab = ",".join(f"{k}={v}" for k, v in sorted((m.labels or {}).items()) if k not in ("engine", "model_name"))
+            key = f"{m.name}{{{lab}}}"
+            if hasattr(m, "value"):
+                out[key] = float(m.value)
+            elif hasattr(m, "count"):
+                out[key + ":count"] = float(m.count)
+                out[key + ":sum"] = float(m.sum)
+    except Exception as exc:
+        out["_error"] = repr(exc)
+    return out
+
+
+def diff(after: dict, before: dict) -> dict:
+    d = {}
+    for k, v in after.items():
+        if isinstance(v, (int, float)):
+            dv = v - before.get(k, 0.0)
+            if dv:
+                d[k] = dv
+    return d
+
+
+def tier_totals(tier) -> dict:
+    try:
+        with tier.stats._lock:
+            return {f"{n}{{{','.join(labels)}}}": float(v) for (n, labels), v in tier.stats.totals.items()}
+    except Exception:
+        return {}
+
+
+def engine_child(spec: dict) -> int:
+    out_path = spec["out"]
+    result: dict = {"role": spec["role"], "spec": {k: v for k, v in spec.items() if k != "out"}, "runs": [],
+                    "errors": []}
+
+    def save():
+        tmp = out_path + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump(result, f, indent=1)
+        os.replace(tmp, out_path)
+
+    deadline = spec.get("deadline") or 1e18
+    shape = SHAPES[spec["shape"]]
+    vocab = shape["vocab_size"]
+    max_tokens_prompt = max(spec["tokens"] + ([spec["sweep_tokens"]] if spec.get("sweep") else []))
+    model_dir = f"/tmp/ttft_model_{spec['shape']}"
+    os.makedirs(model_dir, exist_ok=True)
+    cfg = {
+        "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", **shape,
+        "max_position_embeddings": 131072, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
+        "torch_dtype": "bfloat16", "tie_word_embeddings": False, "bos_token_id": 151643,
+        "eos_token_id": 151643, "hidden_act": "silu", "max_window_layers": 64, "use_sliding_window": False,
+        "sliding_window": None, "attention_dropout": 0.0, "initializer_range": 0.02, "use_cache": True,
+    }
+    with open(os.path.join(model_dir, "config.json"), "w") as f:
+        json.dump(cfg, f)
+
+    tier_kind = spec["tier"]["type"]
+    if tier_kind == "memkv":
+        import memkv_vllm  # registers tier type `memkv` (what the vllm.general_plugins entry point does)
+
+        memkv_vllm.register()
+        try:
+            from importlib.metadata import entry_points
+
+            result["entry_point_visible"] = any(e.name == "memkv_tier" for e in entry_points(group="vllm.general_plugins"))
+        except Exception:
+            result["entry_point_visible"] = None
+    if tier_kind == "fs":
+        shutil.rmtree(spec["tier"]["root_dir"], ignore_errors=True)
+        os.makedirs(spec["tier"]["root_dir"], exist_ok=True)
+
+    import torch
+    import vllm
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    result["versions"] = {"vllm": vllm.__version__, "torch": torch.__version__, "python": platform.python_version()}
+    try:
+        result["gpu"] = torch.cuda.get_device_name(0)
+    except Exception:
+        result["gpu"] = None
+
+    ktc = {
+        "kv_connector": "OffloadingConnector", "kv_role": "kv_both",
+        "kv_connector_extra_config": {
+            "spec_name": "TieringOffloadingSpec",
+            "cpu_bytes_to_use": int(spec["cpu_gib"] * 2**30),
+            "block_size": BLOCK_TOKENS,
+            "secondary_tiers": [spec["tier"]],
+        },
+    }
+    kw = dict(model=model_dir, load_format="dummy", skip_tokenizer_init=True, kv_transfer_config=ktc,
+              gpu_memory_utilization=spec["gpu_util"], max_model_len=max_tokens_prompt + 64,
+              enable_prefix_caching=True, enforce_eager=spec["eager"], seed=0, disable_log_stats=False)
+    if spec.get("max_num_batched_tokens"):
+        kw["max_num_batched_tokens"] = spec["max_num_batched_tokens"]
+    t = time.perf_counter()
+    llm = LLM(**kw)
+    result["engine_init_s"] = time.perf_counter() - t
+    try:
+        result["instance_id"] = llm.llm_engine.vllm_config.instance_id
+    except Exception:
+        result["instance_id"] = None
+    save()
+    log(f"[{spec['role']}] engine up in {result['engine_init_s']:.1f} s")
+    try:
+        sc = llm.llm_engine.vllm_config.scheduler_config
+        result["scheduler"] = {"max_num_batched_tokens": sc.max_num_batched_tokens,
+                               "async_scheduling": getattr(sc, "async_scheduling", None)}
+        cc = llm.llm_engine.vllm_config.cache_config
+        result["gpu_kv_blocks"] = getattr(cc, "num_gpu_blocks", None)
+    except Exception as exc:
+        result["errors"].append(f"config read: {exc!r}")
+
+    mgr, sched, conn = find_manager(llm)
+    tier = mgr.secondary_tiers[0]
+    result["tier_class"] = type(tier).__name__
+    try:
+        result["primary_blocks"] = mgr.primary_tier.get_kv_memoryview().shape[0]
+    except Exception:
+        result["primary_blocks"] = None
+    probe = TierProbe(tier, tier_kind)
+    result["probe_installed"] = probe.installed
+    log(f"[{spec['role']}] tier {type(tier).__name__}; instrumented: {probe.installed}")
+
+    sp = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False, logprobs=5)
+    sp_plain = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
+    use_logprobs = [True]
+
+    def generate(ids):
+        p = TokensPrompt(prompt_token_ids=ids)
+        if use_logprobs[0]:
+            try:
+                return llm.generate([p], sp, use_tqdm=False)[0]
+            except Exception as exc:
+                result["errors"].append(f"logprobs disabled: {exc!r}")
+                use_logprobs[0] = False
+        return llm.generate([p], sp_plain, use_tqdm=False)[0]
+
+    tiny_rng = random.Random(99)
+
+    def pending() -> bool:
+        try:
+            return bool(conn.has_pending_push_work())
+        except Exception:
+            return bool(mgr.has_pending_work())
+
+    settle_limit = [60.0]
+
+    def settle() -> float:
+        """Step the engine until no GPU<->CPU job and no tier job is pending (in-process, the
+        engine only steps while something drives it). Returns the seconds it took."""
+        t = time.perf_counter()
+        n = 0
+        limit_s = settle_limit[0]
+        while pending() and time.perf_counter() - t < limit_s:
+            try:
+                llm.llm_engine.step()
+            except Exception:
+                generate([tiny_rng.randrange(3, vocab) for _ in range(8)])  # < 1 block: stores nothing
+            n += 1
+            if n % 50 == 0:
+                time.sleep(0.005)
+        if pending():
+            result["errors"].append(f"settle: still pending after {limit_s} s")
+            settle_limit[0] = 3.0  # something never settles: do not let it eat the budget
+        return time.perf_counter() - t
+
+    def one_run(phase: str, tokens: int, rep: int, ids: list[int], extra: dict | None = None) -> dict:
+        before_t = tier_totals(tier)
+        before_m = metrics_snapshot(llm)
+        probe.reset()
+        t0 = time.perf_counter()
+        out = generate(ids)
+        t1 = time.perf_counter()
+        comp = out.outputs[0]
+        rec = {"phase": phase, "tokens": tokens, "rep": rep, "seconds": t1 - t0, "token_ids": list(comp.token_ids),
+               "num_cached_tokens": getattr(out, "num_cached_tokens", None)}
+        try:
+            if comp.logprobs:
+                lp = comp.logprobs[0]
+                rec["top5"] = [[int(k), float(v.logprob)] for k, v in sorted(lp.items(), key=lambda kv: -kv[1].logprob)]
+        except Exception as exc:
+            rec["top5_error"] = repr(exc)
+        rec["timeline"] = probe.timeline(t0, t1)
+        rec["tier_counters"] = diff(tier_totals(tier), before_t)
+        rec["prom"] = diff(metrics_snapshot(llm), before_m)
+        if extra:
+            rec.update(extra)
+        result["runs"].append(rec)
+        tl = rec["timeline"]
+        lb = sum(v for k, v in rec["tier_counters"].items() if "load_bytes" in k)
+        log(f"[{spec['role']}] {phase:<14} {tokens:>6} tok rep{rep}: {rec['seconds']:.3f} s  tok={rec['token_ids']} "
+            f"cached={rec['num_cached_tokens']} memkv_load={lb / 2**30:.2f} GiB  "
+            f"submit@{tl.get('first_submit_load_s', float('nan')):.3f} job={tl.get('load_job_s')} "
+            f"taken@{tl.get('last_job_taken_s', float('nan')):.3f}")
+        save()
+        return rec
+
+    def reset(connector: bool) -> float:
+        t = time.perf_counter()
+        ok = llm.reset_prefix_cache(reset_connector=True) if connector else llm.reset_prefix_cache()
+        if ok is False:
+            result["errors"].append(f"reset_prefix_cache(reset_connector={connector}) returned False")
+        return time.perf_counter() - t
+
+    def apply_setting(threads: int, bpo: int, si_ms: float | None, chunk_mib: int | None = None) -> None:
+        import dataclasses
+
+        from memkv_vllm.transfers import TransferPool
+
+        tier.drain_jobs()
+        if tier.settings.n_read_threads != threads:
+            old = tier._pool
+            new = TransferPool(threads, tier.settings.n_write_threads, tier.settings.load_failure_grace_s)
+            probe.wrap_pool(new)
+            tier._pool = new
+            old.shutdown()
+        tier.settings = dataclasses.replace(tier.settings, n_read_threads=threads, blocks_per_op=bpo)
+        sys.setswitchinterval((si_ms if si_ms else 5.0) / 1000.0)
+        result.setdefault("verify_chunk_bytes", []).append(set_verify_chunk(chunk_mib or spec.get("verify_chunk_mib")))
+
+    try:
+        # Warm-up: kernels, allocator, the tier's connections (not measured).
+        for n in (512, 4096):
+            generate(prompt_ids(n, 424242 + n, vocab))
+        settle()
+        if spec.get("switch_interval_ms"):
+            sys.setswitchinterval(spec["switch_interval_ms"] / 1000.0)
+        if tier_kind == "memkv" and spec.get("verify_chunk_mib"):
+            result["verify_chunk_bytes"] = [set_verify_chunk(spec["verify_chunk_mib"])]
+
+        # ---- sweep of tier settings (main engine, memkv) -----------------------------------------
+        if spec.get("sweep") and tier_kind == "memkv":
+            L = spec["sweep_tokens"]
+            ids = prompt_ids(L, sweep_seed(L), vocab)
+            one_run("sweep_recompute", L, 0, ids)
+            settle()
+            sweep = []
+            for item in spec["sweep"]:
+                if time.time() > deadline - spec.get("reserve_s", 0):
+                    result["errors"].append("sweep cut short by the deadline")
+                    break
+                threads, bpo, si, chunk = item
+                apply_setting(threads, bpo, si, chunk)
+                times = []
+                for r in range(spec.get("sweep_reps", 2)):
+                    reset(True)
+                    rec = one_run("sweep_memkv", L, r, ids, {"setting": {"threads": threads, "blocks_per_op": bpo,
+                                                                       "switch_interval_ms": si,
+                                                                       "verify_chunk_mib": chunk}})
+                    times.append(rec["seconds"])
+                    settle()
+                sweep.append({"threads": threads, "blocks_per_op": bpo, "switch_interval_ms": si,
+                              "verify_chunk_mib": chunk, "seconds": times})
+            result["sweep"] = sweep
+            if sweep:
+                best = min(sweep, key=lambda s: statistics.median(s["seconds"]))
+                result["best"] = best
+                log(f"[{spec['role']}] best setting: {best}")
+                apply_setting(best["threads"], best["blocks_per_op"], best["switch_interval_ms"],
+                              best.get("verify_chunk_mib"))
+            save()
+
+        # ---- the matrix ----------------------------------------------------------------------------
+        phases = spec["phases"]
+        for L in spec["tokens"]:
+            for rep in range(spec["reps"]):
+                if time.time() > deadline:
+                    result["errors"].append(f"deadline: skipped {L} rep{rep} and later")
+                    raise TimeoutError("deadline")
+                ids = prompt_ids(L, prompt_seed(L, rep), vocab)
+                if "restart" in phases:
+                    one_run("restart_" + tier_kind, L, rep, ids)
+                    settle()
+                    continue
+                one_run("recompute", L, rep, ids)
+                result.setdefault("settle_after_recompute_s", []).append(settle())
+                if "cpu_hit" in phases:
+                    reset(False)
+                    one_run("cpu_hit", L, rep, ids)
+                    settle()
+                rs = reset(True)  # drains the tier's stores, empties the CPU pool
+                one_run(tier_kind, L, rep, ids, {"reset_s": rs})
+                settle()
+                if tier_kind == "fs" and spec.get("fs_clean", True):
+                    # Free the disk for the next prompt (this prompt is not revisited by this engine).
+                    shutil.rmtree(spec["tier"]["root_dir"], ignore_errors=True)
+                    os.makedirs(spec["tier"]["root_dir"], exist_ok=True)
+    except TimeoutError:
+        pass
+    except Exception:
+        result["errors"].append(traceback.format_exc())
+        log(traceback.format_exc())
+    result["tier_totals"] = tier_totals(tier)
+    result["prom_final"] = metrics_snapshot(llm)
+    save()
+    log(f"[{spec['role']}] done; errors: {len(result['errors'])}")
+    # The CPU pool is a /dev/shm file that vLLM unlinks only on a clean shutdown.
+    try:
+        iid = result.get("instance_id")
+        for path in glob.glob(f"/dev/shm/vllm_offload_{glob.escape(iid)}*") if iid else []:
+            os.unlink(path)
+    except Exception as exc:
+        log(f"could not unlink the CPU pool file: {exc!r}")
+    # Exit without tearing the engine down politely: a stuck shutdown must not eat the budget.
+    sys.stdout.flush()
+    os._exit(0)
+
+
+# =================================================================================================
+# Orchestrator
+# =================================================================================================
+
+def parse_sweep(text: str) -> list:
+    """'16x1,16x2s0.5,16x4c4' -> [(16,1,None,None),(16,2,0.5,None),(16,4,None,4)]: read threads x
+    blocks_per_op [c receive/verify chunk in MiB (experiment: patches the client)] [s GIL switch
+    interval in ms]."""
+    out = []
+    for item in filter(None, (s.strip() for s in text.split(","))):
+        m = re.fullmatch(r"(\d+)x(\d+)(?:c(\d+))?(?:s([\d.]+))?", item)
+        if not m:
+            raise SystemExit(f"bad sweep item {item!r}")
+        out.append((int(m.group(1)), int(m.group(2)), float(m.group(4)) if m.group(4) else None,
+                    int(m.group(3)) if m.group(3) else None))
+    return out
+
+
+def set_verify_chunk(mib: int | None) -> int:
+    """EXPERIMENT: the client receives a value in chunks of memkv.client.node._VERIFY_CHUNK (1 MiB)
+    and hashes each chunk; every chunk costs two GIL round trips. Returns the chunk in force."""
+    from memkv.client import node as nodemod
+
+    if not hasattr(nodemod, "_VERIFY_CHUNK"):
+        log("verify-chunk experiment unavailable: memkv.client.node has no _VERIFY_CHUNK")
+        return 0
+    if not hasattr(nodemod, "_DEFAULT_VERIFY_CHUNK"):
+        nodemod._DEFAULT_VERIFY_CHUNK = nodemod._VERIFY_CHUNK
+    nodemod._VERIFY_CHUNK = (mib << 20) if mib else nodemod._DEFAULT_VERIFY_CHUNK
+    return nodemod._VERIFY_CHUNK
+
+
+def host_info() -> dict:
+    info = {"date_utc": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "cpus": os.cpu_count(),
+            "python": platform.python_version()}
+    try:
+        info["gpu"] = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total,driver_version", "--format=csv,noheader"],
+                                     capture_output=True, text=True, timeout=20).stdout.strip()
+    except Exception as exc:
+        info["gpu"] = repr(exc)
+    try:
+        with open("/proc/meminfo") as f:
+            info["mem_total_gib"] = round(int(f.readline().split()[1]) / 2**20, 1)
+    except Exception:
+        pass
+    return info
+
+
+def run_child(spec: dict, env: dict, timeout_s: float) -> dict | None:
+    spec_path = spec["out"] + ".spec"
+    with open(spec_path, "w") as f:
+        json.dump(spec, f)
+    t = time.perf_counter()
+    try:
+        rc = subprocess.run([sys.executable, os.path.abspath(__file__), "--engine-child", spec_path], env=env,
+                            timeout=timeout_s).returncode
+    except subprocess.TimeoutExpired:
+        rc = "timeout"
+    wall = time.perf_counter() - t
+    log(f"engine {spec['role']}: exit {rc} after {wall:.1f} s")
+    try:
+        with open(spec["out"]) as f:
+            res = json.load(f)
+    except Exception:
+        return {"role": spec["role"], "runs": [], "errors": [f"no result (exit {rc})"], "wall_s": wall}
+    # A killed child leaves its CPU pool file in /dev/shm (only this engine's: others may share the host).
+    if res.get("instance_id"):
+        for path in glob.glob(f"/dev/shm/vllm_offload_{glob.escape(res['instance_id'])}*"):
+            try:
+                os.unlink(path)
+                log(f"removed leftover {path}")
+            except OSError:
+                pass
+    res["wall_s"] = wall
+    res["exit"] = rc
+    return res
+
+
+def summarize(engines: dict) -> tuple[list, list]:
+    """Rows per prompt length and the output-consistency problems."""
+    by = {}
+    outputs = {}
+    top5_agreement = []
+    for role, res in engines.items():
+        for r in res.get("runs", []):
+            if r["phase"].startswith("sweep"):
+                key = ("sweep", r["tokens"], 0)
+                outputs.setdefault(key, []).append((role, r["phase"], r["token_ids"], r.get("top5")))
+                continue
+            by.setdefault(r["tokens"], {}).setdefault(r["phase"], []).append(r["seconds"])
+            outputs.setdefault(("p", r["tokens"], r["rep"]), []).append((role, r["phase"], r["token_ids"], r.get("top5")))
+    problems = []
+    for key, outs in sorted(outputs.items()):
+        toks = {tuple(o[2]) for o in outs}
+        if len(toks) > 1:
+            problems.append({"prompt": list(key), "outputs": [(o[0], o[1], o[2]) for o in outs]})
+        # Top-5 logprobs: served-from-cache phases compute the same last block from the same KV
+        # bytes, so they should agree bit for bit; recompute may differ in the last bits.
+        hit = {json.dumps(o[3]) for o in outs if o[3] is not None and "recompute" not in o[1]}
+        allp = {json.dumps(o[3]) for o in outs if o[3] is not None}
+        top5_agreement.append({"prompt": list(key), "phases": len(outs), "distinct_top5_hits": len(hit),
+                               "distinct_top5_all": len(allp)})
+    rows = []
+    for L in sorted(by):
+        rows.append({"tokens": L, **{ph: v for ph, v in by[L].items()}})
+    return rows, problems, top5_agreement
+
+
+def fmt_times(v) -> str:
+    if not v:
+        return "-"
+    return " / ".join(f"{x:.2f}" for x in v)
+
+
+def print_table(rows: list) -> None:
+    cols = [("recompute", "recompute"), ("cpu_hit", "CPU-pool hit"), ("memkv", "MemKV promotion"),
+            ("restart_memkv", "MemKV after restart"), ("fs", "fs tier promotion")]
+    head = "| tokens | " + " | ".join(c[1] for c in cols) + " | recompute/MemKV | fs/MemKV |"
+    print(head)
+    print("|" + "---|" * (len(cols) + 3))
+    for r in rows:
+        mk = r.get("memkv") or r.get("restart_memkv")
+        rc = r.get("recompute")
+        fs = r.get("fs")
+        s1 = f"{statistics.median(rc) / statistics.median(mk):.1f}x" if rc and mk else "-"
+        s2 = f"{statistics.median(fs) / statistics.median(mk):.1f}x" if fs and mk else "-"
+        print(f"| {r['tokens']:,} | " + " | ".join(fmt_times(r.get(c[0])) for c in cols) + f" | {s1} | {s2} |")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--engine-child", help=argparse.SUPPRESS)
+    ap.add_argument("--phases", default="main,restart,fs", help="engines to run, in order: main,restart,fs")
+    ap.add_argument("--tokens", default="8192,32768,65536")
+    ap.add_argument("--reps", type=int, default=2)
+    ap.add_argument("--fs-tokens", default=None, help="prompt lengths for the fs engine (default: --tokens)")
+    ap.add_argument("--fs-reps", type=int, default=None)
+    ap.add_argument("--shape", default="32b", choices=sorted(SHAPES))
+    ap.add_argument("--nodes", type=int, default=4)
+    ap.add_argument("--node-capacity", default="20GiB")
+    ap.add_argument("--max-value-size", default="64MiB")
+    ap.add_argument("--node-args", default="", help="extra `memkv serve` arguments")
+    ap.add_argument("--pool-size", type=int, default=16, help="client connections per node (MEMKV_CONFIG pool_size)")
+    ap.add_argument("--read-threads", type=int, default=16)
+    ap.add_argument("--write-threads", type=int, default=8)
+    ap.add_argument("--blocks-per-op", type=int, default=2)
+    ap.add_argument("--store-backlog-mb", type=int, default=12288)
+    ap.add_argument("--switch-interval-ms", type=float, default=None, help="sys.setswitchinterval in the engine process")
+    ap.add_argument("--verify-chunk-mib", type=int, default=None,
+                    help="EXPERIMENT: patch the client's receive/verify chunk (default: the client's 1 MiB)")
+    ap.add_argument("--sweep", default="16x1,16x2,16x4,16x8,8x2,32x2,16x1s0.5,16x2s0.5",
+                    help="main engine: read threads x blocks_per_op [s switch interval ms]; '' skips the sweep")
+    ap.add_argument("--sweep-tokens", type=int, default=32768)
+    ap.add_argument("--sweep-reps", type=int, default=2)
+    ap.add_argument("--cpu-gib", type=float, default=24.0)
+    ap.add_argument("--gpu-util", type=float, default=0.88)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=None)
+    ap.add_argument("--no-eager", action="store_true")
+    ap.add_argument("--fs-root", default="/tmp/ttft-fs")
+    ap.add_argument("--fs-threads", type=int, default=16)
+    ap.add_argument("--state-dir", default="/tmp/ttft-state")
+    ap.add_argument("--keep-nodes", action="store_true", help="leave the nodes running (detached) for a later invocation")
+    ap.add_argument("--reuse-nodes", action="store_true", help="use the nodes recorded in --state-dir")
+    ap.add_argument("--out-dir", default=os.environ.get("OUT", "bench/out"))
+    ap.add_argument("--budget-s", type=float, default=560.0, help="wall-clock budget of this invocation")
+    args = ap.parse_args()
+
+    if args.engine_child:
+        with open(args.engine_child) as f:
+            return engine_child(json.load(f))
+
+    t_start = time.time()
+    deadline = t_start + args.budget_s
+    phases = [p for p in args.phases.split(",") if p]
+    tokens = [int(x) for x in args.tokens.split(",") if x]
+    fs_tokens = [int(x) for x in args.fs_tokens.split(",")] if args.fs_tokens else tokens
+    os.makedirs(args.out_dir, exist_ok=True)
+    os.makedirs(args.state_dir, exist_ok=True)
+    tag = "-".join(phases)
+    shape = SHAPES[args.shape]
+    kv_per_token = 2 * shape["num_hidden_layers"] * shape["num_key_value_heads"] * 128 * 2  # K+V, head_dim 128, bf16
+    meta = {"host": host_info(), "args": vars(args), "block_tokens": BLOCK_TOKENS, "kv_bytes_per_token": kv_per_token}
+    log(f"host: {meta['host']}")
+
+    state = None
+    need_nodes = any(p in ("main", "restart") for p in phases)
+    if need_nodes:
+        if args.reuse_nodes:
+            with open(os.path.join(args.state_dir, "nodes.json")) as f:
+                state = json.load(f)
+            log(f"reusing memkv nodes {[n['address'] for n in state['nodes']]}")
+        else:
+            state = start_nodes(args.nodes, args.node_capacity, args.max_value_size, args.state_dir,
+                                args.node_args.split())
+    env = {**os.environ, "PYTHONHASHSEED": "0", "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+           "VLLM_USE_FLASHINFER_SAMPLER": "0", "VLLM_NO_USAGE_STATS": "1", "PYTHONUNBUFFERED": "1",
+           "TOKENIZERS_PARALLELISM": "false"}
+    if state:
+        cfg_path = os.path.join(args.state_dir, "client.yaml")
+        with open(cfg_path, "w") as f:
+            f.write(f"pool_size: {args.pool_size}\nio_timeout_s: 30\n")
+        env.update(MEMKV_SERVERS=",".join(n["address"] for n in state["nodes"]), MEMKV_AUTH_KEY=state["key"],
+                   MEMKV_CONFIG=cfg_path)
+        meta["memkv_nodes"] = [n["address"] for n in state["nodes"]]
+
+    memkv_tier = {"type": "memkv", "n_read_threads": args.read_threads, "n_write_threads": args.write_threads,
+                  "blocks_per_op": args.blocks_per_op, "max_store_backlog_mb": args.store_backlog_mb}
+    common = dict(shape=args.shape, cpu_gib=args.cpu_gib, gpu_util=args.gpu_util, eager=not args.no_eager,
+                  max_num_batched_tokens=args.max_num_batched_tokens, switch_interval_ms=args.switch_interval_ms,
+                  verify_chunk_mib=args.verify_chunk_mib)
+    engines: dict = {}
+    out_json = os.path.join(args.out_dir, f"ttft-{tag}.json")
+
+    def save():
+        rows, problems, top5 = summarize(engines)
+        doc = {"meta": meta, "engines": engines, "rows": rows, "output_mismatches": problems,
+               "top5_agreement": top5, "elapsed_s": time.time() - t_start}
+        with open(out_json, "w") as f:
+            json.dump(doc, f, indent=1)
+        return rows, problems
+
+    # Each engine leaves time for the ones after it (engine start included).
+    need = {"main": 250.0, "restart": 100.0, "fs": 170.0}
+    reserve = {role: sum(need.get(r, 0.0) for r in phases[i + 1:]) for i, role in enumerate(phases)}
+    try:
+        for role in phases:
+            left = deadline - time.time()
+            if left < 60:
+                log(f"skipping engine {role}: {left:.0f} s left")
+                engines[role] = {"role": role, "runs": [], "errors": ["skipped: out of time"]}
+                continue
+            if role == "main":
+                spec = dict(common, role="main", tier=dict(memkv_tier), tokens=tokens, reps=args.reps,
+                            phases=["cpu_hit"], sweep=parse_sweep(args.sweep) if args.sweep else [],
+                            sweep_tokens=args.sweep_tokens, sweep_reps=args.sweep_reps)
+            elif role == "restart":
+                tier = dict(memkv_tier)
+                best = engines.get("main", {}).get("best")
+                if best is None:
+                    try:  # a previous invocation's main engine, same state dir
+                        with open(os.path.join(args.state_dir, "best.json")) as f:
+                            best = json.load(f)
+                    except Exception:
+                        best = None
+                sw = args.switch_interval_ms
+                vc = args.verify_chunk_mib
+                if best:
+                    tier.update(n_read_threads=best["threads"], blocks_per_op=best["blocks_per_op"])
+                    sw = best.get("switch_interval_ms") or sw
+                    vc = best.get("verify_chunk_mib") or vc
+                spec = dict(common, role="restart", tier=tier, tokens=tokens, reps=args.reps, phases=["restart"],
+                            switch_interval_ms=sw, verify_chunk_mib=vc)
+            elif role == "fs":
+                spec = dict(common, role="fs", tier={"type": "fs", "root_dir": args.fs_root,
+                                                    "n_read_threads": args.fs_threads, "n_write_threads": args.fs_threads},
+                            tokens=fs_tokens, reps=args.fs_reps or args.reps, phases=["cpu_hit"])
+            else:
+                raise SystemExit(f"unknown phase {role}")
+            spec["out"] = os.path.join(args.state_dir, f"engine-{role}.json")
+            spec["deadline"] = deadline - reserve[role]
+            engines[role] = run_child(spec, env, timeout_s=max(30.0, deadline - time.time()))
+            if role == "main" and engines[role].get("best"):
+                with open(os.path.join(args.state_dir, "best.json"), "w") as f:
+                    json.dump(engines[role]["best"], f)
+            save()
+    finally:
+        if state:
+            meta["node_status"] = node_status(state)
+            if not args.keep_nodes and not args.reuse_nodes:
+                stop_nodes(state)
+        rows, problems = save()
+    print()
+    print_table(rows)
+    for role, res in engines.items():
+        if res.get("sweep"):
+            print(f"\nsweep ({role}, {args.sweep_tokens} tokens, MemKV promotion seconds):")
+            for s in res["sweep"]:
+                print(f"  threads={s['threads']:>2} blocks_per_op={s['blocks_per_op']:>2} "
+                      f"switch_interval={s['switch_interval_ms'] or 5.0} ms "
+                      f"verify_chunk={s.get('verify_chunk_mib') or 1} MiB: {fmt_times(s['seconds'])}")
+        for e in res.get("errors", []):
+            print(f"  [{role}] error: {e.strip()[-600:]}")
+    if problems:
+        print("\nOUTPUT MISMATCH (greedy output differs between phases of one prompt):")
+        for p in problems:
+            print("  ", p)
+    else:
+        print("\ngreedy output identical in every phase of every prompt")
+    print(f"wrote {out_json}")
+    return 1 if problems else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
