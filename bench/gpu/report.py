@@ -24,6 +24,7 @@ RUNS = {
     "run2-fs-restart.json": "fs tier engine + a second restart engine on run 1's nodes",
     "run3-8nodes-main.json": "8 nodes, 32k only (sweep)",
     "run4-chunk-main-restart.json": "4 nodes, EXPERIMENT: client receive/verify chunk patched to 4 MiB",
+    "run5-verify16-main-restart.json": "4 nodes, 32k only, client verifying whole values (16 MiB pieces), as shipped",
 }
 
 
