@@ -1,4 +1,4 @@
-"""Batched `exists` latency: 64, 512 and 4096 keys over 1 and 3 nodes, p50/p99.
+"""Batched `exists` latency: 64, 256, 512 and 4096 keys over 1 and 3 nodes, p50/p99.
 
     python bench/lookups.py [--iters 300]
 
@@ -76,7 +76,7 @@ def main() -> None:
             with Client(config) as client:
                 stored = [f"lk/{i}".encode() for i in range(2048)]
                 client.batch_put_views([(k, b"v") for k in stored])
-                for n_keys in (64, 512, 4096):
+                for n_keys in (64, 256, 512, 4096):
                     keys = [f"lk/{i}".encode() for i in range(0, 2 * n_keys, 2)]  # half exist
                     for _ in range(20):
                         client.exists(keys)  # warm-up: connections, branch caches
