@@ -24,6 +24,8 @@ Install recipe (see the vLLM tier API reference, section 9):
 
 from __future__ import annotations
 
+import glob
+
 import nox
 
 VLLM_RELEASES = [
@@ -109,7 +111,10 @@ _REFUSE_CUDA_TORCH = (
 )
 
 
-def conformance(session: nox.Session, vllm: str) -> None:
+NIXL = "nixl-cu12==1.5.1"  # the RDMA transport; its metadata pulls a CUDA torch, so --no-deps
+
+
+def conformance(session: nox.Session, vllm: str, env: dict[str, str] | None = None) -> None:
     """Install torch, vLLM ``vllm`` and its import deps, the project; run tests/conformance."""
     deps = VLLM_IMPORT_DEPS[vllm]
     session.install(TORCH)
@@ -119,9 +124,13 @@ def conformance(session: nox.Session, vllm: str) -> None:
     if deps["no_deps"]:
         session.install("--no-deps", *deps["no_deps"])
     session.install("-e", ".[test]")
+    # The tier's fault tests (tests/faults/test_tier_*.py) need vLLM too, so they run here.
+    if env and env.get("MEMKV_TEST_TRANSPORT") == "rdma":
+        session.install("--no-deps", NIXL)
     session.run(
-        "pytest", "-m", "conformance", "tests/conformance", *session.posargs,
-        env={"PYTHONHASHSEED": "0"},
+        "pytest", "-m", "conformance or faults", "tests/conformance", *sorted(glob.glob("tests/faults/test_tier_*.py")),
+        *session.posargs,
+        env={"PYTHONHASHSEED": "0", **(env or {})},
     )  # fmt: skip
 
 
@@ -141,8 +150,19 @@ for _release in VLLM_RELEASES:
     _register(_release)
 
 
+@nox.session(name="conformance-rdma", tags=["conformance"], reuse_venv=True)
+def conformance_rdma(session: nox.Session) -> None:
+    """tests/conformance on the newest vLLM with loads over RDMA (NIXL, UCX cma on loopback)."""
+    conformance(session, VLLM_RELEASES[-1], env={"MEMKV_TEST_TRANSPORT": "rdma", "UCX_TLS": "cma,tcp,self",
+                                                 "UCX_NET_DEVICES": "lo"})
+
+
 @nox.session(name="tests", reuse_venv=True)
 def tests(session: nox.Session) -> None:
-    """Unit, integration and deployment tests: real `memkv serve` nodes, no vLLM."""
+    """Unit, integration, deployment, fault, security and RDMA tests: real `memkv serve` nodes,
+    no vLLM (the tier's fault tests run in the conformance sessions)."""
     session.install("-e", ".[test,ops]")
-    session.run("pytest", "tests/unit", "tests/integration", "tests/ops", *session.posargs)
+    session.install("--no-deps", NIXL)  # tests/rdma runs NIXL over UCX tcp and cma on loopback
+    session.install("numpy>=1.26")
+    session.run("pytest", "tests/unit", "tests/integration", "tests/ops", "tests/faults", "tests/security",
+                "tests/rdma", *session.posargs)

@@ -89,6 +89,8 @@ class Opcode(enum.IntEnum):
     GET = 0x11
     EXISTS = 0x12
     DELETE = 0x13
+    RDMA_ATTACH = 0x20  # client -> node: the client's RDMA metadata (section 10 of docs/protocol.md)
+    RDMA_GET = 0x21  # client -> node: WRITE these values into these slots of the client's pool
     ERROR = 0x7F  # server -> client; the connection closes after it
     REPLY = 0x80  # or-ed into the request opcode
 
@@ -120,6 +122,7 @@ class ItemStatus(enum.IntEnum):
     MISS = 1  # no such key
     SIZE_MISMATCH = 2  # GET: stored length differs from the expected length (treated as a miss)
     NO_SPACE = 3  # PUT: cannot fit even after eviction (value larger than its lane, all pinned)
+    TRANSFER_FAILED = 4  # RDMA_GET: the node's WRITE failed or did not complete within the window
 
 
 class ChecksumAlgo(enum.IntEnum):
@@ -322,6 +325,8 @@ def _encode_meta(msg: Message) -> tuple[int, int, bytes]:
         return Opcode.GET | Opcode.REPLY, 0, b"".join(parts)
     if isinstance(msg, ErrorReply):
         return Opcode.ERROR, int(msg.code), msg.message.encode("utf-8", "replace")[:4096]
+    if isinstance(msg, _RDMA_MESSAGES):
+        return _encode_rdma_meta(msg)
     raise LocalProtocolError(f"cannot encode {type(msg).__name__}")
 
 
@@ -329,6 +334,8 @@ def validate_outgoing(msg: Message, limits: Limits) -> None:
     """Raise LocalProtocolError when `msg` would break `limits` (checked before sending)."""
     keys: Sequence[bytes] = ()
     if isinstance(msg, (ExistsRequest, DeleteRequest, GetRequest)):
+        keys = msg.keys
+    elif isinstance(msg, RdmaGetRequest):
         keys = msg.keys
     elif isinstance(msg, PutRequest):
         keys = [it.key for it in msg.items]
@@ -351,6 +358,8 @@ def validate_outgoing(msg: Message, limits: Limits) -> None:
 def _decode_meta(opcode: int, status: int, meta: memoryview, limits: Limits) -> Message:
     """Parse a verified frame's meta. Raises RemoteProtocolError on anything malformed."""
     try:
+        if opcode in _RDMA_OPCODES:
+            return _decode_rdma_meta(opcode, meta, limits)
         if opcode == Opcode.PING:
             return PingRequest()
         if opcode == Opcode.PING | Opcode.REPLY:
@@ -423,7 +432,7 @@ def _decode_meta(opcode: int, status: int, meta: memoryview, limits: Limits) -> 
             raise RemoteProtocolError(f"unknown opcode 0x{opcode:02x}", ErrorCode.UNKNOWN_OPCODE)
     except struct.error as exc:
         raise RemoteProtocolError(f"meta truncated: {exc}", ErrorCode.MALFORMED) from exc
-    except (ValueError, KeyError, TypeError) as exc:
+    except (ValueError, KeyError, TypeError, RecursionError) as exc:  # RecursionError: deeply nested JSON
         raise RemoteProtocolError(f"malformed meta: {exc}", ErrorCode.MALFORMED) from exc
     if off != len(meta):
         raise RemoteProtocolError(
@@ -730,3 +739,134 @@ def error_name(code: int) -> str:
 
 def iter_statuses(statuses: bytes) -> Iterable[ItemStatus]:
     return (ItemStatus(s) for s in statuses)
+
+
+# --------------------------------------------------------------------------------------------
+# RDMA control messages (docs/protocol.md, section 10). They are ordinary frames on an
+# authenticated connection, MACed and sequenced like every other: the RDMA metadata is only
+# ever exchanged after the handshake. The value bytes of an RDMA_GET move by RDMA WRITE into
+# the client's registered pool (memkv.transport), never in the frame's payload.
+# --------------------------------------------------------------------------------------------
+
+MAX_RDMA_METADATA_BYTES = 64 << 10  # a NIXL agent's metadata with one registered region: ~300 B
+MAX_RDMA_WINDOW_MS = 3_600_000
+_U64 = struct.Struct(">Q")
+_RDMA_GET_TAIL = struct.Struct(">IQ")  # window_ms u32 | token u64
+
+
+class RdmaBackend(enum.IntEnum):
+    NIXL_UCX = 1  # NIXL agent metadata, UCX backend
+
+
+class RdmaAttachStatus(enum.IntEnum):
+    OK = 0  # the node loaded the metadata; info = the node's agent name
+    UNAVAILABLE = 1  # the node has no RDMA (NIXL not installed, or MEMKV_TRANSPORT=tcp on the node)
+    REJECTED = 2  # the node could not use the metadata (unknown backend, NIXL refused it)
+
+
+@dataclasses.dataclass(frozen=True)
+class RdmaAttachRequest:
+    """The client's RDMA metadata: lets the node WRITE into the client's registered pool from
+    this connection, until the connection closes."""
+
+    backend: int
+    metadata: bytes
+
+
+@dataclasses.dataclass(frozen=True)
+class RdmaAttachReply:
+    status: int
+    info: str  # OK: the node's agent name (the sender of its notifications); else the reason
+
+
+@dataclasses.dataclass(frozen=True)
+class RdmaGetRequest:
+    """WRITE each key's value into the client's pool at `addresses[i]` (exactly `lengths[i]`
+    bytes: full-length-or-miss, as GET), then notify `token`."""
+
+    keys: tuple[bytes, ...]
+    lengths: tuple[int, ...]
+    addresses: tuple[int, ...]  # absolute addresses inside the client's registered region
+    window_ms: int  # the node starts no write later than this after receiving the request
+    token: int  # u64; the node's notification message is the 8 bytes of `token`
+
+
+@dataclasses.dataclass(frozen=True)
+class RdmaGetReply:
+    """One item per key, as GetReply, but no payload: OK means the node's WRITE completed."""
+
+    items: tuple[GetReplyItem, ...]
+
+
+_RDMA_MESSAGES = (RdmaAttachRequest, RdmaAttachReply, RdmaGetRequest, RdmaGetReply)
+_RDMA_OPCODES = frozenset(
+    {Opcode.RDMA_ATTACH, Opcode.RDMA_ATTACH | Opcode.REPLY, Opcode.RDMA_GET, Opcode.RDMA_GET | Opcode.REPLY}
+)
+
+
+def _encode_rdma_meta(msg: Message) -> tuple[int, int, bytes]:
+    if isinstance(msg, RdmaAttachRequest):
+        if not 1 <= len(msg.metadata) <= MAX_RDMA_METADATA_BYTES or not 0 <= msg.backend <= 0xFF:
+            raise LocalProtocolError(
+                f"RDMA metadata must be 1..{MAX_RDMA_METADATA_BYTES} bytes", ErrorCode.FRAME_TOO_LARGE
+            )
+        return Opcode.RDMA_ATTACH, 0, bytes([msg.backend]) + bytes(msg.metadata)
+    if isinstance(msg, RdmaAttachReply):
+        return Opcode.RDMA_ATTACH | Opcode.REPLY, 0, bytes([msg.status]) + msg.info.encode("utf-8", "replace")[:4096]
+    if isinstance(msg, RdmaGetRequest):
+        n = len(msg.keys)
+        if not (len(msg.lengths) == len(msg.addresses) == n):
+            raise LocalProtocolError("RDMA_GET needs one length and one address per key", ErrorCode.MALFORMED)
+        if not 1 <= msg.window_ms <= MAX_RDMA_WINDOW_MS:
+            raise LocalProtocolError(f"window_ms must be in 1..{MAX_RDMA_WINDOW_MS}", ErrorCode.MALFORMED)
+        parts = [
+            _pack_keys(msg.keys),
+            struct.pack(f">{n}I", *msg.lengths),
+            struct.pack(f">{n}Q", *msg.addresses),
+            _RDMA_GET_TAIL.pack(msg.window_ms, msg.token),
+        ]
+        return Opcode.RDMA_GET, 0, b"".join(parts)
+    if isinstance(msg, RdmaGetReply):
+        _, _, meta = _encode_meta(GetReply(msg.items))
+        return Opcode.RDMA_GET | Opcode.REPLY, 0, meta
+    raise LocalProtocolError(f"cannot encode {type(msg).__name__}")
+
+
+def _decode_rdma_meta(opcode: int, meta: memoryview, limits: Limits) -> Message:
+    """Parse an RDMA control message (called inside `_decode_meta`'s error mapping)."""
+    if opcode == Opcode.RDMA_ATTACH:
+        if not 2 <= len(meta) <= 1 + MAX_RDMA_METADATA_BYTES:
+            raise RemoteProtocolError(
+                f"RDMA metadata of {len(meta) - 1} bytes: must be 1..{MAX_RDMA_METADATA_BYTES}", ErrorCode.FRAME_TOO_LARGE
+            )
+        return RdmaAttachRequest(meta[0], bytes(meta[1:]))
+    if opcode == Opcode.RDMA_ATTACH | Opcode.REPLY:
+        if len(meta) < 1:
+            raise RemoteProtocolError("empty RDMA_ATTACH reply", ErrorCode.MALFORMED)
+        return RdmaAttachReply(meta[0], bytes(meta[1:]).decode("utf-8", "replace"))
+    if opcode == Opcode.RDMA_GET | Opcode.REPLY:
+        reply = _decode_meta(Opcode.GET | Opcode.REPLY, 0, meta, limits)
+        assert isinstance(reply, GetReply)
+        return RdmaGetReply(reply.items)
+    # RDMA_GET
+    (n,) = _COUNT.unpack_from(meta, 0)
+    if n > limits.max_batch:
+        raise RemoteProtocolError(f"batch of {n} exceeds max_batch {limits.max_batch}", ErrorCode.BATCH_TOO_LARGE)
+    keys, off = _unpack_keys(meta, _COUNT.size, n)
+    _check_keys(keys, limits, RemoteProtocolError)
+    lengths = struct.unpack_from(f">{n}I", meta, off)
+    off += 4 * n
+    addresses = struct.unpack_from(f">{n}Q", meta, off)
+    off += 8 * n
+    window_ms, token = _RDMA_GET_TAIL.unpack_from(meta, off)
+    off += _RDMA_GET_TAIL.size
+    if off != len(meta):
+        raise RemoteProtocolError(f"{len(meta) - off} unexpected trailing bytes in RDMA_GET meta", ErrorCode.MALFORMED)
+    for ln in lengths:
+        if not 1 <= ln <= limits.max_value_bytes:
+            raise RemoteProtocolError(
+                f"RDMA_GET slot of {ln} bytes: must be 1..{limits.max_value_bytes}", ErrorCode.VALUE_TOO_LARGE
+            )
+    if not 1 <= window_ms <= MAX_RDMA_WINDOW_MS:
+        raise RemoteProtocolError(f"RDMA_GET window of {window_ms} ms: must be 1..{MAX_RDMA_WINDOW_MS}", ErrorCode.MALFORMED)
+    return RdmaGetRequest(keys, lengths, addresses, window_ms, token)

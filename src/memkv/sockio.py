@@ -4,12 +4,19 @@ Values move between sockets and caller-owned memory with `recv_into` / `sendmsg`
 memoryviews: no intermediate bytes object, no per-value allocation. Both release the GIL for
 the whole syscall. These functions raise plain OSError / ConnectionError / socket.timeout;
 callers translate them (client: errors.map_os_error; node: close the connection).
+
+Deadlines. A kernel timeout bounds one syscall, not a transfer: a peer that trickles a byte
+before each timeout expires (or reads a byte at a time) would keep a transfer alive forever.
+Pass `deadline` (a `time.monotonic()` instant) to bound the whole transfer: before each syscall
+the socket's kernel timeout is cut to the time left, and a transfer still unfinished at the
+deadline raises socket.timeout. Costs one setsockopt per syscall (per MiB of a value).
 """
 
 from __future__ import annotations
 
 import socket
 import struct
+import time
 from typing import Sequence
 
 # Pieces smaller than this are joined into one send; larger ones go out as they are.
@@ -39,40 +46,70 @@ def _timeval(seconds: float) -> bytes:
     return struct.pack("ll", whole, int((seconds - whole) * 1e6))
 
 
-def recv_exactly_into(sock: socket.socket, view: memoryview) -> None:
+class PeerClosed(ConnectionError):
+    """The peer closed the connection after `got` of the `total` bytes expected."""
+
+    def __init__(self, got: int, total: int) -> None:
+        super().__init__(f"peer closed the connection after {got} of {total} bytes")
+        self.got = got
+        self.total = total
+
+
+def _arm(sock: socket.socket, option: int, deadline: float, got: int, total: int) -> None:
+    """Cut the kernel timeout `option` to the time left before `deadline`, or raise."""
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise socket.timeout(f"deadline passed after {got} of {total} bytes")
+    sock.setsockopt(socket.SOL_SOCKET, option, _timeval(max(left, 0.001)))  # 0 would mean "no timeout"
+
+
+def recv_exactly_into(sock: socket.socket, view: memoryview, deadline: float | None = None) -> None:
     """Fill `view` completely or raise. A peer that closes early raises ConnectionError; an
-    expired kernel timeout raises socket.timeout."""
+    expired kernel timeout, or `deadline` passing, raises socket.timeout."""
     got = 0
     total = len(view)
     while got < total:
+        if deadline is not None:
+            _arm(sock, socket.SO_RCVTIMEO, deadline, got, total)
         try:
             n = sock.recv_into(view[got:], total - got, socket.MSG_WAITALL)
         except BlockingIOError:
             raise socket.timeout(f"timed out after {got} of {total} bytes") from None
         if n == 0:
-            raise ConnectionError(f"peer closed the connection after {got} of {total} bytes")
+            raise PeerClosed(got, total)
         got += n
 
 
-def recv_exactly(sock: socket.socket, n: int) -> bytearray:
+def recv_exactly(sock: socket.socket, n: int, deadline: float | None = None) -> bytearray:
     """Small reads (headers, meta): a fresh bytearray of exactly n bytes."""
     buf = bytearray(n)
     if n:
-        recv_exactly_into(sock, memoryview(buf))
+        recv_exactly_into(sock, memoryview(buf), deadline)
     return buf
 
 
-def discard(sock: socket.socket, n: int, scratch: memoryview) -> None:
+def discard(sock: socket.socket, n: int, scratch: memoryview, deadline: float | None = None) -> None:
     """Read and drop n bytes (a value the node cannot store) through a reusable scratch buffer."""
     while n > 0:
         chunk = scratch[: min(n, len(scratch))]
-        recv_exactly_into(sock, chunk)
+        recv_exactly_into(sock, chunk, deadline)
         n -= len(chunk)
 
 
-def send_all(sock: socket.socket, buffers: Sequence[bytes | bytearray | memoryview]) -> None:
+def _send_one(sock: socket.socket, buf: bytes | bytearray | memoryview, deadline: float | None) -> None:
+    if deadline is None:
+        sock.sendall(buf)  # loops in C
+        return
+    view = memoryview(buf).cast("B")
+    sent, total = 0, len(view)
+    while sent < total:  # a blocking send queues all of it unless the (cut) timeout expires
+        _arm(sock, socket.SO_SNDTIMEO, deadline, sent, total)
+        sent += sock.send(view[sent:])
+
+
+def send_all(sock: socket.socket, buffers: Sequence[bytes | bytearray | memoryview], deadline: float | None = None) -> None:
     """Send every buffer in order. Small pieces (headers, meta, small values) are joined into
-    one syscall; large values are sent from their own memory by `sendall`, which loops in C."""
+    one syscall; large values are sent from their own memory."""
     try:
         small: list[bytes | bytearray | memoryview] = []
         for buf in buffers:
@@ -80,14 +117,14 @@ def send_all(sock: socket.socket, buffers: Sequence[bytes | bytearray | memoryvi
                 small.append(buf)
                 continue
             if small:
-                sock.sendall(b"".join(small))
+                _send_one(sock, b"".join(small), deadline)
                 small = []
-            sock.sendall(buf)
+            _send_one(sock, buf, deadline)
         if small:
-            sock.sendall(b"".join(small) if len(small) > 1 else small[0])
+            _send_one(sock, b"".join(small) if len(small) > 1 else small[0], deadline)
     except BlockingIOError:
         raise socket.timeout("send timed out") from None
 
 
-def send_bytes(sock: socket.socket, data: bytes | bytearray | memoryview) -> None:
-    send_all(sock, [data])
+def send_bytes(sock: socket.socket, data: bytes | bytearray | memoryview, deadline: float | None = None) -> None:
+    send_all(sock, [data], deadline)

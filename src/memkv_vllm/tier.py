@@ -3,8 +3,9 @@
 Data path. One MemKV value = one CPU-pool row = one offloaded chunk across all TP ranks
 (`primary_kv_view.strides[0]` bytes). Store (cascade) sends the rows straight from the pool
 (`Client.batch_put_views` on row slices); load (promotion) receives straight into the
-destination rows (`Client.batch_get_into`), full-length and checksum-verified or the block
-fails. Jobs are cut into tasks of `blocks_per_op` rows on priority threads (transfers.py).
+destination rows (`Client.batch_load_into`; with the RDMA transport the nodes WRITE into the
+rows of the pool registered at startup, docs/rdma.md), full-length and checksum-verified or
+the block fails. Jobs are cut into tasks of `blocks_per_op` rows on priority threads (transfers.py).
 
 Contracts with vLLM (base.py of the tiering framework):
   * every method below runs on the scheduler side and returns without waiting on the network;
@@ -86,6 +87,7 @@ class MemKVSecondaryTierManager(compat.SecondaryTierManager):
             self._probe_all()
             self.namespace = KeyNamespace(self.settings.prefix, offloading_spec, self.row_bytes)
             self._write_config_record()
+            self._register_pool(primary_kv_view)
         except BaseException:
             self.client.close()
             raise
@@ -129,6 +131,18 @@ class MemKVSecondaryTierManager(compat.SecondaryTierManager):
                     f"row is {self.row_bytes} bytes -- start the node with --max-value-size >= {self.row_bytes} or "
                     "use a smaller block_size"
                 )
+
+    def _register_pool(self, primary_kv_view: memoryview) -> None:
+        """RDMA (docs/rdma.md): register the whole CPU pool once, so that nodes WRITE loads
+        straight into its rows. MEMKV_TRANSPORT=rdma refuses to start without it; `auto` and
+        `tcp` go on over TCP. The client keeps the address range, not a view of the pool."""
+        pool = primary_kv_view.cast("B")
+        try:
+            self.client.register_pool(pool)
+        except MemKVError as exc:
+            raise TierStartupError(f"MemKV tier cannot start: {exc}") from exc
+        finally:
+            pool.release()
 
     def _write_config_record(self) -> None:
         key = self.namespace.config_key
@@ -229,16 +243,19 @@ class MemKVSecondaryTierManager(compat.SecondaryTierManager):
 
     def _load_task(self, keys: list[bytes], slots: list[int]) -> TaskResult:
         mk = self.namespace.keys(keys)
-        ok = self.client.batch_get_into([(k, self._row(s)) for k, s in zip(mk, slots)])
+        result = self.client.batch_load_into([(k, self._row(s)) for k, s in zip(mk, slots)])
+        ok = result.ok
         self.stats.count(tm.LOAD_BYTES, self.row_bytes * sum(ok))
         failed = [k for k, good in zip(mk, ok) if not good]
         if failed:
             # Purge: a value that cannot load (evicted, corrupt, another layout) must recompute
             # and re-store once instead of failing the same promotion again.
             self.client.delete(failed)
-        # Over TCP the bytes are received by this thread: once batch_get_into returned, nothing
-        # can land in the rows any more.
-        return TaskResult(ok, may_land_late=self.client.has_rdma())
+        # Over TCP the bytes are received by this thread: once the call returned, nothing can land
+        # in the rows any more. Over RDMA a failed block whose write may have been posted can:
+        # the client says so per call (not has_rdma(), which an `auto` latch turns False while
+        # an earlier write may still be in flight), and the pool withholds the job.
+        return TaskResult(ok, may_land_late=result.may_land_late)
 
     def get_finished_jobs(self):
         results = []

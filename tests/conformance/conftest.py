@@ -52,6 +52,8 @@ def point_at(monkeypatch, nodes, key_hex: str) -> None:
     monkeypatch.setenv("MEMKV_AUTH_KEY", key_hex)
     for var in ("MEMKV_CONFIG", "MEMKV_LICENSE", "MEMKV_TRANSPORT"):
         monkeypatch.delenv(var, raising=False)
+    if os.environ.get("MEMKV_TEST_TRANSPORT"):  # the whole suite over another transport (docs/rdma.md)
+        monkeypatch.setenv("MEMKV_TRANSPORT", os.environ["MEMKV_TEST_TRANSPORT"])
 
 
 @pytest.fixture

@@ -145,6 +145,28 @@ def test_reset_cache_drains_every_job_and_keeps_memkv_contents(memkv_env):
 # -------------------------------------------------------------------------------------------------
 
 
+def _sigstop(node: LocalNode, timeout_s: float = 5.0) -> None:
+    """SIGSTOP a node and wait until every one of its threads is stopped: kill() returns before
+    the group stop completes, and until then a thread may still answer (seen with the RDMA
+    transport, whose nodes run NIXL's threads too)."""
+    import os
+
+    node.signal(signal.SIGSTOP)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        states = []
+        for tid in os.listdir(f"/proc/{node.pid}/task"):
+            try:
+                with open(f"/proc/{node.pid}/task/{tid}/stat") as f:
+                    states.append(f.read().rsplit(")", 1)[1].split()[0])
+            except FileNotFoundError:  # a thread that just ended
+                continue
+        if states and all(state in ("T", "t") for state in states):
+            return
+        time.sleep(0.005)
+    raise AssertionError(f"node {node.address} did not stop within {timeout_s}s")
+
+
 def _keys_by_owner(engine: h.HeadlessEngine, n: int, nodes) -> dict[str, list]:
     tier = tier_of(engine)
     owners: dict[str, list] = {node.address: [] for node in nodes}
@@ -189,7 +211,7 @@ def test_stalled_node_lookups_resolve_miss_within_lookup_timeout(monkeypatch, pr
         engine.fill_pool_to_evict(owners[stalled.address])
         totals: dict = {}
         memkv_stats(engine, totals)
-        stalled.signal(signal.SIGSTOP)
+        _sigstop(stalled)
         try:
             started = time.monotonic()
             trace = engine.lookup_until_resolved(owners[stalled.address], engine.new_request(), max_steps=5000, timeout_s=10)
@@ -213,7 +235,7 @@ def test_stalled_node_without_deadline_keeps_answering_retry(monkeypatch, privat
     with h.HeadlessEngine([memkv({"lookup_timeout_s": 0})], h.Geometry(num_rows=16)) as engine:
         owners = _keys_by_owner(engine, 12, private_cluster)
         stalled = private_cluster[0]
-        stalled.signal(signal.SIGSTOP)
+        _sigstop(stalled)
         try:
             trace = engine.lookup_until_resolved(owners[stalled.address], engine.new_request(), max_steps=5000, timeout_s=1.5)
             assert not trace.resolved and set(trace.final) == {LookupResult.RETRY}

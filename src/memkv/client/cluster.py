@@ -34,6 +34,7 @@ from memkv.client.node import NodeClient
 from memkv.config import ClientConfig, ServerAddress
 from memkv.errors import MemKVError, NodeUnavailable, RemoteProtocolError
 from memkv.integrity import Checksummer, parse_integrity
+from memkv.transport import LoadResult, select_transport
 
 log = logging.getLogger("memkv.client")
 
@@ -101,6 +102,7 @@ class Client:
             for addr in config.servers
         ]
         self._ring = RendezvousRing([n.name for n in self._nodes], [a.weight for a in config.servers])
+        self._transport = select_transport(self, config)  # MEMKV_TRANSPORT (memkv/transport)
         workers = min(64, max(4, len(self._nodes) * config.pool_size))
         self._executor = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="memkv-client")
         for node in self._nodes:
@@ -132,8 +134,15 @@ class Client:
         return self.config.servers[self._ring.owner(_key(key))]
 
     def has_rdma(self) -> bool:
-        """True when values move over RDMA. This build moves them over TCP."""
-        return False
+        """True while loads into the registered pool move by RDMA (MEMKV_TRANSPORT, docs/rdma.md):
+        False before `register_pool`, with the TCP transport, and after `auto` latched to TCP."""
+        return self._transport.rdma_active
+
+    def register_pool(self, buffer) -> bool:
+        """Register the whole destination pool once (the tier's CPU pool) so that nodes can
+        WRITE loads straight into it. Returns has_rdma(). With MEMKV_TRANSPORT=rdma a pool that
+        cannot be used over RDMA raises RdmaError (a MemKVError); `auto` falls back to TCP."""
+        return self._transport.register_pool(_byte_view(buffer))
 
     def health(self) -> list[dict]:
         return [
@@ -226,11 +235,25 @@ class Client:
         """Load values into the caller's buffers in place. True only where the stored value had
         exactly the buffer's length, arrived whole and verified; False is a miss (the buffer's
         content is then unspecified)."""
+        return self.batch_load_into(items).ok
+
+    def batch_load_into(self, items: Sequence[tuple[KeyLike, object]]) -> LoadResult:
+        """`batch_get_into` plus `may_land_late`: True when a node may still write into a buffer
+        whose load failed (RDMA; see memkv.transport.LoadResult). Such a buffer must not be
+        reused until no write can arrive (the tier withholds the job for load_failure_grace_s)."""
         ks = [_key(k) for k, _ in items]
         views = [_byte_view(v) for _, v in items]
         for v in views:
             if v.readonly:
                 raise ValueError("batch_get_into needs writable buffers")
+        result = self._transport.load_into(ks, views)
+        hits = sum(result.ok)
+        m.KEYS.labels("get", "hit").inc(hits)
+        m.KEYS.labels("get", "miss").inc(len(result.ok) - hits)
+        return result
+
+    def _get_into_tcp(self, ks: list[bytes], views: list[memoryview]) -> list[bool]:
+        """The TCP path of loads (memkv.transport.TcpTransport): GET frames, values received in place."""
 
         def run(node: NodeClient, idx: list[int]) -> list[bool]:
             sub_k = [ks[i] for i in idx]
@@ -255,11 +278,7 @@ class Client:
                 out += [False] * (len(idx) - len(out))
             return out
 
-        result = self._scatter(ks, run)
-        hits = sum(result)
-        m.KEYS.labels("get", "hit").inc(hits)
-        m.KEYS.labels("get", "miss").inc(len(result) - hits)
-        return result
+        return self._scatter(ks, run)
 
     # -- health checks ----------------------------------------------------------------------------
 
@@ -280,6 +299,7 @@ class Client:
         self._executor.shutdown(wait=True)
         for node in self._nodes:
             node.close()
+        self._transport.close()  # after the connections: a node drops our RDMA metadata when they close
 
     # -- internals --------------------------------------------------------------------------------
 

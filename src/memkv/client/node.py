@@ -38,7 +38,10 @@ from memkv.errors import (
 from memkv.integrity import Checksummer
 from memkv.sockio import recv_exactly, recv_exactly_into, send_all, set_timeouts
 
-_VERIFY_CHUNK = 1 << 20  # fits in L2/L3 between the receive and the hash
+# Values are received and hashed in pieces of this size. Large pieces matter more than cache
+# locality: every piece costs two GIL hand-offs, and in a busy process (vLLM's engine loop holds
+# the GIL) 1 MiB pieces cut a 16-thread load from 8 to 2 GB/s on the GPU host (bench/gpu/xfer.py).
+_VERIFY_CHUNK = 16 << 20
 
 
 class NodeConnection:
@@ -55,18 +58,20 @@ class NodeConnection:
             raise map_os_error(exc, "connect", self.name) from exc
         try:
             self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            self.sock.settimeout(max(connect_timeout_s, 1.0))
-            self.codec, self.hello = self._handshake(auth_key, version)
+            handshake_s = max(connect_timeout_s, 1.0)
+            set_timeouts(self.sock, handshake_s)
+            self.codec, self.hello = self._handshake(auth_key, version, time.monotonic() + handshake_s)
             set_timeouts(self.sock, io_timeout_s)
         except BaseException:
             self.close()
             raise
 
-    def _handshake(self, auth_key: bytes, version: int) -> tuple[p.FrameCodec, p.HelloOk]:
+    def _handshake(self, auth_key: bytes, version: int, deadline: float) -> tuple[p.FrameCodec, p.HelloOk]:
+        """The whole handshake must finish by `deadline` (a peer dripping bytes cannot stretch it)."""
         hs = p.ClientHandshake(auth_key, os.urandom(p.NONCE_BYTES), version)
         with self._io("handshake"):
-            self.sock.sendall(hs.hello())
-            server_hello = bytes(recv_exactly(self.sock, p.SERVER_HELLO.size))
+            send_all(self.sock, [hs.hello()], deadline)
+            server_hello = bytes(recv_exactly(self.sock, p.SERVER_HELLO.size, deadline))
             try:
                 auth = hs.receive_server_hello(server_hello)
             except ProtocolError as exc:
@@ -75,14 +80,14 @@ class NodeConnection:
                 raise type(exc)(f"{self.name}: {exc}", exc.code) from None
             except AuthError as exc:
                 raise AuthError(f"{self.name}: {exc}") from None
-            self.sock.sendall(auth)
-            first = bytes(recv_exactly(self.sock, p.AUTH_REJECT.size))
+            send_all(self.sock, [auth], deadline)
+            first = bytes(recv_exactly(self.sock, p.AUTH_REJECT.size, deadline))
             code = p.parse_auth_outcome_prefix(first)
             if code is not None:
                 raise AuthError(f"{self.name}: node refused our auth key ({p.error_name(code)}): MEMKV_AUTH_KEY differs from the node's key")
-            rest = recv_exactly(self.sock, p.FRAME_PREFIX_BYTES - len(first))
+            rest = recv_exactly(self.sock, p.FRAME_PREFIX_BYTES - len(first), deadline)
         codec = hs.codec()
-        msg = self._read_reply(codec, first + bytes(rest))
+        msg = self._read_reply(codec, first + bytes(rest), deadline)
         if not isinstance(msg, p.HelloOk):
             raise RemoteProtocolError(f"{self.name}: expected HELLO_OK, got {type(msg).__name__}")
         codec.limits = msg.limits
@@ -95,12 +100,18 @@ class NodeConnection:
         except OSError as exc:  # includes socket.timeout and ConnectionError
             raise map_os_error(exc, "write" if op == "write" else "read", self.name) from exc
 
-    def _read_reply(self, codec: p.FrameCodec, prefix: bytes | None = None) -> p.Message:
+    def _deadline(self) -> float:
+        """When a request or reply started now must be complete: io_timeout_s bounds the whole
+        frame, not each read, so a peer trickling bytes cannot hold the caller longer."""
+        return time.monotonic() + self.io_timeout_s
+
+    def _read_reply(self, codec: p.FrameCodec, prefix: bytes | None = None, deadline: float | None = None) -> p.Message:
+        deadline = self._deadline() if deadline is None else deadline
         with self._io("read"):
             if prefix is None:
-                prefix = bytes(recv_exactly(self.sock, p.FRAME_PREFIX_BYTES))
+                prefix = bytes(recv_exactly(self.sock, p.FRAME_PREFIX_BYTES, deadline))
             header = codec.parse_header(prefix)
-            meta = recv_exactly(self.sock, header.meta_len)
+            meta = recv_exactly(self.sock, header.meta_len, deadline)
         msg = codec.open(header, prefix, meta)
         if isinstance(msg, p.ErrorReply):
             raise ServerError(f"{self.name}: node error {p.error_name(msg.code)}: {msg.message}", msg.code)
@@ -126,7 +137,7 @@ class NodeConnection:
     def send(self, msg: p.Request, payload: Sequence[memoryview] = ()) -> None:
         frame = self.codec.encode(msg)
         with self._io("write"):
-            send_all(self.sock, [frame, *payload])
+            send_all(self.sock, [frame, *payload], self._deadline())
 
     def read_reply(self) -> p.Message:
         return self._read_reply(self.codec)
@@ -140,8 +151,9 @@ class NodeConnection:
         """
         frame = self.codec.encode(p.GetRequest(tuple(keys), tuple(len(v) for v in views)))
         with self._io("write"):
-            self.sock.sendall(frame)
-        reply = self._read_reply(self.codec)
+            send_all(self.sock, [frame], self._deadline())
+        deadline = self._deadline()  # for the whole reply, values included
+        reply = self._read_reply(self.codec, deadline=deadline)
         if not isinstance(reply, p.GetReply) or len(reply.items) != len(keys):
             raise RemoteProtocolError(f"{self.name}: GET reply does not match the request")
         results = []
@@ -153,14 +165,15 @@ class NodeConnection:
             if item.length != len(view):
                 # Full-length-or-miss is the node's promise; a node that breaks it is not trusted.
                 raise RemoteProtocolError(f"{self.name}: sent {item.length} bytes for a {len(view)}-byte GET")
-            ok = self._recv_verified(view, item.algo, item.checksum, checksummer)
+            ok = self._recv_verified(view, item.algo, item.checksum, checksummer, deadline)
             bad_sums += not ok
             results.append(ok)
         if bad_sums:
             self.integrity_failures = getattr(self, "integrity_failures", 0) + bad_sums
         return results
 
-    def _recv_verified(self, view: memoryview, algo: int, checksum: bytes, checksummer: Checksummer) -> bool:
+    def _recv_verified(self, view: memoryview, algo: int, checksum: bytes, checksummer: Checksummer,
+                       deadline: float) -> bool:
         """Receive a value into `view` in chunks, hashing each chunk while it is still in cache
         (hashing 16 MiB afterwards would read it back from DRAM)."""
         try:
@@ -170,7 +183,7 @@ class NodeConnection:
         with self._io("read"):
             for off in range(0, len(view), _VERIFY_CHUNK):
                 chunk = view[off : off + _VERIFY_CHUNK]
-                recv_exactly_into(self.sock, chunk)
+                recv_exactly_into(self.sock, chunk, deadline)
                 if hasher is not None:
                     hasher.update(chunk)
         return hasher is not None and hmac.compare_digest(checksummer.finish(hasher), checksum)
@@ -179,8 +192,9 @@ class NodeConnection:
         """GET values of unknown length into fresh buffers (convenience path, not the data path)."""
         frame = self.codec.encode(p.GetRequest(tuple(keys), tuple(p.ANY_LENGTH for _ in keys)))
         with self._io("write"):
-            self.sock.sendall(frame)
-        reply = self._read_reply(self.codec)
+            send_all(self.sock, [frame], self._deadline())
+        deadline = self._deadline()
+        reply = self._read_reply(self.codec, deadline=deadline)
         if not isinstance(reply, p.GetReply) or len(reply.items) != len(keys):
             raise RemoteProtocolError(f"{self.name}: GET reply does not match the request")
         out: list[bytes | None] = []
@@ -189,7 +203,7 @@ class NodeConnection:
                 out.append(None)
                 continue
             with self._io("read"):
-                buf = recv_exactly(self.sock, item.length)
+                buf = recv_exactly(self.sock, item.length, deadline)
             if not checksummer.verify(buf, item.algo, item.checksum):
                 raise IntegrityError(f"{self.name}: checksum mismatch on a {item.length}-byte value")
             out.append(bytes(buf))

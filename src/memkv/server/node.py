@@ -30,7 +30,8 @@ from memkv.config import ServerConfig
 from memkv.errors import AuthError, LocalProtocolError, RemoteProtocolError
 from memkv.server.metrics import NodeMetrics
 from memkv.server.store import NoSpace, Store
-from memkv.sockio import discard, recv_exactly, recv_exactly_into, send_all, set_recv_timeout, set_timeouts
+from memkv.sockio import PeerClosed, discard, recv_exactly, recv_exactly_into, send_all, set_recv_timeout, set_timeouts
+from memkv.transport.responder import RdmaResponder
 
 log = logging.getLogger("memkv.node")
 
@@ -40,6 +41,8 @@ _OP_NAMES = {
     p.Opcode.GET: "get",
     p.Opcode.EXISTS: "exists",
     p.Opcode.DELETE: "delete",
+    p.Opcode.RDMA_ATTACH: "rdma_attach",  # RDMA control messages: memkv/transport/responder.py
+    p.Opcode.RDMA_GET: "rdma_get",
 }
 
 
@@ -53,6 +56,7 @@ class Node:
         self._auth_key = auth_key
         self.store = Store(config.capacity_bytes, config.lanes)
         self.metrics = NodeMetrics(self.store)
+        self.rdma = RdmaResponder(self.store)  # imports NIXL only when a client attaches
         self.limits = p.Limits(max_value_bytes=config.max_value_bytes)
         self._listener = socket.create_server(
             (config.host, config.port),
@@ -135,6 +139,7 @@ class Node:
             self.metrics.connections.dec()
             with self._conns_lock:
                 self._conns.discard(sock)
+            self.rdma.detach(sock)  # a closed connection no longer authorises RDMA writes
             try:
                 sock.close()
             except OSError:
@@ -152,6 +157,7 @@ class Connection:
         self.metrics = node.metrics
         self.codec: p.FrameCodec | None = None
         self._scratch: memoryview | None = None
+        self._deadline = 0.0  # when the frame being received must be complete (monotonic)
 
     def run(self) -> None:
         if not self._handshake():
@@ -182,10 +188,13 @@ class Connection:
 
     def _handshake(self) -> bool:
         hs = p.ServerHandshake(self.node._auth_key, os.urandom(p.NONCE_BYTES))
+        # The whole handshake, not each read, must finish within io_timeout_s: a peer dripping a
+        # byte at a time cannot hold a connection slot longer than that.
+        deadline = time.monotonic() + self.node.config.io_timeout_s
         try:
-            hello = recv_exactly(self.sock, p.CLIENT_HELLO.size)
+            hello = recv_exactly(self.sock, p.CLIENT_HELLO.size, deadline)
             try:
-                self.sock.sendall(hs.receive_hello(bytes(hello)))
+                send_all(self.sock, [hs.receive_hello(bytes(hello))], deadline)
             except RemoteProtocolError as exc:
                 reason = "unsupported_version" if exc.code == p.ErrorCode.UNSUPPORTED_VERSION else "bad_hello"
                 self.metrics.auth_failures.labels(reason).inc()
@@ -193,7 +202,13 @@ class Connection:
                 return False
             if self.node._stopping.is_set():
                 return False
-            auth = recv_exactly(self.sock, p.CLIENT_AUTH.size)
+            try:
+                auth = recv_exactly(self.sock, p.CLIENT_AUTH.size, deadline)
+            except PeerClosed as exc:
+                # Closed right after our proof without a byte of answer: what a MemKV client
+                # holding another key does (it never proves itself to a node it cannot verify).
+                self.metrics.auth_failures.labels("wrong_key" if exc.got == 0 else "incomplete").inc()
+                return False
             try:
                 hs.receive_auth(bytes(auth))
             except (AuthError, RemoteProtocolError):
@@ -201,7 +216,7 @@ class Connection:
                 self.sock.sendall(p.auth_reject(p.ErrorCode.AUTH_FAILED))
                 return False
             self.codec = hs.codec(self.node.limits)
-            self.sock.sendall(self.codec.encode(p.HelloOk(self.node.node_id, self.node.limits)))
+            send_all(self.sock, [self.codec.encode(p.HelloOk(self.node.node_id, self.node.limits))], deadline)
             return True
         except (OSError, ConnectionError):
             self.metrics.auth_failures.labels("incomplete").inc()
@@ -222,11 +237,13 @@ class Connection:
             raise socket.timeout("idle timeout") from None
         if n == 0:
             raise _CleanClose()
-        set_recv_timeout(self.sock, cfg.io_timeout_s)
+        # From its first byte, the whole frame (prefix, meta, values) must arrive within
+        # io_timeout_s: a client trickling bytes cannot keep the connection or a reserved buffer.
+        self._deadline = time.monotonic() + cfg.io_timeout_s
         if n < len(prefix):
-            recv_exactly_into(self.sock, view[n:])
+            recv_exactly_into(self.sock, view[n:], self._deadline)
         header = codec.parse_header(prefix)
-        meta = recv_exactly(self.sock, header.meta_len)
+        meta = recv_exactly(self.sock, header.meta_len, self._deadline)
         msg = codec.open(header, prefix, meta)
         op = header.opcode
         name = _OP_NAMES.get(op)
@@ -247,6 +264,8 @@ class Connection:
             self._put(msg)
         elif isinstance(msg, p.GetRequest):
             self._get(msg)
+        elif isinstance(msg, (p.RdmaAttachRequest, p.RdmaGetRequest)):  # memkv/transport/responder.py
+            self._reply(self.node.rdma.handle(self, msg))
         self.metrics.requests.labels(name).inc()
         self.metrics.request_seconds.labels(name).observe(time.perf_counter() - started)
 
@@ -259,11 +278,11 @@ class Connection:
             except NoSpace:
                 if self._scratch is None:
                     self._scratch = memoryview(bytearray(1 << 20))
-                discard(self.sock, item.length, self._scratch)
+                discard(self.sock, item.length, self._scratch, self._deadline)
                 statuses.append(p.ItemStatus.NO_SPACE)
                 continue
             try:
-                recv_exactly_into(self.sock, ticket.target)
+                recv_exactly_into(self.sock, ticket.target, self._deadline)
             except BaseException:
                 store.abort(ticket)  # a half-received value never becomes visible
                 raise
@@ -293,7 +312,9 @@ class Connection:
             statuses = bytes(it.status for it in items)
             self._count_keys("get", statuses)
             assert self.codec is not None
-            send_all(self.sock, [self.codec.encode(p.GetReply(tuple(items)), validate=False), *values])
+            # A reply too must be taken within io_timeout_s: a slow reader cannot pin these values.
+            send_all(self.sock, [self.codec.encode(p.GetReply(tuple(items)), validate=False), *values],
+                     time.monotonic() + self.node.config.io_timeout_s)
             self.metrics.bytes_out.inc(sum(len(v) for v in values))
         finally:
             store.release(pinned)
@@ -307,7 +328,7 @@ class Connection:
 
     def _reply(self, msg: p.Message) -> None:
         assert self.codec is not None
-        self.sock.sendall(self.codec.encode(msg, validate=False))
+        send_all(self.sock, [self.codec.encode(msg, validate=False)], time.monotonic() + self.node.config.io_timeout_s)
 
     def _send_error(self, code: int, message: str) -> None:
         """Best effort: tell the client why before closing."""

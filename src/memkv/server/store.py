@@ -28,7 +28,7 @@ import collections
 import dataclasses
 import mmap
 import threading
-from typing import Iterable, Sequence
+from typing import Callable, Iterable, Sequence
 
 from memkv.config import LaneSpec
 from memkv.protocol import ItemStatus
@@ -128,6 +128,9 @@ class Store:
         self.allocated_bytes = 0  # every buffer in existence
         self.stored_bytes = 0  # value bytes of live entries
         self.evictions = 0
+        # Called with each buffer the store frees, under its lock (quick, never re-entering the
+        # store): the RDMA responder deregisters buffers it registered (memkv/transport).
+        self.on_drop: Callable[[ValueBuffer], None] | None = None
 
     # -- lanes --------------------------------------------------------------------------------
 
@@ -282,6 +285,8 @@ class Store:
             self._pool_bytes += buf.size
         else:
             self.allocated_bytes -= buf.size  # dropped: the mapping is unmapped when collected
+            if self.on_drop is not None:
+                self.on_drop(buf)
 
     def _take_pooled(self, size: int) -> ValueBuffer | None:
         i = bisect.bisect_left(self._pool_sizes, size)
@@ -301,7 +306,9 @@ class Store:
         while self._pool_sizes and self.allocated_bytes + need > self.capacity_bytes:
             size = self._pool_sizes[-1]
             lst = self._pool[size]
-            lst.pop()
+            dropped = lst.pop()
+            if self.on_drop is not None:
+                self.on_drop(dropped)
             if not lst:
                 del self._pool[size]
                 self._pool_sizes.pop()

@@ -1,0 +1,66 @@
+"""How values move: the TCP transport (MemKV's own data path) and the RDMA transport (NIXL).
+
+    base.py          Transport (the seam), LoadResult, RdmaError
+    tcp.py           TcpTransport: the node streams values over the authenticated connection
+    rdma.py          RdmaTransport: the node WRITEs values into the client's registered pool
+    responder.py     RdmaResponder: the node's side of RDMA (attach, WRITE, window)
+    nixl_adapter.py  every NIXL call, and nothing else
+
+`select_transport` picks one per client from MEMKV_TRANSPORT (docs/rdma.md):
+  * `tcp`: always TCP.
+  * `auto` (default): RDMA when NIXL imports and this host has an RDMA device (listed in
+    /sys/class/infiniband, restricted to MEMKV_RDMA_DEVICES when set); else TCP without even
+    importing NIXL. The RDMA transport latches to TCP on its first failure.
+  * `rdma`: RDMA or refuse to start (ConfigError here, RdmaError from `register_pool`), even
+    without a NIC: UCX then runs over tcp or cma (how the tests run it; slower than TCP).
+Stores always take the TCP path; only loads into the registered pool use RDMA.
+
+Nothing here imports NIXL at module level: a node or client that never uses RDMA never loads it.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+from memkv.errors import ConfigError
+from memkv.transport.base import LoadResult, RdmaError, Transport
+from memkv.transport.tcp import TcpTransport
+
+if TYPE_CHECKING:
+    from memkv.client.cluster import Client
+    from memkv.config import ClientConfig
+
+log = logging.getLogger("memkv.client")
+
+
+def select_transport(client: Client, config: ClientConfig) -> Transport:
+    mode = config.transport
+    if mode == "tcp":
+        return TcpTransport(client)
+    from memkv.transport import nixl_adapter
+
+    present, missing = nixl_adapter.rdma_devices(config.rdma_devices)
+    if mode == "auto" and not present:
+        if config.rdma_devices:
+            log.warning("MemKV: MEMKV_RDMA_DEVICES names %s, not present on this host; loads use TCP", missing)
+        else:
+            log.debug("MemKV: no RDMA device on this host; loads use TCP")
+        return TcpTransport(client)
+    ok, why = nixl_adapter.nixl_available()
+    if not ok:
+        if mode == "rdma":
+            raise ConfigError(f"MEMKV_TRANSPORT=rdma but {why}")
+        log.warning("MemKV: RDMA device(s) %s present but %s; loads use TCP", present, why)
+        return TcpTransport(client)
+    if mode == "rdma" and missing:
+        raise ConfigError(f"MEMKV_RDMA_DEVICES: no RDMA device named {', '.join(missing)} on this host "
+                          f"(present: {', '.join(present) or 'none'})")
+    nixl_adapter.progress_delay_us()  # a bad MEMKV_NIXL_PROGRESS_DELAY_US fails here, at startup
+    from memkv.transport.rdma import RdmaTransport
+
+    log.info("MemKV: %s: RDMA loads with %s once the pool is registered", f"MEMKV_TRANSPORT={mode}", why)
+    return RdmaTransport(client, mode, config.rdma_devices)
+
+
+__all__ = ["LoadResult", "RdmaError", "TcpTransport", "Transport", "select_transport"]

@@ -1,0 +1,65 @@
+"""The transport seam: how a batch of loads reaches the caller's buffers.
+
+Two implementations: `TcpTransport` (memkv/transport/tcp.py: the node streams the value over
+the authenticated TCP connection and the client receives it straight into the buffer) and
+`RdmaTransport` (memkv/transport/rdma.py: the node WRITEs the value into the client's
+registered pool by RDMA; only control messages use the TCP connection). Stores always use
+the TCP path (docs/rdma.md, "Stores", has the measurement behind that choice).
+
+A transport is chosen once per client (`memkv.transport.select_transport`) from
+MEMKV_TRANSPORT; the RDMA one can latch to TCP for the rest of the client's life.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+from collections.abc import Sequence
+
+from memkv.errors import MemKVError
+
+
+class RdmaError(MemKVError):
+    """The RDMA path failed: NIXL/UCX missing or broken, a node without RDMA, a write that did
+    not complete. Not a TransportError on purpose: the node's TCP path may be fine, so it must
+    not mark the node down."""
+
+
+@dataclasses.dataclass(frozen=True)
+class LoadResult:
+    """The outcome of a batch of loads.
+
+    `ok[i]`: the value arrived whole into buffer i and its checksum verified.
+    `may_land_late`: some buffer whose `ok` is False may still be written by a node (a WRITE
+    was posted or may have been, and its completion was not seen). The caller must not reuse
+    such a buffer until no write can arrive any more (the tier's load_failure_grace_s).
+    Always False on TCP: there the client's own thread receives the bytes."""
+
+    ok: list[bool]
+    may_land_late: bool = False
+
+
+class Transport(abc.ABC):
+    """How a client moves loads. Threading: every method may be called from any thread."""
+
+    name: str
+
+    @property
+    @abc.abstractmethod
+    def rdma_active(self) -> bool:
+        """True while loads into the registered pool go over RDMA."""
+
+    @abc.abstractmethod
+    def register_pool(self, view: memoryview) -> bool:
+        """Register the whole destination pool once (the tier's CPU pool). True when loads into
+        it will go over RDMA. The transport keeps the address range, not the view."""
+
+    @abc.abstractmethod
+    def load_into(self, keys: Sequence[bytes], views: Sequence[memoryview]) -> LoadResult:
+        """Load each key into its view (already validated: bytes keys, writable flat views)."""
+
+    def describe(self) -> str:
+        return self.name
+
+    def close(self) -> None:
+        """Release what the transport holds (idempotent)."""

@@ -1,0 +1,312 @@
+"""Every call MemKV makes into NIXL, in one module (nixl-cu12 1.5.1, UCX backend).
+
+NIXL is the RDMA library under `memkv.transport` (docs/rdma.md says why: it installs from PyPI
+without a GPU, has exactly the one-sided API needed -- register a region once, hand ~300 bytes
+of metadata to the peer, WRITE from a local descriptor to a remote `(address, length)` with a
+notification -- and vLLM's own NixlConnector uses it). Its Python API is young, so nothing
+outside this file imports it: when it changes, this file changes.
+
+Install: `pip install --no-deps nixl-cu12==1.5.1 numpy` (the wheel's declared dependencies pull
+a CUDA torch, 5.7 GB; without them it imports and moves DRAM fine). The meta package `nixl` and
+`nixl-cu13` work too: `_import_api` tries `nixl`, `nixl_cu12`, `nixl_cu13`.
+
+Traps handled here (measured on this project's machines, ../shared/ref/rdma.md):
+
+* **Progress thread busy-poll.** `nixl_agent_config` hard-codes the progress thread's delay to
+  0 us: every agent then spins one core even when idle (two agents starve a 2-core box). The
+  field exists in the bindings' `nixlAgentConfig` but not in the Python config, so
+  `_tamed_agent` substitutes a config subclass that pins `pthrDelay` to
+  `MEMKV_NIXL_PROGRESS_DELAY_US` (default 100 us: ~0.02 core idle) while the agent is built.
+* **No timeouts.** NIXL has none. `Write.state()` is a non-blocking poll; callers poll it
+  against their own deadline. `Write.release()` asks NIXL to cancel an active write and says
+  whether it could (a write it cannot cancel must keep its source memory alive).
+* **Its own exception classes** (`nixlNotFoundError`, `nixlRemoteDisconnectError`, ...): every
+  call is wrapped by `_translate`, the one place they become `RdmaError`.
+* **Device selection.** `MEMKV_RDMA_DEVICES=mlx5_0,mlx5_1` becomes `UCX_NET_DEVICES=mlx5_0:1,
+  mlx5_1:1` unless UCX_NET_DEVICES is already set (an operator's UCX setting wins). Tests set
+  `UCX_NET_DEVICES=lo` and `UCX_TLS=tcp` or `cma,tcp,self` themselves.
+* **Logging.** NIXL logs INFO lines to stdout; quieted to WARNING unless NIXL_LOG_LEVEL is set.
+* **Exit-time SIGSEGV** when Debian's `ibverbs-providers` is installed next to the wheel's own
+  libibverbs (the UCX `efa` module loads the system libefa). Not something code can fix here;
+  docs/rdma.md has the workaround.
+
+Threading: a `NixlAgent` is shared by every thread of its process. It is created with NIXL's
+STRICT thread-sync mode (NIXL serialises calls into the agent; the default mode for an agent
+without a listener thread is "no locking"). The data itself moves in UCX (progress thread, the
+kernel for cma, the NIC for RDMA), not under that lock.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import threading
+import uuid
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+from memkv.transport.base import RdmaError
+
+log = logging.getLogger("memkv.transport")
+
+ENV_PROGRESS_DELAY_US = "MEMKV_NIXL_PROGRESS_DELAY_US"
+DEFAULT_PROGRESS_DELAY_US = 100
+_IB_SYSFS = Path("/sys/class/infiniband")
+INSTALL_HINT = "pip install --no-deps nixl-cu12==1.5.1 numpy"
+
+_api = None  # the imported nixl._api module, once
+_api_error: str | None = None
+_import_lock = threading.Lock()
+_build_lock = threading.Lock()  # `_tamed_agent` swaps a module global while an agent is built
+
+
+def _import_api():
+    """NIXL's `_api` module, or raise RdmaError saying how to install it."""
+    global _api, _api_error
+    with _import_lock:
+        if _api is None and _api_error is None:
+            errors = []
+            for name in ("nixl", "nixl_cu12", "nixl_cu13"):
+                try:
+                    mod = __import__(f"{name}._api", fromlist=["nixl_agent"])
+                except Exception as exc:  # ImportError, or a broken install raising anything
+                    errors.append(f"{name}: {exc}")
+                    continue
+                if not os.environ.get("NIXL_LOG_LEVEL"):
+                    logging.getLogger("nixl").setLevel(logging.WARNING)
+                _api = mod
+                break
+            else:
+                _api_error = "; ".join(errors)
+        if _api is None:
+            raise RdmaError(f"NIXL is not installed ({INSTALL_HINT}): {_api_error}")
+        return _api
+
+
+def nixl_available() -> tuple[bool, str]:
+    """(True, version string) when NIXL imports, else (False, why). Never raises."""
+    try:
+        api = _import_api()
+    except RdmaError as exc:
+        return False, str(exc)
+    pkg = api.__name__.rsplit(".", 1)[0]
+    try:
+        from importlib.metadata import version
+
+        return True, f"{pkg} {version(pkg.replace('_', '-'))}"
+    except Exception:
+        return True, pkg
+
+
+def rdma_devices(configured: Sequence[str] = ()) -> tuple[list[str], list[str]]:
+    """(RDMA devices present on this host, configured names that are not present).
+
+    Present means listed in /sys/class/infiniband (mlx5_*, efa_*, irdma*, rxe*...). With
+    `configured` (MEMKV_RDMA_DEVICES), only those names count; a `name:port` entry is checked by
+    its name."""
+    try:
+        present = sorted(p.name for p in _IB_SYSFS.iterdir())
+    except OSError:
+        present = []
+    if not configured:
+        return present, []
+    names = [d.split(":", 1)[0] for d in configured]
+    return [d for d in names if d in present], [d for d in names if d not in present]
+
+
+def progress_delay_us() -> int:
+    """MEMKV_NIXL_PROGRESS_DELAY_US, checked (0 = NIXL's own busy-polling default)."""
+    from memkv.errors import ConfigError
+
+    text = os.environ.get(ENV_PROGRESS_DELAY_US, "").strip()
+    if not text:
+        return DEFAULT_PROGRESS_DELAY_US
+    if not text.isdigit() or int(text) > 1_000_000:
+        raise ConfigError(f"{ENV_PROGRESS_DELAY_US}: expected microseconds in 0..1000000, got {text!r}")
+    return int(text)
+
+
+def buffer_address(view: memoryview) -> int:
+    """The address of a buffer's first byte (no copy; the view stays the caller's)."""
+    import numpy
+
+    return int(numpy.frombuffer(view, dtype=numpy.uint8).ctypes.data)
+
+
+@contextlib.contextmanager
+def _translate(what: str) -> Iterator[None]:
+    """The one place NIXL's exceptions become RdmaError."""
+    try:
+        yield
+    except RdmaError:
+        raise
+    except Exception as exc:  # NIXL raises nixl*Error (Exception subclasses) and RuntimeError
+        raise RdmaError(f"NIXL: cannot {what}: {type(exc).__name__}: {exc}") from exc
+
+
+def _text(name) -> str:
+    """Agent names come back as bytes from some NIXL calls and str from others."""
+    return name.decode() if isinstance(name, (bytes, bytearray)) else str(name)
+
+
+def _apply_devices(devices: Sequence[str]) -> None:
+    if devices and not os.environ.get("UCX_NET_DEVICES"):
+        os.environ["UCX_NET_DEVICES"] = ",".join(d if ":" in d else f"{d}:1" for d in devices)
+
+
+class _BindingsWithTamedConfig:
+    """Stands in for `_api.nixlBind` while an agent is built: everything is the real bindings
+    module except `nixlAgentConfig`, whose `pthrDelay` assignment is replaced."""
+
+    def __init__(self, real, config_cls) -> None:
+        self._real = real
+        self.nixlAgentConfig = config_cls
+
+    def __getattr__(self, name: str):
+        return getattr(self._real, name)
+
+
+def _tamed_agent(api, name: str, delay_us: int):
+    real = api.nixlBind
+
+    class TamedConfig(real.nixlAgentConfig):
+        def __setattr__(self, field: str, value) -> None:
+            if field == "pthrDelay":
+                value = delay_us
+            super().__setattr__(field, value)
+
+    config = api.nixl_agent_config(
+        enable_prog_thread=True,  # UCX over tcp needs the *target's* thread to land a WRITE
+        enable_listen_thread=False,  # metadata goes over MemKV's authenticated connection
+        backends=["UCX"],
+        sync_mode=api.nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT,
+    )
+    with _build_lock:
+        api.nixlBind = _BindingsWithTamedConfig(real, TamedConfig)
+        try:
+            return api.nixl_agent(name, config)
+        finally:
+            api.nixlBind = real
+
+
+class Registration:
+    """One registered region: `address`, `length` and NIXL's descriptor list."""
+
+    __slots__ = ("_descs", "address", "length")
+
+    def __init__(self, address: int, length: int, descs) -> None:
+        self.address = address
+        self.length = length
+        self._descs = descs
+
+    def covers(self, address: int, length: int) -> bool:
+        return self.address <= address and address + length <= self.address + self.length
+
+
+class Write:
+    """One posted WRITE. Poll `state()`; call `release()` exactly once when done with it."""
+
+    __slots__ = ("_agent", "_handle", "posted")
+
+    def __init__(self, agent, handle, posted: str) -> None:
+        self._agent = agent
+        self._handle = handle
+        self.posted = posted  # the state `transfer()` returned
+
+    def state(self) -> str:
+        """"DONE", "PROC" (in flight) or "ERR". Never blocks."""
+        if self.posted != "PROC":
+            return self.posted
+        with _translate("check a write's state"):
+            self.posted = self._agent.check_xfer_state(self._handle)
+        return self.posted
+
+    def release(self) -> bool:
+        """Free the handle; an active write is cancelled first. False when NIXL could not cancel
+        it (the write may still read its source and land: keep both alive, retry later)."""
+        try:
+            self._agent.release_xfer_handle(self._handle)
+        except Exception as exc:  # NIXL: "if it cannot be canceled, an error will be returned"
+            log.debug("NIXL could not release an active write: %s", exc)
+            return False
+        return True
+
+
+class NixlAgent:
+    """One NIXL agent with the UCX backend and a tamed progress thread.
+
+    `role` ("client" or "node") goes into the agent's name with a random suffix; peers learn the
+    name from the metadata. Raises RdmaError when NIXL is missing or UCX does not come up.
+    """
+
+    def __init__(self, role: str, devices: Sequence[str] = ()) -> None:
+        api = _import_api()
+        delay_us = progress_delay_us()
+        _apply_devices(devices)
+        self.name = f"memkv-{role}-{uuid.uuid4().hex[:16]}"
+        with _translate("create an agent with the UCX backend"):
+            self._agent = _tamed_agent(api, self.name, delay_us)
+        if "UCX" not in self._agent.backends:
+            raise RdmaError(f"NIXL: the UCX backend did not load (plugins: {self._agent.plugin_list})")
+        self.progress_delay_us = delay_us
+        log.debug("NIXL agent %s up (UCX, progress delay %d us, UCX_TLS=%s, UCX_NET_DEVICES=%s)", self.name, delay_us,
+                  os.environ.get("UCX_TLS", "(default)"), os.environ.get("UCX_NET_DEVICES", "(all)"))
+
+    # -- memory ---------------------------------------------------------------------------------
+
+    def register(self, address: int, length: int) -> Registration:
+        with _translate(f"register {length} bytes of DRAM"):
+            descs = self._agent.register_memory([(address, length, 0, "")], "DRAM")
+        return Registration(address, length, descs)
+
+    def deregister(self, reg: Registration) -> None:
+        with _translate("deregister memory"):
+            self._agent.deregister_memory(reg._descs)
+
+    # -- peers ----------------------------------------------------------------------------------
+
+    def metadata(self) -> bytes:
+        """This agent's connection info and registrations (~300 bytes with one region)."""
+        with _translate("export the agent metadata"):
+            return bytes(self._agent.get_agent_metadata())
+
+    def add_peer(self, metadata: bytes) -> str:
+        """Load a peer's metadata; returns its agent name. Loading the same metadata twice is
+        allowed (NIXL 1.5.1 accepts it)."""
+        with _translate("load a peer's metadata"):
+            return _text(self._agent.add_remote_agent(metadata))
+
+    def remove_peer(self, name: str) -> None:
+        """Forget a peer: no transfer towards it can be created after this."""
+        with _translate(f"remove peer {name}"):
+            self._agent.remove_remote_agent(name)
+
+    # -- transfers ------------------------------------------------------------------------------
+
+    def write(self, local: Sequence[tuple[int, int]], remote: Sequence[tuple[int, int]], peer: str,
+              notif: bytes) -> Write:
+        """Post one WRITE of the local (address, length) pieces into the peer's remote pieces,
+        in order; the peer gets `notif` once the data is placed. Descriptors outside the peer's
+        registered regions fail here (NIXL checks them against the peer's metadata)."""
+        with _translate("post a write"):
+            ldescs = self._agent.get_xfer_descs([(a, n, 0) for a, n in local], "DRAM")
+            rdescs = self._agent.get_xfer_descs([(a, n, 0) for a, n in remote], "DRAM")
+            handle = self._agent.initialize_xfer("WRITE", ldescs, rdescs, peer, notif)
+        try:
+            with _translate("start a write"):
+                posted = self._agent.transfer(handle)
+        except RdmaError:
+            with contextlib.suppress(Exception):
+                self._agent.release_xfer_handle(handle)
+            raise
+        return Write(self._agent, handle, posted)
+
+    def take_notifs(self) -> dict[str, list[bytes]]:
+        """Notifications that arrived since the last call: {peer agent name: [message, ...]}."""
+        with _translate("read notifications"):
+            return {_text(k): [bytes(m) for m in v] for k, v in self._agent.get_new_notifs().items()}
+
+    def close(self) -> None:
+        """Drop the agent (its destructor stops the progress thread and closes UCX)."""
+        self._agent = None

@@ -1,0 +1,366 @@
+"""The RDMA transport (client side): loads land by server-driven RDMA WRITE into the pool.
+
+Data path of a load (docs/rdma.md has the picture):
+  1. once: `register_pool(view)` registers the whole destination pool (the tier's CPU pool)
+     as one region with NIXL, and every node's first connection gets RDMA_ATTACH with this
+     agent's metadata (~300 bytes: connection info and the region's key). The metadata only
+     ever travels inside an authenticated, MACed frame, after the handshake;
+  2. per batch and node: RDMA_GET (keys, exact lengths, slot addresses, a window, a token) on
+     an authenticated connection; the node WRITEs the values into the slots in one transfer
+     whose notification is the token, and answers with per-key statuses and checksums;
+  3. the client waits for the token's notification, then verifies each slot's checksum over
+     the bytes that landed. Only then is the block reported loaded.
+
+Which buffers: only views that lie inside the registered pool go over RDMA; any other buffer
+(a bytearray of a CLI call, a benchmark's scratch) takes the TCP path.
+
+Slot safety: `LoadResult.may_land_late` is True when a failed item's WRITE may have been
+posted and its completion was not seen (a reply that timed out or never came, a
+TRANSFER_FAILED status, a missing notification, a checksum mismatch). The caller (the tier)
+withholds such a job for load_failure_grace_s. A MISS or SIZE_MISMATCH was never written.
+
+Modes: `auto` latches to TCP for the rest of the client's life on the first RDMA failure
+(logged once at WARNING); items whose WRITE was never posted (the node refused the attach)
+are retried over TCP at once, the others fail and are withheld. `rdma` never falls back:
+startup fails without RDMA, and a failed RDMA load is a failed load.
+
+Threading: thread-safe. `_lock` guards the agent, the registration and the latch; `_attached`
+(connection -> the node's agent name) is only touched by the thread that borrowed the
+connection; `_NotifInbox` has its own lock.
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import logging
+import struct
+import threading
+import time
+import weakref
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from memkv import protocol as p
+from memkv.client import metrics as m
+from memkv.errors import MemKVError, RemoteProtocolError, ServerError
+from memkv.transport.base import LoadResult, RdmaError, Transport
+
+if TYPE_CHECKING:
+    from memkv.client.cluster import Client
+    from memkv.client.node import NodeClient, NodeConnection
+    from memkv.transport.nixl_adapter import NixlAgent, Registration
+
+log = logging.getLogger("memkv.client")
+
+# The node starts no write later than this share of the client's io_timeout_s after it got
+# the request, so its reply (sent when the write completed or the window closed) arrives
+# before the client's read timeout.
+WINDOW_SHARE = 0.5
+_NOTIF_BACKLOG = 4096  # notifications kept for requests nobody waits for any more
+
+
+class RdmaRefused(RdmaError):
+    """A node answered RDMA_ATTACH with a refusal: nothing was written, the TCP path is fine.
+    `connection_closed`: the node answered with an ERROR frame (a node that predates RDMA:
+    UNKNOWN_OPCODE) and closed the connection."""
+
+    def __init__(self, message: str, connection_closed: bool = False) -> None:
+        super().__init__(message)
+        self.connection_closed = connection_closed
+
+
+class _NotifInbox:
+    """Notifications of one agent, shared by every loading thread: each waits for its token."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._arrived: collections.OrderedDict[tuple[str, bytes], None] = collections.OrderedDict()
+
+    def wait(self, agent: NixlAgent, peer: str, notif: bytes, deadline: float) -> bool:
+        key = (peer, notif)
+        pause = 20e-6
+        while True:
+            with self._lock:
+                if key not in self._arrived:
+                    for sender, messages in agent.take_notifs().items():
+                        for msg in messages:
+                            self._arrived[(sender, msg)] = None
+                    while len(self._arrived) > _NOTIF_BACKLOG:
+                        self._arrived.popitem(last=False)
+                if key in self._arrived:
+                    del self._arrived[key]
+                    return True
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(pause)
+            pause = min(2 * pause, 1e-3)
+
+
+class RdmaTransport(Transport):
+    name = "rdma"
+
+    def __init__(self, client: Client, mode: str, devices: Sequence[str] = ()) -> None:
+        assert mode in ("auto", "rdma")
+        self._client = client
+        self.mode = mode
+        self._devices = tuple(devices)
+        self._lock = threading.Lock()
+        self._agent: NixlAgent | None = None
+        self._pool: Registration | None = None
+        self._metadata = b""
+        self._latched: str | None = None
+        self._attached: weakref.WeakKeyDictionary[NodeConnection, str] = weakref.WeakKeyDictionary()
+        self._tokens = itertools.count(1)
+        self._inbox = _NotifInbox()
+        self._warned = False
+        self.register_ms: float | None = None  # how long NIXL took to register the pool
+
+    @property
+    def rdma_active(self) -> bool:
+        return self._pool is not None and self._latched is None
+
+    def describe(self) -> str:
+        if self._latched is not None:
+            return f"tcp (RDMA latched off: {self._latched})"
+        if self._pool is None:
+            return f"rdma ({self.mode}, no pool registered yet)"
+        return f"rdma (NIXL agent {self._agent.name if self._agent else '?'}, pool {self._pool.length} bytes)"
+
+    # -- startup ----------------------------------------------------------------------------------
+
+    def register_pool(self, view: memoryview) -> bool:
+        from memkv.transport.nixl_adapter import NixlAgent, buffer_address
+
+        address = buffer_address(view)
+        with self._lock:
+            if self._pool is not None:
+                if (self._pool.address, self._pool.length) != (address, len(view)):
+                    raise ValueError("this client already registered a pool; register one pool per client")
+                return self.rdma_active
+            if self._latched is not None:
+                return False
+            agent = None
+            error = None
+            try:
+                agent = NixlAgent("client", self._devices)
+                t = time.perf_counter()
+                pool = agent.register(address, len(view))
+                took_ms = (time.perf_counter() - t) * 1000
+                metadata = agent.metadata()
+            except RdmaError as exc:
+                if agent is not None:
+                    agent.close()
+                error = f"cannot register the pool: {exc}"
+            else:
+                self._agent, self._pool, self._metadata = agent, pool, metadata
+                self.register_ms = took_ms
+        if error is not None:
+            self._give_up(error)
+            return False
+        log.info("MemKV: registered the pool for RDMA (%d bytes in %.1f ms, agent %s, metadata %d bytes)",
+                 len(view), took_ms, agent.name, len(metadata))
+        for node in self._client._nodes:  # attach now: a node without RDMA shows at startup
+            try:
+                with node.connection(fail_fast=False) as conn:
+                    self._attach(conn)
+            except RdmaRefused as exc:
+                self._unregister()
+                self._give_up(str(exc))
+                return False
+            except MemKVError as exc:  # unreachable: a node failure, not an RDMA one
+                if self.mode == "rdma":
+                    self._unregister()
+                    raise RdmaError(f"MEMKV_TRANSPORT=rdma: cannot attach RDMA to {node.name}: {exc}") from exc
+                log.warning("MemKV: cannot attach RDMA to %s yet: %s", node.name, exc)
+        return self.rdma_active
+
+    def _unregister(self) -> None:
+        """Undo a registration at startup (nothing was loaded over RDMA yet)."""
+        with self._lock:
+            agent, pool = self._agent, self._pool
+            self._agent = self._pool = None
+            self._attached = weakref.WeakKeyDictionary()  # a later registration attaches afresh
+        if agent is not None:
+            if pool is not None:
+                try:
+                    agent.deregister(pool)
+                except RdmaError as exc:
+                    log.debug("%s", exc)
+            agent.close()
+
+    def _give_up(self, reason: str) -> None:
+        """RDMA cannot be set up: `rdma` refuses to start, `auto` latches to TCP."""
+        if self.mode == "rdma":
+            raise RdmaError(f"MEMKV_TRANSPORT=rdma: {reason}")
+        self._failed(reason)
+
+    def _attach(self, conn: NodeConnection) -> str:
+        """RDMA_ATTACH once per connection; returns the node's agent name. Raises RdmaRefused
+        when the node answers without RDMA; MemKVError on transport errors."""
+        peer = self._attached.get(conn)
+        if peer is not None:
+            return peer
+        try:
+            reply = conn.request(p.RdmaAttachRequest(p.RdmaBackend.NIXL_UCX, self._metadata))
+        except ServerError as exc:
+            if exc.code != p.ErrorCode.UNKNOWN_OPCODE:
+                raise
+            raise RdmaRefused(f"{conn.name} does not speak RDMA_ATTACH (an older node)", connection_closed=True) from exc
+        if not isinstance(reply, p.RdmaAttachReply):
+            raise RemoteProtocolError(f"{conn.name}: unexpected reply to RDMA_ATTACH")
+        if reply.status != p.RdmaAttachStatus.OK:
+            try:
+                why = p.RdmaAttachStatus(reply.status).name
+            except ValueError:
+                why = f"status {reply.status}"
+            raise RdmaRefused(f"{conn.name} refused RDMA ({why}): {reply.info}")
+        self._attached[conn] = reply.info
+        return reply.info
+
+    # -- loads ------------------------------------------------------------------------------------
+
+    def load_into(self, keys: Sequence[bytes], views: Sequence[memoryview]) -> LoadResult:
+        client = self._client
+        pool = self._pool
+        if pool is None or not self.rdma_active:
+            return LoadResult(client._get_into_tcp(list(keys), list(views)))
+        from memkv.transport.nixl_adapter import buffer_address
+
+        addrs = [buffer_address(v) for v in views]
+        rdma_idx = [i for i, (a, v) in enumerate(zip(addrs, views)) if pool.covers(a, len(v))]
+        ok = [False] * len(keys)
+        late = False
+        if len(rdma_idx) < len(keys):  # buffers outside the pool: the TCP path
+            tcp_idx = sorted(set(range(len(keys))) - set(rdma_idx))
+            for i, r in zip(tcp_idx, client._get_into_tcp([keys[i] for i in tcp_idx], [views[i] for i in tcp_idx])):
+                ok[i] = r
+        if rdma_idx:
+            sub_k = [keys[i] for i in rdma_idx]
+            sub_v = [views[i] for i in rdma_idx]
+            sub_a = [addrs[i] for i in rdma_idx]
+
+            def run(node: NodeClient, idx: list[int]) -> list[tuple[bool, bool]]:
+                out: list[tuple[bool, bool]] = []
+                step = (node.limits or p.Limits()).max_batch
+                for lo in range(0, len(idx), step):
+                    part = idx[lo : lo + step]
+                    out += self._load_chunk(node, [sub_k[i] for i in part], [sub_v[i] for i in part],
+                                            [sub_a[i] for i in part])
+                return out
+
+            for i, (good, unsettled) in zip(rdma_idx, client._scatter(sub_k, run)):
+                ok[i] = good
+                late |= unsettled and not good
+        return LoadResult(ok, late)
+
+    def _load_chunk(self, node: NodeClient, keys: list[bytes], views: list[memoryview],
+                    addrs: list[int]) -> list[tuple[bool, bool]]:
+        """One RDMA_GET on one node. Per item: (loaded and verified, a write may still land)."""
+        client = self._client
+        n = len(keys)
+        agent = self._agent
+        if agent is None or not self.rdma_active:  # latched (or closed) meanwhile
+            return [(ok, False) for ok in client._get_into_tcp(keys, views)]
+        io_timeout_s = client.config.io_timeout_s
+        window_ms = max(1, min(p.MAX_RDMA_WINDOW_MS, int(io_timeout_s * 1000 * WINDOW_SHARE)))
+        try:
+            conn = node.borrow()
+        except MemKVError as exc:
+            client._count_failure(node, "get", exc)
+            return [(False, False)] * n
+        sent = False
+        t = time.perf_counter()
+        try:
+            peer = self._attach(conn)
+            token = next(self._tokens)
+            conn.send(p.RdmaGetRequest(tuple(keys), tuple(len(v) for v in views), tuple(addrs), window_ms, token))
+            sent = True
+            reply = conn.read_reply()
+            if not isinstance(reply, p.RdmaGetReply) or len(reply.items) != n:
+                raise RemoteProtocolError(f"{node.name}: RDMA_GET reply does not match the request")
+        except RdmaRefused as exc:
+            node.give_back(conn, exc if exc.connection_closed else None)  # else the connection is in step
+            self._failed(str(exc))
+            if self.mode == "auto":  # nothing was posted: these slots can take the TCP path now
+                return [(ok, False) for ok in client._get_into_tcp(keys, views)]
+            return [(False, False)] * n
+        except MemKVError as exc:
+            node.give_back(conn, exc)
+            client._count_failure(node, "get", exc)
+            if sent:
+                log.warning("%s: RDMA load abandoned after the request was sent (%s); its slots stay "
+                            "reserved until no write can land", node.name, exc)
+            return [(False, sent)] * n
+        except BaseException as exc:
+            node.give_back(conn, exc)
+            raise
+        node.give_back(conn)
+
+        notified = True
+        if any(it.status == p.ItemStatus.OK for it in reply.items):
+            try:
+                notified = self._inbox.wait(agent, peer, struct.pack(">Q", token), time.monotonic() + io_timeout_s)
+            except RdmaError as exc:
+                log.debug("%s", exc)
+                notified = False
+        out: list[tuple[bool, bool]] = []
+        problem = None
+        bad_sums = 0
+        for item, view in zip(reply.items, views):
+            if item.status == p.ItemStatus.OK:
+                if not notified:
+                    problem = "the write's notification did not arrive"
+                    out.append((False, True))
+                elif item.length == len(view) and client.checksummer.verify(view, item.algo, item.checksum):
+                    out.append((True, False))
+                else:
+                    bad_sums += 1
+                    problem = "a value written by RDMA failed its checksum"
+                    out.append((False, True))
+            elif item.status == p.ItemStatus.TRANSFER_FAILED:
+                problem = "the node's RDMA write failed or missed its window"
+                out.append((False, True))
+            else:  # MISS, SIZE_MISMATCH: nothing was written
+                out.append((False, False))
+        m.SECONDS.labels("rdma_get").observe(time.perf_counter() - t)
+        m.REQUESTS.labels(node.name, "rdma_get", "ok").inc()
+        m.BYTES.labels("in").inc(sum(len(v) for v, (good, _) in zip(views, out) if good))
+        if bad_sums:
+            m.INTEGRITY_FAILURES.labels(node.name).inc(bad_sums)
+            log.warning("%s: %d value(s) written by RDMA failed checksum verification; treated as misses", node.name, bad_sums)
+        if problem:
+            self._failed(f"{node.name}: {problem}")
+        return out
+
+    def _failed(self, reason: str) -> None:
+        """An RDMA failure: `auto` latches to TCP (one WARNING); `rdma` just reports it."""
+        with self._lock:
+            first = not self._warned
+            self._warned = True
+            if self.mode == "auto" and self._latched is None:
+                self._latched = reason
+                log.warning("MemKV: RDMA failed (%s); this client uses TCP from now on (MEMKV_TRANSPORT=auto)", reason)
+                return
+        if self.mode == "rdma":
+            (log.warning if first else log.debug)(
+                "MemKV: RDMA load failed (%s); MEMKV_TRANSPORT=rdma does not fall back to TCP", reason)
+
+    # -- shutdown ---------------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Deregister the pool and drop the agent: after this no node can write into the pool
+        through this client's UCX endpoint (the client closed its connections first, so nodes
+        have already dropped its metadata)."""
+        with self._lock:
+            agent, pool = self._agent, self._pool
+            self._agent = None
+            if self._latched is None:
+                self._latched = "client closed"
+        if agent is not None:
+            if pool is not None:
+                try:
+                    agent.deregister(pool)
+                except RdmaError as exc:
+                    log.debug("%s", exc)
+            agent.close()

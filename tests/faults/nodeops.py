@@ -1,0 +1,82 @@
+"""Helpers for tests that break nodes: admin reads, RSS, stop detection, restart on the same port.
+
+Every wait here is bounded by a timeout; nothing sleeps bare.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import urllib.error
+import urllib.request
+
+from memkv.local import LocalNode
+
+
+def admin_get(node: LocalNode, path: str, timeout_s: float = 5.0) -> tuple[int, bytes]:
+    try:
+        with urllib.request.urlopen(node.admin_url + path, timeout=timeout_s) as resp:
+            return resp.status, resp.read()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read()
+
+
+def status_of(node: LocalNode) -> dict:
+    code, body = admin_get(node, "/v1/status")
+    assert code == 200, f"/v1/status answered {code}"
+    return json.loads(body)
+
+
+def metrics_of(node: LocalNode) -> str:
+    code, body = admin_get(node, "/v1/metrics")
+    assert code == 200, f"/v1/metrics answered {code}"
+    return body.decode()
+
+
+def metric_value(text: str, name: str, **labels: str) -> float:
+    """One sample of a Prometheus text exposition (0.0 when absent)."""
+    want = ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()))
+    pattern = re.escape(name) + (r"\{" + re.escape(want) + r"\}" if labels else r"") + r" (\S+)$"
+    for line in text.splitlines():
+        if line.startswith("#"):
+            continue
+        # prometheus_client orders labels as declared; our metrics have at most one label
+        m = re.match(pattern, line)
+        if m:
+            return float(m.group(1))
+    return 0.0
+
+
+def rss_bytes(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    raise AssertionError("no VmRSS line")
+
+
+def all_threads_stopped(pid: int) -> bool:
+    """True once every thread of `pid` is in state T: kill(SIGSTOP) returns before the group
+    stop completes, and until then a thread may still answer a request."""
+    states = []
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                states.append(f.read().rsplit(")", 1)[1].split()[0])
+        except FileNotFoundError:
+            continue
+    return bool(states) and all(state in ("T", "t") for state in states)
+
+
+def start_on_port(auth_key_hex: str, port: int, capacity: str = "256MiB", extra_args=()) -> LocalNode:
+    """A fresh, empty node on `port` (its admin port is picked anew)."""
+    return LocalNode(auth_key_hex, capacity=capacity, port=port, extra_args=[*extra_args, "--admin-port", "0"],
+                     ready_timeout_s=30.0)
+
+
+def restart_empty(node: LocalNode, capacity: str = "256MiB", extra_args=()) -> LocalNode:
+    """SIGKILL `node` and start an empty one on the same port. The caller stops the new one."""
+    port = node.port
+    node.kill()
+    return start_on_port(node.auth_key_hex, port, capacity, extra_args)

@@ -1,0 +1,159 @@
+"""Loads by server-driven RDMA WRITE into a registered pool, against real nodes, over UCX tcp and cma.
+
+Behaviour under test:
+* with MEMKV_TRANSPORT=rdma and the pool registered, has_rdma() is true and loads of 4 KiB,
+  1 MiB and 16 MiB values over 3 nodes land byte-exact in their slots; the nodes served them
+  with RDMA_GET (their metrics say so), not GET;
+* a MISS or a wrong length is a miss that was never written: the slot keeps its bytes and
+  may_land_late is false;
+* the client verifies each checksum over the landed bytes before counting a block loaded: a
+  value stored with a wrong checksum is a miss (and counted as an integrity failure);
+* a buffer outside the registered pool takes the TCP path;
+* the RDMA control messages are guarded like every frame: RDMA_GET on a connection that did not
+  RDMA_ATTACH is a protocol error; a descriptor outside the client's registered region is
+  refused by NIXL (TRANSFER_FAILED), nothing is written and the node keeps serving;
+* a node drops a client's metadata when the client's connections close.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+
+import pytest
+
+from memkv import ServerError
+from memkv import protocol as p
+from memkv.client.node import NodeConnection
+from memkv.config import ServerAddress
+from memkv.transport.nixl_adapter import buffer_address
+from tests.rdma.conftest import node_requests, requires_nixl, wait_for
+
+pytestmark = [pytest.mark.integration, requires_nixl]
+
+KiB, MiB = 1 << 10, 1 << 20
+
+
+def rdma_client(make_client, nodes, **kwargs):
+    return make_client(nodes, transport="rdma", io_timeout_s=kwargs.pop("io_timeout_s", 10.0), **kwargs)
+
+
+def test_loads_land_byte_exact_in_pool_slots(ucx, start_node, make_client, pool):
+    nodes = start_node.many(3)
+    client = rdma_client(make_client, nodes)
+    assert not client.has_rdma()  # nothing registered yet
+    assert client.register_pool(pool) is True and client.has_rdma()
+    sizes = [4 * KiB, 1 * MiB, 16 * MiB, 16 * MiB, 4 * KiB, 1 * MiB]
+    rng = random.Random(7)
+    values = [rng.randbytes(n) for n in sizes]
+    keys = [f"rdma/{ucx}/{i}" for i in range(len(sizes))]
+    assert client.batch_put_views(list(zip(keys, values))) == [True] * len(sizes)
+    slots, off = [], 0
+    for n in sizes:
+        slots.append(pool[off : off + n])
+        off += n
+    pool[:off] = bytes(off)
+    result = client.batch_load_into(list(zip(keys, slots)))
+    assert result.ok == [True] * len(sizes) and not result.may_land_late
+    assert all(bytes(s) == v for s, v in zip(slots, values))
+    owners = {client.owner(k).name for k in keys}
+    assert {n.address for n in nodes if node_requests(n, "rdma_get") >= 1} == owners  # one RDMA_GET per owner
+    assert sum(node_requests(n, "get") for n in nodes) == 0
+
+
+def test_miss_and_wrong_length_are_never_written(ucx, start_node, make_client, pool):
+    (node,) = start_node.many(1)
+    client = rdma_client(make_client, [node])
+    client.register_pool(pool)
+    assert client.batch_put_views([("rdma/short", b"x" * 1000)]) == [True]
+    pool[: 2 * MiB] = b"\xab" * (2 * MiB)
+    result = client.batch_load_into([("rdma/absent", pool[:MiB]), ("rdma/short", pool[MiB : 2 * MiB])])
+    assert result.ok == [False, False] and not result.may_land_late
+    assert bytes(pool[: 2 * MiB]) == b"\xab" * (2 * MiB)
+
+
+def test_checksum_is_verified_before_a_block_counts_as_loaded(ucx, start_node, make_client, pool, auth_key_hex):
+    (node,) = start_node.many(1)
+    client = rdma_client(make_client, [node])
+    client.register_pool(pool)
+    value = os.urandom(MiB)
+    wrong = client.checksummer.compute(b"something else")
+    conn = NodeConnection(ServerAddress(node.host, node.port), bytes.fromhex(auth_key_hex), 2.0, 5.0)
+    try:  # a writer that got the checksum wrong (or bytes that rotted on the node)
+        reply = conn.request(p.PutRequest((p.PutItem(b"rdma/corrupt", MiB, client.checksummer.algo, wrong),)),
+                             [memoryview(value)])
+        assert reply.statuses == bytes([p.ItemStatus.OK])
+    finally:
+        conn.close()
+    result = client.batch_load_into([("rdma/corrupt", pool[:MiB])])
+    assert result.ok == [False]
+    assert bytes(pool[:MiB]) == value  # it did land; it just did not verify
+    assert result.may_land_late  # a failed RDMA block is withheld, whatever the reason
+
+
+def test_buffers_outside_the_pool_take_the_tcp_path(ucx, start_node, make_client, pool):
+    (node,) = start_node.many(1)
+    client = rdma_client(make_client, [node])
+    client.register_pool(pool)
+    value = os.urandom(MiB)
+    client.put("rdma/outside", value)
+    scratch = bytearray(MiB)
+    assert client.batch_get_into([("rdma/outside", scratch)]) == [True] and bytes(scratch) == value
+    assert node_requests(node, "get") == 1 and node_requests(node, "rdma_get") == 0
+
+
+def test_rdma_get_needs_rdma_attach_on_that_connection(ucx, start_node, auth_key_hex):
+    (node,) = start_node.many(1)
+    conn = NodeConnection(ServerAddress(node.host, node.port), bytes.fromhex(auth_key_hex), 2.0, 5.0)
+    try:
+        with pytest.raises(ServerError) as info:
+            conn.request(p.RdmaGetRequest((b"k",), (4096,), (0x10000,), 1000, 1))
+        assert info.value.code == p.ErrorCode.MALFORMED
+    finally:
+        conn.close()
+
+
+def test_descriptor_outside_the_registered_region_writes_nothing(ucx, start_node, make_client, pool, auth_key_hex):
+    (node,) = start_node.many(1)
+    client = rdma_client(make_client, [node])
+    client.register_pool(pool)
+    client.put("rdma/target", os.urandom(MiB))
+    metadata = client._transport._metadata
+    end = buffer_address(pool) + len(pool)
+    conn = NodeConnection(ServerAddress(node.host, node.port), bytes.fromhex(auth_key_hex), 2.0, 5.0)
+    try:
+        reply = conn.request(p.RdmaAttachRequest(p.RdmaBackend.NIXL_UCX, metadata))
+        assert reply.status == p.RdmaAttachStatus.OK
+        for address in (end - MiB // 2, end, 4096):  # straddling the end, past it, unregistered
+            reply = conn.request(p.RdmaGetRequest((b"rdma/target",), (MiB,), (address,), 2000, 99))
+            assert [it.status for it in reply.items] == [p.ItemStatus.TRANSFER_FAILED]
+        assert isinstance(conn.request(p.PingRequest()), p.PingReply)  # the connection stays usable
+    finally:
+        conn.close()
+    assert client.batch_load_into([("rdma/target", pool[:MiB])]).ok == [True]
+
+
+def test_attach_with_bad_metadata_is_rejected_not_fatal(ucx, start_node, auth_key_hex):
+    (node,) = start_node.many(1)
+    conn = NodeConnection(ServerAddress(node.host, node.port), bytes.fromhex(auth_key_hex), 2.0, 5.0)
+    try:
+        reply = conn.request(p.RdmaAttachRequest(p.RdmaBackend.NIXL_UCX, os.urandom(300)))
+        assert reply.status == p.RdmaAttachStatus.REJECTED and "NIXL" in reply.info
+        reply = conn.request(p.RdmaAttachRequest(77, b"x"))
+        assert reply.status == p.RdmaAttachStatus.REJECTED
+        assert isinstance(conn.request(p.PingRequest()), p.PingReply)
+    finally:
+        conn.close()
+
+
+def test_node_forgets_a_client_when_its_connections_close(ucx, start_node, make_client, pool):
+    node = start_node(env={"MEMKV_LOG_LEVEL": "info"})
+    client = rdma_client(make_client, [node])
+    client.register_pool(pool)
+    client.put("rdma/k", b"v" * 4096)
+    assert client.batch_load_into([("rdma/k", pool[:4096])]).ok == [True]
+    name = client._transport._agent.name
+    assert wait_for(lambda: any(f"{name} attached" in line for line in node.output), 5.0)
+    client.close()
+    assert wait_for(lambda: any(f"{name} detached" in line for line in node.output), 10.0), "".join(node.output)[-2000:]
+
