@@ -49,6 +49,7 @@ from memkv import protocol as p
 from memkv.client.node import NodeConnection
 from memkv.local import LocalNode, new_key_hex
 from memkv.sockio import recv_exactly
+from tests.faults.nodeops import all_threads_stopped, rss_bytes
 
 pytestmark = pytest.mark.integration
 
@@ -98,27 +99,6 @@ def metrics_of(node: LocalNode) -> str:
     code, _, body = admin_get(node, "/v1/metrics")
     assert code == 200
     return body.decode()
-
-
-def rss_bytes(pid: int) -> int:
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    raise AssertionError("no VmRSS line")
-
-
-def all_threads_stopped(pid: int) -> bool:
-    """True once every thread of `pid` is in state T. kill(SIGSTOP) returns before the group
-    stop completes: until then a thread of the node may still answer a request."""
-    states = []
-    for tid in os.listdir(f"/proc/{pid}/task"):
-        try:
-            with open(f"/proc/{pid}/task/{tid}/stat") as f:
-                states.append(f.read().rsplit(")", 1)[1].split()[0])
-        except FileNotFoundError:  # a thread that just ended
-            continue
-    return bool(states) and all(state in ("T", "t") for state in states)
 
 
 def cli(*args: str, env: dict | None = None, timeout_s: float = 60) -> subprocess.CompletedProcess:

@@ -13,6 +13,7 @@ from typing import Callable
 import pytest
 
 from memkv.local import LocalNode
+from tests.conftest import poll_until  # noqa: F401  (re-exported: one implementation)
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -84,18 +85,3 @@ def clean_env(tmp_dir: Path, **extra: str) -> dict[str, str]:
     env.update({"XDG_CONFIG_HOME": str(tmp_dir / "xdg"), "PYTHONUNBUFFERED": "1"})
     env.update(extra)
     return env
-
-
-def poll_until(predicate: Callable[[], object], timeout_s: float, interval_s: float = 0.02, what: str = "condition"):
-    """Call `predicate` until it returns something truthy (returned) or `timeout_s` passes
-    (the test fails). Every pause is bounded by the deadline."""
-    deadline = time.monotonic() + timeout_s
-    pause = threading.Event()  # never set: wait() is a bounded pause
-    while True:
-        value = predicate()
-        if value:
-            return value
-        left = deadline - time.monotonic()
-        if left <= 0:
-            pytest.fail(f"timed out after {timeout_s}s waiting for {what}")
-        pause.wait(min(interval_s, left))
