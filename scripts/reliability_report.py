@@ -301,18 +301,19 @@ STATIC_CLAIMS = """## What the suites show, and where
 
 * **A promotion in flight is bounded by the client's `io_timeout_s`, not by `lookup_timeout_s`.** The
   deadline covers existence probes. Once a lookup said HIT and the transfer started, a partition holds
-  that request (HIT_PENDING / RETRY) until the transfer times out: `partition_worst_promotion_resolution_s`
+  that request (HIT_PENDING / RETRY) until the transfer times out: the "promotion cut mid-transfer" row
   above, about `io_timeout_s` (10 s by default).
 * **One stuck probe delays every key's probe.** The tier runs its `exists` rounds on one thread, batched
   across nodes; while a node is stopped, a round waits up to `io_timeout_s` on it, so keys on healthy
   nodes asked meanwhile also answer MISS at the deadline (they recompute) until the stopped node is marked
-  down. Per-node probe rounds would keep the healthy nodes' hits.
+  down (the "healthy node's chunks that hit" row: none did). Per-node probe rounds would keep those hits.
 * **A failed transfer does not purge.** A load that fails on a transport error marks the node down first,
   so the purge (`delete`) that follows fails fast and the (intact) value stays: correct, since the value
   was not bad; a checksum or size failure on a healthy connection does purge.
 * **Lane shares under heavy concurrency.** A PUT's lane is charged when the value commits, after its room
   was made; with many large PUTs in flight and values pinned by readers, a lane can sit well away from its
-  share (figure `under_load_worst_lane_deviation_mib`) until writes settle it (it does, within one value).
+  share (figure `under_load_worst_lane_deviation_mib`) until writes settle it (they do: within one value
+  plus the node's free room).
 * Black holes come in three kinds here: SIGSTOP (the node's sockets stay open, nothing is answered), the
   proxy's `partition()` (bytes held, sockets open), and a network namespace whose veth link is cut (every
   packet dropped in the kernel, no RST, no ICMP; needs root and iproute2, skipped otherwise). There is no
