@@ -44,7 +44,7 @@ import hmac
 import itertools
 import json
 import struct
-from typing import Iterable, Sequence, Union
+from typing import Sequence, Union
 
 from memkv.errors import AuthError, LocalProtocolError, RemoteProtocolError
 
@@ -639,7 +639,7 @@ class ClientHandshake:
                 ErrorCode.UNSUPPORTED_VERSION,
             )
         if status != ErrorCode.OK:
-            raise RemoteProtocolError(f"node refused the handshake: {_error_name(status)}", status)
+            raise RemoteProtocolError(f"node refused the handshake: {error_name(status)}", status)
         if version != self._version:
             raise RemoteProtocolError(f"node answered version {version} to a version {self._version} hello")
         self._transcript = _transcript(version, self._nonce, server_nonce)
@@ -726,19 +726,13 @@ def parse_auth_outcome_prefix(data: bytes) -> int | None:
     return None
 
 
-def _error_name(code: int) -> str:
+def error_name(code: int) -> str:
     try:
         return ErrorCode(code).name
     except ValueError:
         return f"error {code}"
 
 
-def error_name(code: int) -> str:
-    return _error_name(code)
-
-
-def iter_statuses(statuses: bytes) -> Iterable[ItemStatus]:
-    return (ItemStatus(s) for s in statuses)
 
 
 # --------------------------------------------------------------------------------------------

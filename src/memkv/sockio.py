@@ -125,6 +125,3 @@ def send_all(sock: socket.socket, buffers: Sequence[bytes | bytearray | memoryvi
     except BlockingIOError:
         raise socket.timeout("send timed out") from None
 
-
-def send_bytes(sock: socket.socket, data: bytes | bytearray | memoryview, deadline: float | None = None) -> None:
-    send_all(sock, [data], deadline)

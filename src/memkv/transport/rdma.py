@@ -181,13 +181,7 @@ class RdmaTransport(Transport):
             agent, pool = self._agent, self._pool
             self._agent = self._pool = None
             self._attached = weakref.WeakKeyDictionary()  # a later registration attaches afresh
-        if agent is not None:
-            if pool is not None:
-                try:
-                    agent.deregister(pool)
-                except RdmaError as exc:
-                    log.debug("%s", exc)
-            agent.close()
+        _release(agent, pool)
 
     def _give_up(self, reason: str) -> None:
         """RDMA cannot be set up: `rdma` refuses to start, `auto` latches to TCP."""
@@ -357,10 +351,16 @@ class RdmaTransport(Transport):
             self._agent = None
             if self._latched is None:
                 self._latched = "client closed"
-        if agent is not None:
-            if pool is not None:
-                try:
-                    agent.deregister(pool)
-                except RdmaError as exc:
-                    log.debug("%s", exc)
-            agent.close()
+        _release(agent, pool)
+
+
+def _release(agent, pool) -> None:
+    """Deregister the pool (if any) and close the agent (if any): a failure only logs."""
+    if agent is None:
+        return
+    if pool is not None:
+        try:
+            agent.deregister(pool)
+        except RdmaError as exc:
+            log.debug("%s", exc)
+    agent.close()
