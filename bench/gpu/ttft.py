@@ -449,6 +449,10 @@ def engine_child(spec: dict) -> int:
     mgr, sched, conn = find_manager(llm)
     tier = mgr.secondary_tiers[0]
     result["tier_class"] = type(tier).__name__
+    if tier_kind == "memkv":  # which transport the loads took (MEMKV_TRANSPORT, UCX_TLS from the environment)
+        result["transport"] = {"MEMKV_TRANSPORT": os.environ.get("MEMKV_TRANSPORT", "auto"),
+                               "UCX_TLS": os.environ.get("UCX_TLS"), "has_rdma": tier.client.has_rdma()}
+        log(f"memkv transport: {result['transport']}")
     try:
         result["primary_blocks"] = mgr.primary_tier.get_kv_memoryview().shape[0]
     except Exception:
@@ -661,7 +665,7 @@ def parse_sweep(text: str) -> list:
 
 
 def set_verify_chunk(mib: int | None) -> int:
-    """EXPERIMENT: the client receives a value in chunks of memkv.client.node._VERIFY_CHUNK (1 MiB)
+    """EXPERIMENT: the client receives a value in chunks of memkv.client.node._VERIFY_CHUNK (16 MiB by default)
     and hashes each chunk; every chunk costs two GIL round trips. Returns the chunk in force."""
     from memkv.client import node as nodemod
 
@@ -921,7 +925,7 @@ def main() -> int:
             for s in res["sweep"]:
                 print(f"  threads={s['threads']:>2} blocks_per_op={s['blocks_per_op']:>2} "
                       f"switch_interval={s['switch_interval_ms'] or 5.0} ms "
-                      f"verify_chunk={s.get('verify_chunk_mib') or 1} MiB: {fmt_times(s['seconds'])}")
+                      f"verify_chunk={s.get('verify_chunk_mib') or 'default'} MiB: {fmt_times(s['seconds'])}")
         for e in res.get("errors", []):
             print(f"  [{role}] error: {e.strip()[-600:]}")
     if problems:

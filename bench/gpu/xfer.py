@@ -13,7 +13,11 @@ Variants (--variants, comma separated): THREADSxBLOCKS_PER_OP[:flag...] with fla
              same way while a promotion is in flight: in-process it steps the scheduler in a loop)
   noverify   receive without hashing (monkeypatched, to price the xxh3 verification)
   si<ms>     sys.setswitchinterval(<ms> / 1000) for that variant
-  c<MiB>     receive/verify chunk of the client (patched; the client's default is 1 MiB)
+  c<MiB>     receive/verify chunk of the client (patched; the client's default is 16 MiB)
+--transport rdma: loads over MemKV's RDMA transport (NIXL/UCX; on a host without a NIC set
+UCX_TLS=cma,tcp,self: the node writes into the pinned buffer with process_vm_writev); the pinned
+buffer is registered with Client.register_pool like the tier's CPU pool. The TCP-only flags
+(noverify, c<MiB>) do not apply then.
 Also times one host->GPU copy of the whole buffer (pinned, non_blocking): the pool->GPU ceiling.
 
 Usage: PYTHONPATH=src:... python3 bench/gpu/xfer.py --out-dir $OUT
@@ -56,6 +60,7 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--variants", default="16x4,16x4:noverify,16x4:c4,16x4:busy,16x4:busy:noverify,16x4:busy:c4,"
                                           "16x4:busy:c16,16x4:busy:si0.5,16x1:busy,32x4:busy:c4")
+    ap.add_argument("--transport", default="tcp", choices=["tcp", "rdma"], help="MEMKV_TRANSPORT of client and nodes")
     ap.add_argument("--state-dir", default="/tmp/xfer-state")
     ap.add_argument("--out-dir", default=os.environ.get("OUT", "bench/out"))
     args = ap.parse_args()
@@ -64,6 +69,7 @@ def main() -> int:
     total = vb * args.values
     result = {"host": host_info(), "args": vars(args), "variants": []}
 
+    os.environ["MEMKV_TRANSPORT"] = args.transport  # nodes inherit it
     capacity = max((total // args.nodes) * 3 // 2, 4 * vb)
     state = start_nodes(args.nodes, f"{capacity >> 20}MiB", f"{args.value_mib}MiB", args.state_dir, [])
     try:
@@ -86,6 +92,12 @@ def main() -> int:
             rows[i][:] = rows[0]
             rows[i][:8] = i.to_bytes(8, "little")
         result["alloc_fill_s"] = time.perf_counter() - t
+        if args.transport == "rdma":
+            t = time.perf_counter()
+            registered = client.register_pool(buf)
+            result["rdma"] = {"registered": registered, "has_rdma": client.has_rdma(),
+                              "register_s": time.perf_counter() - t, "UCX_TLS": os.environ.get("UCX_TLS")}
+            log(f"rdma: pool registered={registered} has_rdma={client.has_rdma()} UCX_TLS={os.environ.get('UCX_TLS')}")
         keys = [f"xfer/{i}".encode() for i in range(args.values)]
 
         def chunks(bpo):
@@ -171,7 +183,7 @@ def main() -> int:
         client.close()
     finally:
         stop_nodes(state)
-        with open(os.path.join(args.out_dir, "xfer.json"), "w") as f:
+        with open(os.path.join(args.out_dir, f"xfer-{args.transport}.json"), "w") as f:
             json.dump(result, f, indent=1)
     return 0
 
