@@ -428,6 +428,10 @@ def engine_child(spec: dict) -> int:
               enable_prefix_caching=True, enforce_eager=spec["eager"], seed=0, disable_log_stats=False)
     if spec.get("max_num_batched_tokens"):
         kw["max_num_batched_tokens"] = spec["max_num_batched_tokens"]
+    if spec.get("tp", 1) > 1:
+        # Workers become processes; the scheduler (and the tier) stay in this process. One CPU-pool
+        # row, and so one MemKV value, holds a block's slices of every rank.
+        kw["tensor_parallel_size"] = spec["tp"]
     t = time.perf_counter()
     llm = LLM(**kw)
     result["engine_init_s"] = time.perf_counter() - t
@@ -784,6 +788,7 @@ def main() -> int:
     ap.add_argument("--fs-tokens", default=None, help="prompt lengths for the fs engine (default: --tokens)")
     ap.add_argument("--fs-reps", type=int, default=None)
     ap.add_argument("--shape", default="32b", choices=sorted(SHAPES))
+    ap.add_argument("--tp", type=int, default=1, help="tensor_parallel_size of every engine (needs that many GPUs)")
     ap.add_argument("--nodes", type=int, default=4)
     ap.add_argument("--node-capacity", default="20GiB")
     ap.add_argument("--max-value-size", default="64MiB")
@@ -824,7 +829,7 @@ def main() -> int:
     fs_tokens = [int(x) for x in args.fs_tokens.split(",")] if args.fs_tokens else tokens
     os.makedirs(args.out_dir, exist_ok=True)
     os.makedirs(args.state_dir, exist_ok=True)
-    tag = "-".join(phases)
+    tag = "-".join(phases) + (f"-tp{args.tp}" if args.tp > 1 else "")
     shape = SHAPES[args.shape]
     kv_per_token = 2 * shape["num_hidden_layers"] * shape["num_key_value_heads"] * 128 * 2  # K+V, head_dim 128, bf16
     meta = {"host": host_info(), "args": vars(args), "block_tokens": BLOCK_TOKENS, "kv_bytes_per_token": kv_per_token}
@@ -853,7 +858,7 @@ def main() -> int:
 
     memkv_tier = {"type": "memkv", "n_read_threads": args.read_threads, "n_write_threads": args.write_threads,
                   "blocks_per_op": args.blocks_per_op, "max_store_backlog_mb": args.store_backlog_mb}
-    common = dict(shape=args.shape, cpu_gib=args.cpu_gib, gpu_util=args.gpu_util, eager=not args.no_eager,
+    common = dict(shape=args.shape, tp=args.tp, cpu_gib=args.cpu_gib, gpu_util=args.gpu_util, eager=not args.no_eager,
                   max_num_batched_tokens=args.max_num_batched_tokens, switch_interval_ms=args.switch_interval_ms,
                   verify_chunk_mib=args.verify_chunk_mib)
     engines: dict = {}
