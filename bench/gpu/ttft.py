@@ -798,6 +798,7 @@ def main() -> int:
     ap.add_argument("--write-threads", type=int, default=8)
     ap.add_argument("--blocks-per-op", type=int, default=2)
     ap.add_argument("--store-backlog-mb", type=int, default=12288)
+    ap.add_argument("--step-yield-ms", type=float, default=None, help="tier key step_yield_ms (default: the tier's)")
     ap.add_argument("--switch-interval-ms", type=float, default=None, help="sys.setswitchinterval in the engine process")
     ap.add_argument("--verify-chunk-mib", type=int, default=None,
                     help="EXPERIMENT: patch the client's receive/verify chunk (default: the client's 1 MiB)")
@@ -858,6 +859,8 @@ def main() -> int:
 
     memkv_tier = {"type": "memkv", "n_read_threads": args.read_threads, "n_write_threads": args.write_threads,
                   "blocks_per_op": args.blocks_per_op, "max_store_backlog_mb": args.store_backlog_mb}
+    if args.step_yield_ms is not None:
+        memkv_tier["step_yield_ms"] = args.step_yield_ms
     common = dict(shape=args.shape, tp=args.tp, cpu_gib=args.cpu_gib, gpu_util=args.gpu_util, eager=not args.no_eager,
                   max_num_batched_tokens=args.max_num_batched_tokens, switch_interval_ms=args.switch_interval_ms,
                   verify_chunk_mib=args.verify_chunk_mib)
