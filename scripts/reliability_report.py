@@ -184,12 +184,13 @@ def render(runs: list[dict], figures: dict[str, dict[str, dict]], when: str, box
     ti = "test_promotions_under_fault_injection_are_byte_exact_or_a_miss"
     fz = "test_fuzzed_frames_never_crash_leak_or_starve_the_node"
     ld = "test_overcommitted_node_under_32_clients_keeps_capacity_lanes_bytes_and_time"
-    ug = "test_unguarded_tier_defers_every_request_with_zero_completions_while_a_node_is_stopped"
+    ug = "test_unguarded_tier_defers_every_request_on_a_stopped_node_with_zero_completions"
     st = "test_deadline_resolves_every_lookup_within_timeout_plus_one_step_while_a_node_is_stopped"
     kl = "test_killed_node_costs_only_its_chunks_and_every_request_resolves_in_time"
     rs = "test_node_restarted_empty_loses_only_cache_and_every_request_resolves_in_time"
     pt = "test_partition_mid_promotion_resolves_within_io_timeout_and_lookups_within_deadline"
     bh = "test_black_holed_node_starves_only_the_unguarded_tier"
+    n3 = "test_stopped_node_holds_only_its_own_requests_and_healthy_nodes_hit_at_once"
 
     def faults(label: str) -> str:
         kinds: collections.Counter = collections.Counter()
@@ -224,14 +225,28 @@ def render(runs: list[dict], figures: dict[str, dict[str, dict]], when: str, box
         return "; ".join(parts) or "-"
 
     def unguarded(label: str) -> str:
-        d, c, w = get(label, ug, "unguarded_deferred"), get(label, ug, "unguarded_completions"), get(label, ug, "unguarded_window_s")
-        if d is None:
+        def one(what: str, test: str, prefix: str) -> str | None:
+            d = get(label, test, f"{prefix}_deferred")
+            if d is None:
+                return None
+            n = get(label, test, f"{prefix}_requests") or 64
+            c = get(label, test, f"{prefix}_completions") or 0
+            out = f"{what}: {d}/{n} deferred, {c} completed in {fmt(get(label, test, f'{prefix}_window_s'))} s"
+            live = get(label, test, f"{prefix}_healthy_completed")
+            live_n = get(label, test, f"{prefix}_healthy_requests") or n
+            return out if live is None else f"{out} (live node: {live}/{live_n} completed)"
+
+        parts = [one("SIGSTOP", ug, "unguarded"), one("black hole", bh, "blackhole_unguarded")]
+        return "; ".join(p for p in parts if p) or "-"
+
+    def three_nodes(label: str) -> str:
+        hits = get(label, n3, "three_node_healthy_hits")
+        if hits is None:
             return "-"
-        out = f"SIGSTOP: {d}/64 deferred, {c} completed in {fmt(w)} s"
-        if get(label, bh, "blackhole_unguarded_deferred") is not None:
-            out += (f"; black hole: {get(label, bh, 'blackhole_unguarded_deferred')}/64 deferred, 0 completed in "
-                    f"{fmt(get(label, bh, 'blackhole_unguarded_window_s'))} s")
-        return out
+        return (f"{hits} of {2 * get(label, n3, 'three_node_healthy_requests')} hit, worst "
+                f"{fmt(get(label, n3, 'three_node_healthy_worst_resolution_s'))} s; stopped node's requests: "
+                f"{fmt(get(label, n3, 'three_node_stopped_worst_resolution_s'))} s (deadline "
+                f"{fmt(get(label, n3, 'three_node_lookup_timeout_s'))} s)")
 
     row("faults injected into loads and stores", faults)
     row("vLLM promotions checked byte-exact against the source rows (of attempted; wrong)",
@@ -247,11 +262,12 @@ def render(runs: list[dict], figures: dict[str, dict[str, dict]], when: str, box
         lambda label: "-" if get(label, ld, "gib_moved") is None else
         f"{get(label, ld, 'gib_moved')} GiB / {get(label, ld, 'hits_checked_byte_exact')} / "
         f"{fmt(get(label, ld, 'worst_put_s'))} s, {fmt(get(label, ld, 'worst_get_s'))} s")
-    row("unguarded tier (`lookup_timeout_s: 0`): requests deferred, completions", unguarded)
+    row("unguarded tier (`lookup_timeout_s: 0`): requests on the silent node deferred, completed", unguarded)
     row("worst lookup resolution with `lookup_timeout_s` = 1 s (one step is ~10 ms)", worst_lookup)
     row("worst resolution of a request whose promotion was cut mid-transfer (client `io_timeout_s` = 2 s)",
         val(pt, "partition_worst_promotion_resolution_s", " s"))
     row("healthy node's chunks that hit while the other node was stopped (of 128)", val(st, "stall_healthy_node_hits"))
+    row("3 nodes, one stopped: healthy-node requests' chunks (two waves) and resolution", three_nodes)
     add("")
     add(STATIC_CLAIMS)
     add("")
@@ -276,8 +292,9 @@ STATIC_CLAIMS = """## What the suites show, and where
 
 | claim | shown by | how |
 |---|---|---|
-| **No stall.** The seed report's starvation reproduces on the unguarded path: with the tier's deadline off and a node SIGSTOPped, vLLM's real manager keeps every one of 64 requests deferred on RETRY with zero completions for the whole window. With `lookup_timeout_s`, every request resolves within the deadline plus one scheduler step, a second wave arriving during the stall too, and hits resume byte-exact once the node continues. | `tests/faults/test_tier_no_stall.py` | vLLM's TieringOffloadingManager, the memkv tier, two real nodes; requests looked up the way the connector's `_maximal_prefix_lookup` does (`tests/faults/tier_sim.py`) |
-| The same starvation, and the same fix, behind a real network black hole: the node in its own network namespace, its veth link cut. | `tests/faults/test_tier_blackhole_netns.py` | needs root and iproute2; skips cleanly otherwise |
+| **No stall.** The seed report's starvation reproduces on the unguarded path: with the tier's deadline off and a node SIGSTOPped, vLLM's real manager keeps every one of the 32 requests with chunks on that node deferred on RETRY with zero completions for the whole window (the other node's 32 complete: answers are used per node as they arrive). With `lookup_timeout_s`, every request resolves within the deadline plus one scheduler step, a second wave arriving during the stall too, the live node's chunks hit in both waves, and hits resume byte-exact once the node continues. | `tests/faults/test_tier_no_stall.py` | vLLM's TieringOffloadingManager, the memkv tier, two real nodes; requests looked up the way the connector's `_maximal_prefix_lookup` does (`tests/faults/tier_sim.py`) |
+| **A silent node holds only its own blocks.** Three nodes, one SIGSTOPped, the client's `io_timeout_s` a minute: requests whose chunks all live on the healthy nodes hit at once, byte-exact, in a first wave and in a second one submitted while the stopped node still owes the first round's answers, while every request on the stopped node is still pending; those resolve as misses at the deadline and hit again after SIGCONT. | `tests/faults/test_tier_no_stall.py`, `tests/integration/test_exists_pipeline.py` | the client reads every node's replies as they arrive (a poll over the connections) and hands answers over per node (`Client.exists(on_answer=, timeout_s=)`, `Client.exists_stream()`) |
+| The same starvation, confined to the black-holed node's requests, and the same fix, behind a real network black hole: the node in its own network namespace, its veth link cut. | `tests/faults/test_tier_blackhole_netns.py` | needs root and iproute2; skips cleanly otherwise |
 | Same for a node SIGKILLed, a node restarted empty on the same port (its chunks miss, the other node's promote byte-exact, re-stored chunks promote again), and a partition in the middle of a promotion's transfer (a proxy stops forwarding with the sockets open): new lookups resolve at the deadline; the request waiting on the cut promotion resolves (miss) within the client's `io_timeout_s`. | same file | |
 | **Nothing corrupted.** Under flipped value/header/MAC/meta bytes, truncated frames, connection resets, stalls past the client timeout, trickled replies (a slow reader as the node sees it) and SIGKILLs of the node mid-transfer, no load and no vLLM promotion reports success with wrong bytes. | `tests/faults/test_client_integrity.py`, `tests/faults/test_tier_integrity.py` | a protocol-aware fault proxy (`tests/faults/proxy.py`) that hits an exact byte of an exact frame; every hit compared byte for byte |
 | A byte flipped in a stored value is caught by the checksum: the promotion fails, the block is a miss, the key is purged, the failure is counted. | `test_tier_integrity.py::test_flipped_byte_in_a_stored_value_is_a_miss_and_is_purged` | flip on the way into MemKV, then promote |
@@ -296,6 +313,7 @@ STATIC_CLAIMS = """## What the suites show, and where
 | The client's `io_timeout_s` bounded each `recv`/`send` too: a node or link trickling a reply held `get`/`exists`/a vLLM promotion for as long as it liked (measured: 10 s on a 0.5 s timeout), and a dripped ServerHello held `connect` (21 s). | Each request, each reply and the whole handshake are bounded (`client/node.py`). | `tests/faults/test_client_deadlines.py` |
 | A MemKV client holding another key was counted as `auth_failures{reason="incomplete"}` (it hangs up after the node's proof without answering), while the docs and dashboard say wrong keys show as `bad_proof`. | New reason `wrong_key` for exactly that close. | `tests/security/test_handshake_attacks.py::...[wrong-key-client]` |
 | JSON nested past the recursion limit in a client-sent HELLO_OK frame escaped the codec's error mapping: the node logged a traceback and closed without an ERROR frame or a count. | `RecursionError` is malformed meta (`protocol.py`). | `tests/security/test_hostile_meta.py`, the fuzzer's targeted inputs |
+| A stopped or black-holed node held every key's lookup, not just its own: the client read the nodes' EXISTS replies in order on one thread, so keys on healthy nodes waited behind the silent one and answered MISS at the deadline (measured: 0 of 128 healthy-node chunks hit during a stop). | Replies are read as they arrive (a poll over the connections, `client/pipeline.py`) and handed over per node; the tier keeps one long-lived EXISTS pipeline, so later rounds do not wait behind the silent node either. | `tests/faults/test_tier_no_stall.py`, `tests/integration/test_exists_pipeline.py` |
 
 ## Known limits (measured, not fixed here)
 
@@ -303,10 +321,6 @@ STATIC_CLAIMS = """## What the suites show, and where
   deadline covers existence probes. Once a lookup said HIT and the transfer started, a partition holds
   that request (HIT_PENDING / RETRY) until the transfer times out: the "promotion cut mid-transfer" row
   above, about `io_timeout_s` (10 s by default).
-* **One stuck probe delays every key's probe.** The tier runs its `exists` rounds on one thread, batched
-  across nodes; while a node is stopped, a round waits up to `io_timeout_s` on it, so keys on healthy
-  nodes asked meanwhile also answer MISS at the deadline (they recompute) until the stopped node is marked
-  down (the "healthy node's chunks that hit" row: none did). Per-node probe rounds would keep those hits.
 * **A failed transfer does not purge.** A load that fails on a transport error marks the node down first,
   so the purge (`delete`) that follows fails fast and the (intact) value stays: correct, since the value
   was not bad; a checksum or size failure on a healthy connection does purge.

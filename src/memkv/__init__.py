@@ -2,12 +2,13 @@
 
 Public surface (pinned by tests/unit/test_exported_members.py):
     Client, ClientConfig, ServerAddress  -- the cluster client and its configuration
+    ProbeResult, KeyListing, ListedKey   -- what probe() and list_keys() return
     the exception classes of memkv.errors
 """
 
 __version__ = "0.1.0"
 
-from memkv.client.cluster import Client, ProbeResult
+from memkv.client.cluster import Client, KeyListing, ListedKey, ProbeResult
 from memkv.config import ClientConfig, ServerAddress
 from memkv.errors import (
     AuthError,
@@ -36,6 +37,8 @@ __all__ = [
     "ClientConfig",
     "ServerAddress",
     "ProbeResult",
+    "KeyListing",
+    "ListedKey",
     "MemKVError",
     "ConfigError",
     "ProtocolError",

@@ -1,26 +1,33 @@
-"""The `memkv` command: run a node, and look at a cluster as an operator.
+r"""The `memkv` command: run a node, and look at a cluster as an operator.
 
-    memkv serve     run a node (defaults: 127.0.0.1:9900, admin on port+1, capacity 1/4 of RAM)
+    memkv serve     run a node (defaults: 127.0.0.1:9900, admin on port+1, capacity 1/4 of RAM or
+                    of the container's memory limit)
     memkv keygen    print a new 64-hex-character auth key
     memkv probe     authenticated round trip to every configured server
     memkv status    each server's admin status as a table: used/capacity, values, hit ratio,
                     evictions, health (and per lane with --lanes)
     memkv bench     move values through the client, with a progress bar on stderr; with no
                     servers configured, against an embedded local node on loopback
-    memkv get/put/del   small key tools for debugging a namespace
+    memkv get/put/del/ls   small key tools for debugging a namespace
 
 Client commands read the cluster from the `MEMKV_*` variables or `MEMKV_CONFIG` (see
 docs/configuration.md), exactly as the vLLM tier does.
 
-There is no `memkv ls`: the protocol has no authenticated way to list keys, and the admin port
-(unauthenticated) must not serve key names, which reveal models and prompt-content hashes.
+`memkv ls` uses the authenticated LIST request (docs/protocol.md); the admin port
+(unauthenticated) never serves key names, which reveal models and prompt-content hashes.
+
+Keys on the command line: keys are bytes. `ls` prints printable ASCII (but space and the
+backslash) as is and every other byte as `\xNN`, a backslash as `\\`; every key argument
+(`get`, `put`, `del`, the `ls` prefix) accepts the same escapes, so a printed key can be passed
+back as it is. A backslash in a key must therefore be written `\\`.
 
 Exit codes, the same for every command:
     0  success
     1  the operation failed: a server down or not ready, a miss for `get`, a key not deleted,
-       a value not stored, a benchmark that did not verify
+       a value not stored, no key listed by `ls` or a server that did not answer it, a
+       benchmark that did not verify
     2  bad usage or configuration: an unknown flag, a bad MEMKV_* value, a key over 480 bytes,
-       an unreadable input file
+       a bad escape in a key, an unreadable input file
 
 `--json` (every client command) prints one JSON object on stdout with an "ok" field, also
 when the command fails; human-readable messages go to stderr. Secrets are never printed
@@ -35,6 +42,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 import secrets
 import signal
 import sys
@@ -112,7 +120,8 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--listen", default=f"{DEFAULT_HOST}:{DEFAULT_PORT}", help="HOST:PORT of the data port (port 0 picks a free one)")
     s.add_argument("--admin-port", type=int, default=None, help="admin HTTP port (default: data port + 1; 0 picks a free one)")
     s.add_argument("--admin-host", default=None, help="admin HTTP address (default: the data host)")
-    s.add_argument("--capacity", default=None, help="byte capacity, e.g. 512MiB, 8GiB (default: 1/4 of RAM)")
+    s.add_argument("--capacity", default=None,
+                   help="byte capacity, e.g. 512MiB, 8GiB (default: 1/4 of RAM, or of the cgroup memory limit when lower)")
     s.add_argument("--lane", action="append", default=[], metavar="NAME:PREFIX:SHARE",
                    help="an eviction lane: keys starting with PREFIX share SHARE of the capacity (repeatable)")
     s.add_argument("--max-value-size", default="64MiB", help="largest value accepted (default 64MiB)")
@@ -161,6 +170,11 @@ def _parser() -> argparse.ArgumentParser:
     d.add_argument("keys", nargs="+")
     d.add_argument("--json", action="store_true")
     d.set_defaults(func=cmd_del)
+    ls = sub.add_parser("ls", help="list stored keys under a prefix, in byte order (exit 1 when none, or a server fails)")
+    ls.add_argument("prefix", nargs="?", default="", help="list keys starting with this (default: every key)")
+    ls.add_argument("--limit", type=int, default=1000, help="list at most this many keys (1..4096, default 1000)")
+    ls.add_argument("--json", action="store_true", help="print the keys, their sizes and servers as JSON")
+    ls.set_defaults(func=cmd_ls)
     return ap
 
 
@@ -262,10 +276,48 @@ def _client():
     return Client(ClientConfig.from_env())
 
 
+_PLAIN_KEY_BYTES = frozenset(range(0x21, 0x7F)) - {0x5C}  # printable ASCII but space and backslash
+
+
+def format_key(key: bytes) -> str:
+    r"""A key as the CLI prints it: printable ASCII as is, a backslash as `\\`, every other
+    byte (space, control, non-ASCII) as `\xNN`. One whitespace-free token that cannot
+    drive the terminal, and `parse_key` turns it back into the same bytes."""
+    if all(b in _PLAIN_KEY_BYTES for b in key):
+        return key.decode("ascii")
+    return "".join(chr(b) if b in _PLAIN_KEY_BYTES else "\\\\" if b == 0x5C else f"\\x{b:02x}" for b in key)
+
+
+def parse_key(text: str) -> bytes:
+    r"""A key argument as bytes: `\\` and `\xNN` are unescaped (what `format_key` writes),
+    anything else is taken as typed (UTF-8; os.fsencode keeps the raw bytes of an argument
+    that is not valid UTF-8). Raises UsageError on any other backslash sequence."""
+    raw = os.fsencode(text)
+    if b"\\" not in raw:
+        return raw
+    out = bytearray()
+    i = 0
+    while i < len(raw):
+        b = raw[i]
+        if b != 0x5C:
+            out.append(b)
+            i += 1
+        elif raw[i + 1 : i + 2] == b"\\":
+            out.append(0x5C)
+            i += 2
+        elif raw[i + 1 : i + 2] == b"x" and re.fullmatch(rb"[0-9a-fA-F]{2}", raw[i + 2 : i + 4]):
+            out.append(int(raw[i + 2 : i + 4], 16))
+            i += 4
+        else:
+            bad = raw[i : i + (4 if raw[i + 1 : i + 2] == b"x" else 2)].decode("utf-8", "backslashreplace")
+            raise UsageError(f'bad escape "{bad}" in key "{text}": write a backslash as \\\\ and a byte as \\xNN')
+    return bytes(out)
+
+
 def _key_arg(text: str) -> bytes:
     from memkv.protocol import DEFAULT_MAX_KEY_BYTES
 
-    key = text.encode()
+    key = parse_key(text)
     if not 0 < len(key) <= DEFAULT_MAX_KEY_BYTES:
         raise UsageError(f"a key must be 1..{DEFAULT_MAX_KEY_BYTES} bytes, got {len(key)}")
     return key
@@ -522,6 +574,57 @@ def cmd_del(args) -> int:
         for r in results:
             print(f"{r['result']:<11}  {r['key']}" + (f"  ({r['server']}: {r['error']})" if "error" in r else ""))
     return EXIT_OK if ok else EXIT_FAILED
+
+
+def cmd_ls(args) -> int:
+    from memkv.protocol import DEFAULT_MAX_KEY_BYTES, Limits
+
+    prefix = parse_key(args.prefix)
+    if len(prefix) > DEFAULT_MAX_KEY_BYTES:
+        raise UsageError(f"a key prefix must be 0..{DEFAULT_MAX_KEY_BYTES} bytes, got {len(prefix)}")
+    most = Limits().max_list_keys
+    if not 1 <= args.limit <= most:
+        raise UsageError(f"--limit must be 1..{most}, got {args.limit}")
+    with _client() as client:
+        servers = [s.name for s in client.servers()]
+        listing = client.list_keys(prefix, args.limit)
+    shown = format_key(prefix)
+    errors = [f"server {name} did not answer: {why}" for name, why in listing.failed.items()]
+    if not listing.keys and not errors:
+        errors.append(f'no keys start with "{shown}"' if prefix else "no keys stored")
+    if args.json:
+        listed = {name: 0 for name in servers}
+        for e in listing.keys:
+            listed[e.server] = listed.get(e.server, 0) + 1
+        doc = {
+            "ok": not errors,
+            "prefix": shown,
+            "limit": args.limit,
+            "count": len(listing.keys),
+            "truncated": listing.truncated,
+            "keys": [{"key": format_key(e.key), "bytes": e.length, "server": e.server} for e in listing.keys],
+            "servers": [
+                {"server": name, "ok": False, "error": listing.failed[name]} if name in listing.failed
+                else {"server": name, "ok": True, "listed": listed.get(name, 0)}
+                for name in servers
+            ],
+        }
+        if errors:
+            doc["error"] = "; ".join(errors)
+        _print_json(doc)
+    else:
+        names = [format_key(e.key) for e in listing.keys]
+        width = max(map(len, names), default=0)
+        for name, e in zip(names, listing.keys):
+            print(f"{name:<{width}}  {e.length:>10}  {e.server}")
+        sys.stdout.flush()
+    if listing.truncated:
+        print(f"memkv: listing stops at --limit {args.limit}: more keys match (narrow the prefix or raise --limit)",
+              file=sys.stderr)
+    for error in errors:
+        print(f"memkv: {error}" + ("; its keys are missing from this listing" if "did not answer" in error else ""),
+              file=sys.stderr)
+    return EXIT_FAILED if errors else EXIT_OK
 
 
 # -- bench ----------------------------------------------------------------------------------------------

@@ -15,7 +15,7 @@ import ipaddress
 import os
 import re
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 import yaml
 
@@ -412,12 +412,48 @@ class LaneSpec:
         return cls(name, prefix.encode(), share)
 
 
-def default_capacity_bytes() -> int:
-    """A quarter of physical memory: leaves room for the OS, vLLM's pinned pool and page cache."""
+# Where a container's memory limit is visible from inside it: cgroup v2, then cgroup v1.
+CGROUP_MEMORY_LIMIT_FILES = ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes")
+
+
+def cgroup_memory_limit_bytes(paths: Sequence[str | Path] = CGROUP_MEMORY_LIMIT_FILES) -> int | None:
+    """The cgroup memory limit of this process's container, or None when there is none.
+
+    The first of `paths` that exists decides: "max" (v2) means no limit; v1 writes "no limit" as
+    a number near 2**63, which the caller's min() with the host's RAM absorbs. A file that
+    cannot be read or parsed is skipped: the default capacity must never stop a node starting.
+    """
+    for path in paths:
+        try:
+            text = Path(path).read_text().strip()
+        except OSError:
+            continue
+        if text == "max":
+            return None
+        try:
+            limit = int(text)
+        except ValueError:
+            continue
+        if limit > 0:
+            return limit
+    return None
+
+
+def host_memory_bytes() -> int:
     try:
-        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError):
-        total = 8 << 30
+        return 8 << 30
+
+
+def default_capacity_bytes(cgroup_paths: Sequence[str | Path] = CGROUP_MEMORY_LIMIT_FILES) -> int:
+    """A quarter of the memory this node may use: leaves room for the OS, vLLM's pinned pool and
+    page cache. Inside a container that is the cgroup memory limit when it is below the host's
+    RAM (the host's RAM would get the node OOM-killed long before its capacity is reached)."""
+    total = host_memory_bytes()
+    limit = cgroup_memory_limit_bytes(cgroup_paths)
+    if limit is not None:
+        total = min(total, limit)
     return max(64 << 20, total // 4)
 
 

@@ -70,6 +70,7 @@ FRAME_HEADER = struct.Struct(">2sBBHHQIQ")  # 28 bytes
 FRAME_PREFIX_BYTES = FRAME_HEADER.size + MAC_BYTES  # 60: read this much, then meta_len
 
 _COUNT = struct.Struct(">I")
+_LIST_HEAD = struct.Struct(">IH")  # LIST: limit u32 | prefix_len u16
 
 # Defaults for `Limits`. Keys: 480 bytes is what the spec promises users. Batches: 4096 keys
 # covers a lookup of a 256k-token prompt in 64-token blocks in one round trip. Meta: every
@@ -80,6 +81,8 @@ DEFAULT_MAX_BATCH = 4096
 DEFAULT_MAX_META_BYTES = 4 << 20
 DEFAULT_MAX_PAYLOAD_BYTES = 1 << 30
 ANY_LENGTH = 0xFFFFFFFF  # GET: accept a value of any length
+_LIST_REQUEST_FIXED = 6  # LIST meta: limit u32 | prefix_len u16, then the prefix
+_LIST_REPLY_FIXED = 5  # LIST reply meta: count u32 ... truncated u8
 
 
 class Opcode(enum.IntEnum):
@@ -89,6 +92,7 @@ class Opcode(enum.IntEnum):
     GET = 0x11
     EXISTS = 0x12
     DELETE = 0x13
+    LIST = 0x14  # operators only (`memkv ls`): the stored keys under a prefix
     RDMA_ATTACH = 0x20  # client -> node: the client's RDMA metadata (section 10 of docs/protocol.md)
     RDMA_GET = 0x21  # client -> node: WRITE these values into these slots of the client's pool
     ERROR = 0x7F  # server -> client; the connection closes after it
@@ -156,6 +160,13 @@ class Limits:
     def to_json(self) -> dict:
         return dataclasses.asdict(self)
 
+    @property
+    def max_list_keys(self) -> int:
+        """Most keys one LIST reply may carry: `max_batch`, or fewer where `max_meta_bytes`
+        could not hold that many keys of `max_key_bytes` (each costs u16 + key + u32 of meta,
+        plus count u32 and truncated u8 once)."""
+        return min(self.max_batch, (self.max_meta_bytes - _LIST_REPLY_FIXED) // (self.max_key_bytes + 6))
+
 
 # --------------------------------------------------------------------------------------------
 # Messages: value objects, validated when constructed
@@ -218,6 +229,23 @@ class DeleteRequest:
 
 
 @dataclasses.dataclass(frozen=True)
+class ListRequest:
+    """The first `limit` stored keys (in byte order) that start with `prefix` (b"": all)."""
+
+    prefix: bytes
+    limit: int
+
+
+@dataclasses.dataclass(frozen=True)
+class ListReply:
+    """Keys in ascending byte order, each value's length, and whether more keys matched."""
+
+    keys: tuple[bytes, ...]
+    lengths: tuple[int, ...]
+    truncated: bool
+
+
+@dataclasses.dataclass(frozen=True)
 class StatusReply:
     """PUT, EXISTS and DELETE replies: one ItemStatus per key, in request order."""
 
@@ -236,8 +264,8 @@ class ErrorReply:
     message: str
 
 
-Request = Union[PingRequest, PutRequest, GetRequest, ExistsRequest, DeleteRequest]
-Reply = Union[PingReply, HelloOk, StatusReply, GetReply, ErrorReply]
+Request = Union[PingRequest, PutRequest, GetRequest, ExistsRequest, DeleteRequest, ListRequest]
+Reply = Union[PingReply, HelloOk, StatusReply, GetReply, ListReply, ErrorReply]
 Message = Union[Request, Reply]
 
 
@@ -285,6 +313,44 @@ def _unpack_keys(meta: memoryview, off: int, n: int) -> tuple[tuple[bytes, ...],
     return keys, end
 
 
+def _check_list_request(prefix: bytes, limit: int, limits: Limits, err: type) -> None:
+    if len(prefix) > limits.max_key_bytes:
+        raise err(f"LIST prefix of {len(prefix)} bytes: must be 0..{limits.max_key_bytes}", ErrorCode.KEY_TOO_LONG)
+    if limit < 1:
+        raise err(f"LIST limit {limit}: must be at least 1", ErrorCode.MALFORMED)
+    if limit > limits.max_list_keys:
+        raise err(f"LIST limit {limit} exceeds max_list_keys {limits.max_list_keys}", ErrorCode.BATCH_TOO_LARGE)
+
+
+def _decode_list_meta(opcode: int, meta: memoryview, limits: Limits) -> Message:
+    """LIST and its reply (called inside `_decode_meta`'s error mapping)."""
+    if opcode == Opcode.LIST:
+        limit, prefix_len = _LIST_HEAD.unpack_from(meta, 0)
+        if len(meta) != _LIST_REQUEST_FIXED + prefix_len:
+            raise RemoteProtocolError(
+                f"LIST meta of {len(meta)} bytes for a {prefix_len}-byte prefix: must be {_LIST_REQUEST_FIXED + prefix_len}",
+                ErrorCode.MALFORMED,
+            )
+        prefix = bytes(meta[_LIST_REQUEST_FIXED:])
+        _check_list_request(prefix, limit, limits, RemoteProtocolError)
+        return ListRequest(prefix, limit)
+    (n,) = _COUNT.unpack_from(meta, 0)
+    if n > limits.max_list_keys:  # checked before the keys are parsed
+        raise RemoteProtocolError(f"LIST reply of {n} keys exceeds max_list_keys {limits.max_list_keys}", ErrorCode.BATCH_TOO_LARGE)
+    keys, off = _unpack_keys(meta, _COUNT.size, n)
+    _check_keys(keys, limits, RemoteProtocolError)
+    lengths = struct.unpack_from(f">{n}I", meta, off)
+    off += 4 * n
+    if len(meta) != off + 1:
+        raise RemoteProtocolError(f"LIST reply meta of {len(meta)} bytes: expected {off + 1}", ErrorCode.MALFORMED)
+    truncated = meta[off]
+    if truncated > 1:
+        raise RemoteProtocolError(f"LIST reply truncated flag {truncated}: must be 0 or 1", ErrorCode.MALFORMED)
+    if any(a >= b for a, b in zip(keys, keys[1:])):
+        raise RemoteProtocolError("LIST reply keys are not in strictly ascending byte order", ErrorCode.MALFORMED)
+    return ListReply(keys, lengths, bool(truncated))
+
+
 def _encode_meta(msg: Message) -> tuple[int, int, bytes]:
     """Return (opcode, status, meta) for a message."""
     if isinstance(msg, PingRequest):
@@ -323,6 +389,14 @@ def _encode_meta(msg: Message) -> tuple[int, int, bytes]:
             b"".join(it.checksum for it in items),
         ]
         return Opcode.GET | Opcode.REPLY, 0, b"".join(parts)
+    if isinstance(msg, ListRequest):
+        return Opcode.LIST, 0, _LIST_HEAD.pack(msg.limit, len(msg.prefix)) + msg.prefix
+    if isinstance(msg, ListReply):
+        if len(msg.lengths) != len(msg.keys):
+            raise LocalProtocolError("a LIST reply needs one length per key", ErrorCode.MALFORMED)
+        n = len(msg.keys)
+        body = _pack_keys(msg.keys) + struct.pack(f">{n}I", *msg.lengths) + bytes([bool(msg.truncated)])
+        return Opcode.LIST | Opcode.REPLY, 0, body
     if isinstance(msg, ErrorReply):
         return Opcode.ERROR, int(msg.code), msg.message.encode("utf-8", "replace")[:4096]
     if isinstance(msg, _RDMA_MESSAGES):
@@ -333,6 +407,15 @@ def _encode_meta(msg: Message) -> tuple[int, int, bytes]:
 def validate_outgoing(msg: Message, limits: Limits) -> None:
     """Raise LocalProtocolError when `msg` would break `limits` (checked before sending)."""
     keys: Sequence[bytes] = ()
+    if isinstance(msg, ListRequest):
+        _check_list_request(msg.prefix, msg.limit, limits, LocalProtocolError)
+        return
+    if isinstance(msg, ListReply):
+        if len(msg.keys) > limits.max_list_keys:
+            raise LocalProtocolError(
+                f"LIST reply of {len(msg.keys)} keys exceeds max_list_keys {limits.max_list_keys}", ErrorCode.BATCH_TOO_LARGE
+            )
+        keys = msg.keys
     if isinstance(msg, (ExistsRequest, DeleteRequest, GetRequest)):
         keys = msg.keys
     elif isinstance(msg, RdmaGetRequest):
@@ -369,6 +452,8 @@ def _decode_meta(opcode: int, status: int, meta: memoryview, limits: Limits) -> 
         if opcode == Opcode.HELLO_OK:
             body = json.loads(bytes(meta))
             return HelloOk(str(body["node_id"]), Limits(**body["limits"]))
+        if opcode in (Opcode.LIST, Opcode.LIST | Opcode.REPLY):
+            return _decode_list_meta(opcode, meta, limits)
         (n,) = _COUNT.unpack_from(meta, 0)
         if n > limits.max_batch:
             raise RemoteProtocolError(f"batch of {n} exceeds max_batch {limits.max_batch}", ErrorCode.BATCH_TOO_LARGE)

@@ -25,6 +25,7 @@ class TierSettings:
     load_failure_grace_s: float = 60.0  # withhold a failed load's report while a transfer could land
     max_store_backlog_mb: int = 2048  # stores queued or in flight above this are shed
     lookup_timeout_s: float = 5.0  # a lookup unresolved this long answers MISS; <= 0 disables
+    step_yield_ms: float = 1.0  # per scheduler step, GIL given to the tier's threads while a promotion is in flight
     locality: str | None = None
 
     @classmethod
@@ -56,6 +57,9 @@ class TierSettings:
                 fail(key, "a number")
         if self.load_failure_grace_s < 0:
             fail("load_failure_grace_s", ">= 0")
+        v = self.step_yield_ms
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v <= 50:
+            fail("step_yield_ms", "a number in 0..50")
         if self.locality not in (None, "LOCAL", "REMOTE"):
             fail("locality", '"LOCAL" or "REMOTE"')
 

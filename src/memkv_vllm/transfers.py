@@ -107,6 +107,11 @@ class TransferPool:
         with self._cond:
             return bool(self._jobs or self._finished)
 
+    def loading(self) -> bool:
+        """True while some load (promotion) job is unfinished: a request is waiting on it."""
+        with self._cond:
+            return any(job.kind == LOAD for job in self._jobs.values())
+
     def wait_idle(self, timeout_s: float | None = None) -> bool:
         """Block until every submitted job's result can be taken (withheld ones included)."""
         deadline = None if timeout_s is None else time.monotonic() + timeout_s

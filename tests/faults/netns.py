@@ -18,6 +18,8 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
+import time
 
 from memkv.local import LocalNode
 
@@ -86,8 +88,23 @@ class BlackholeNet:
     def cut(self) -> None:
         _ip("netns", "exec", self.ns, "ip", "link", "set", self.ns_if, "down")
 
-    def heal(self) -> None:
+    def heal(self, timeout_s: float = 10.0) -> None:
+        """Bring the link back and return once the host side has its carrier again: the kernel
+        applies carrier changes up to a second late (linkwatch), and a connect meanwhile fails
+        with "No route to host". Bounded by `timeout_s`; neighbour entries that failed during
+        the cut are flushed so the next packet resolves afresh."""
         _ip("netns", "exec", self.ns, "ip", "link", "set", self.ns_if, "up")
+        pause = threading.Event()  # never set: wait() is a bounded pause
+        deadline = time.monotonic() + timeout_s
+        path = f"/sys/class/net/{self.host_if}/operstate"
+        while True:
+            with open(path) as f:
+                if f.read().strip() == "up":
+                    break
+            if time.monotonic() >= deadline:
+                raise AssertionError(f"{self.host_if} still not up {timeout_s}s after heal()")
+            pause.wait(0.02)
+        _ip("neigh", "flush", "dev", self.host_if, check=False)
 
     def close(self) -> None:
         if "link" in self._created:

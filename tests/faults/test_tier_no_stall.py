@@ -5,11 +5,16 @@ and 64 requests of 2 chunks each (half owned by each node), looked up as the con
 scheduler does (tier_sim.Scheduler):
 
 * the starvation of the seed report, reproduced: with the tier's deadline off
-  (`lookup_timeout_s: 0`, the unguarded path) and one node SIGSTOPped, every request stays
-  deferred on RETRY and none completes for the whole observation window;
+  (`lookup_timeout_s: 0`, the unguarded path) and one node SIGSTOPped, every request with a chunk
+  on that node stays deferred on RETRY and none of them completes for the whole observation
+  window, while the other node's requests complete, byte-exact (answers are taken per node);
 * with the deadline on, the same stall resolves every request within `lookup_timeout_s` plus one
-  scheduler step, a second wave arriving during the stall does too, and once the node continues
-  requests hit again, byte-exact;
+  scheduler step, a second wave arriving during the stall does too, the live node's chunks hit
+  in both waves, and once the node continues requests hit again, byte-exact;
+* three nodes, one SIGSTOPped, the client's io_timeout_s a minute: requests whose chunks all
+  live on the two healthy nodes hit at once, in a first wave and in a second one submitted while
+  the stopped node still owes the first round's answers, while every request on the stopped node
+  is still pending; those resolve as misses at the deadline, and after SIGCONT they hit again;
 * a node SIGKILLed, or restarted empty on the same port: every request resolves within the
   deadline plus one step, the live node's chunks still promote byte-exact, the lost node's are
   misses (only cache is lost), and chunks stored again after the restart promote again;
@@ -67,7 +72,7 @@ def stop(node, wait_until) -> None:
     wait_until(lambda: all_threads_stopped(node.pid), 5.0, what="the node's threads to stop")
 
 
-def test_unguarded_tier_defers_every_request_with_zero_completions_while_a_node_is_stopped(
+def test_unguarded_tier_defers_every_request_on_a_stopped_node_with_zero_completions(
         monkeypatch, nodes, auth_key_hex, tmp_path, wait_until, figures):
     a_keys, b_keys, payloads = corpus(monkeypatch, nodes, auth_key_hex)
     # The unguarded path: no tier deadline, and a transport timeout longer than the window.
@@ -79,13 +84,18 @@ def test_unguarded_tier_defers_every_request_with_zero_completions_while_a_node_
         try:
             on_a, on_b = submit_wave(sched, a_keys, b_keys)
             took = sched.run(UNGUARDED_WINDOW_S, until_resolved=False)
-            answers = set().union(*(s.answers for s in on_a + on_b))
-            deferred = len(sched.waiting)
+            answers = set().union(*(s.answers for s in on_a))
+            deferred = sum(s in sched.waiting for s in on_a)
+            completed = sum(s in sched.done for s in on_a)
         finally:
             nodes[0].signal(signal.SIGCONT)
-    assert deferred == N_REQUESTS and not sched.done, f"{len(sched.done)} requests completed"
+    assert deferred == len(on_a) and not completed, f"{completed} requests on the stopped node completed"
     assert answers == {LookupResult.RETRY}, answers
-    figures(unguarded_deferred=deferred, unguarded_requests=N_REQUESTS, unguarded_completions=len(sched.done),
+    # The stopped node holds only its own requests: the live node's hit, byte-exact.
+    assert all(s in sched.done and s.hits == CHUNKS and s.bytes_ok for s in on_b), \
+        [(s.resolved_at, s.hits, s.bytes_ok) for s in on_b][:4]
+    figures(unguarded_deferred=deferred, unguarded_requests=len(on_a), unguarded_completions=completed,
+            unguarded_healthy_completed=sum(s in sched.done for s in on_b), unguarded_healthy_requests=len(on_b),
             unguarded_window_s=round(took, 2), unguarded_steps=sched.steps)
 
 
@@ -110,6 +120,9 @@ def test_deadline_resolves_every_lookup_within_timeout_plus_one_step_while_a_nod
         finally:
             nodes[0].signal(signal.SIGCONT)
         assert timeouts >= 1
+        # Answers are taken per node: the live node's chunks hit in both waves, byte-exact.
+        live = first_b + second_b
+        assert all(s.hits == CHUNKS and s.bytes_ok for s in live), [(s.hits, s.bytes_ok) for s in live][:4]
         # Once the node continues, the same chunks promote again, byte-exact.
         third = sum(submit_wave(sched, a_keys, b_keys), [])
         sched.run(30)
@@ -119,10 +132,56 @@ def test_deadline_resolves_every_lookup_within_timeout_plus_one_step_while_a_nod
     assert all(s.bytes_ok for s in third)
     figures(stopped_worst_resolution_s=round(max(worst1, worst2), 3), lookup_timeout_s=DEADLINE_S,
             stopped_completed=len(first) + len(second), stopped_recovered_hits=hits,
-            # The probe round stuck on the stopped node holds the healthy node's keys too: they
-            # resolve at the deadline as misses (recompute), a known limit of one lookup thread.
             stall_healthy_node_hits=sum(s.hits for s in first_b + second_b),
             worst_step_gap_s=round(sched.worst_step_gap(), 3))
+
+
+THREE_NODE_DEADLINE_S = 3.0  # long enough that "the healthy nodes' requests resolved first" shows on a busy box
+THREE_NODE_REQUESTS = 16  # per group: on the stopped node; healthy wave 1; healthy wave 2
+
+
+def test_stopped_node_holds_only_its_own_requests_and_healthy_nodes_hit_at_once(
+        monkeypatch, start_node, auth_key_hex, tmp_path, wait_until, figures):
+    n = THREE_NODE_REQUESTS
+    nodes = start_node.many(3, capacity="64MiB")
+    (on_stopped, k1, k2), payloads = ts.corpus_by_node(monkeypatch, nodes, auth_key_hex, n * CHUNKS, GEOMETRY)
+    config = ts.client_config(tmp_path, io_timeout_s=60.0)  # the transport alone would hold a round a minute
+    ts.point_tier_at(monkeypatch, [x.address for x in nodes], auth_key_hex, config)
+    with h.HeadlessEngine([ts.memkv_tier(lookup_timeout_s=THREE_NODE_DEADLINE_S)], GEOMETRY) as engine:
+        sched = ts.Scheduler(engine, payloads, STEP_S)
+        stop(nodes[0], wait_until)
+        try:
+            stopped = [sched.submit(on_stopped[i * CHUNKS : (i + 1) * CHUNKS]) for i in range(n)]
+            healthy1 = [sched.submit([k1[i], k2[i]]) for i in range(n)]  # a chunk on each healthy node
+            sched.run(THREE_NODE_DEADLINE_S + 10, until=lambda: all(s.resolved_at is not None for s in healthy1))
+            pending1 = sum(s.resolved_at is None for s in stopped)
+            # A second wave while the stopped node still owes the first round's answers.
+            healthy2 = [sched.submit([k1[n + i], k2[n + i]]) for i in range(n)]
+            sched.run(THREE_NODE_DEADLINE_S + 10, until=lambda: all(s.resolved_at is not None for s in healthy2))
+            pending2 = sum(s.resolved_at is None for s in stopped)
+            sched.run(THREE_NODE_DEADLINE_S + 10)  # the stopped node's requests: misses at the deadline
+            timeouts = ts.tier_of(engine).stats.total("vllm:kv_offload_memkv_lookups", ("timeout",))
+        finally:
+            nodes[0].signal(signal.SIGCONT)
+        healthy = healthy1 + healthy2
+        assert pending1 == pending2 == n, f"stopped-node requests resolved early: {n - pending1}, {n - pending2}"
+        assert all(s.hits == CHUNKS and s.bytes_ok for s in healthy), [(s.hits, s.bytes_ok) for s in healthy][:4]
+        last_healthy = max(s.resolved_at for s in healthy)
+        worst_stopped = assert_wave_resolved_within(
+            sched, stopped, THREE_NODE_DEADLINE_S + sched.worst_step_gap() + SLACK_S, "requests on the stopped node")
+        assert last_healthy < min(s.resolved_at for s in stopped), "a healthy request waited for the stopped node"
+        assert all(s.hits == 0 for s in stopped) and worst_stopped >= THREE_NODE_DEADLINE_S - STEP_S
+        assert timeouts >= n
+        # Once the node continues it answers the round it owed, and its chunks hit again.
+        after = [sched.submit(on_stopped[i * CHUNKS : (i + 1) * CHUNKS]) for i in range(n)]
+        sched.run(30)
+        assert_wave_resolved_within(sched, after, 30, "after SIGCONT")
+        recovered = sum(s.hits for s in after)
+    assert recovered == n * CHUNKS and all(s.bytes_ok for s in after), f"only {recovered} chunks hit after SIGCONT"
+    figures(three_node_healthy_hits=sum(s.hits for s in healthy), three_node_healthy_requests=len(healthy),
+            three_node_healthy_worst_resolution_s=round(max(s.resolution_s for s in healthy), 3),
+            three_node_stopped_worst_resolution_s=round(worst_stopped, 3), three_node_lookup_timeout_s=THREE_NODE_DEADLINE_S,
+            three_node_recovered_hits=recovered)
 
 
 def test_killed_node_costs_only_its_chunks_and_every_request_resolves_in_time(

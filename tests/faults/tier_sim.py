@@ -26,7 +26,7 @@ import dataclasses
 import itertools
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import yaml
 
@@ -120,12 +120,15 @@ class Scheduler:
             self.done.append(sim)
         return [sim for sim, _ in scheduled]
 
-    def run(self, max_s: float, max_steps: int = 100_000, until_resolved: bool = True) -> float:
-        """Step every `step_s` until every request resolved (if `until_resolved`), `max_s`
-        passed or `max_steps` were taken. Returns the seconds spent."""
+    def run(self, max_s: float, max_steps: int = 100_000, until_resolved: bool = True,
+            until: Callable[[], bool] | None = None) -> float:
+        """Step every `step_s` until every request resolved (if `until_resolved`), `until()` is
+        true (if given), `max_s` passed or `max_steps` were taken. Returns the seconds spent."""
         started = time.monotonic()
         for _ in range(max_steps):
             if until_resolved and not self.waiting:
+                break
+            if until is not None and until():
                 break
             if time.monotonic() - started >= max_s:
                 break
@@ -187,19 +190,26 @@ def corpus(monkeypatch, nodes, key_hex: str, per_node: int, geometry: h.Geometry
     """Chunks stored through a writer engine, `per_node` owned by each of two nodes. Returns
     (keys owned by nodes[0], keys owned by nodes[1], key -> stored bytes). `addresses` are what
     the tier is pointed at (proxies in front of `nodes`), in the same order."""
+    (a, b), payloads = corpus_by_node(monkeypatch, nodes, key_hex, per_node, geometry, addresses)
+    return a, b, payloads
+
+
+def corpus_by_node(monkeypatch, nodes, key_hex: str, per_node: int, geometry: h.Geometry, addresses=None):
+    """`corpus` for any number of nodes: ([keys owned by each node, in node order], key -> stored bytes)."""
     names = list(addresses or [n.address for n in nodes])
     point_tier_at(monkeypatch, names, key_hex)
+    candidates = per_node * 4 * len(names)
     with h.HeadlessEngine([memkv_tier()], geometry) as writer:
         tier = tier_of(writer)
         by_owner: dict[str, list] = {name: [] for name in names}
-        for key in h.make_keys(per_node * 7):
+        for key in h.make_keys(candidates):
             bucket = by_owner[tier.client.owner(tier.namespace.key(key)).name]
             if len(bucket) < per_node:
                 bucket.append(key)
-        a, b = by_owner[names[0]], by_owner[names[1]]
-        assert len(a) == len(b) == per_node, f"not {per_node} keys per node in {per_node * 7} candidates"
-        payloads = store_all(writer, a + b)
-    return a, b, payloads
+        owned = [by_owner[name] for name in names]
+        assert all(len(keys) == per_node for keys in owned), f"not {per_node} keys per node in {candidates} candidates"
+        payloads = store_all(writer, [k for keys in owned for k in keys])
+    return owned, payloads
 
 
 def submit_wave(sched: Scheduler, a_keys, b_keys, n_requests: int, chunks: int) -> tuple[list, list]:

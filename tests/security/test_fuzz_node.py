@@ -6,8 +6,8 @@ MEMKV_FAULT_SCALE) the fuzzer sends a live `memkv serve` node, one connection pe
 * before the handshake: arbitrary bytes, and real ClientHellos / ClientAuths with bytes flipped,
   cut or appended;
 * after a real handshake (memkv.protocol, so the fuzzer holds the session keys): sequences of
-  frames built from real requests (PING, EXISTS, GET, DELETE, PUT with values, unknown and
-  reply opcodes) and then mutated -- raw byte flips (the MAC must catch them), and field or meta
+  frames built from real requests (PING, EXISTS, GET, DELETE, PUT with values, LIST with
+  good and bad limits, unknown and reply opcodes) and then mutated -- raw byte flips (the MAC must catch them), and field or meta
   mutations with the MAC recomputed and the right sequence number, so the node really parses
   hostile counts, lengths, keys, opcodes, flags and versions; also payloads cut short or too long.
 
@@ -51,7 +51,7 @@ keys = st.lists(st.binary(min_size=0, max_size=40), min_size=0, max_size=6)
 @st.composite
 def base_requests(draw) -> tuple[int, bytes, bytes]:
     """(opcode, meta, payload) of a well-formed request, or of an opcode no client should send."""
-    kind = draw(st.sampled_from(["ping", "exists", "delete", "get", "put", "other"]))
+    kind = draw(st.sampled_from(["ping", "exists", "delete", "get", "put", "list", "other"]))
     ks = [k or b"k" for k in draw(keys)] or [b"k"]
     if kind == "ping":
         return p.Opcode.PING, b"", b""
@@ -60,13 +60,17 @@ def base_requests(draw) -> tuple[int, bytes, bytes]:
     if kind == "get":
         lengths = draw(st.lists(st.sampled_from([0, 1, 100, p.ANY_LENGTH, 1 << 20]), min_size=len(ks), max_size=len(ks)))
         return p.Opcode.GET, key_block(ks) + struct.pack(f">{len(ks)}I", *lengths), b""
+    if kind == "list":
+        prefix = draw(st.sampled_from([b"", b"k", ks[0]]))
+        limit = draw(st.sampled_from([0, 1, 10, p.DEFAULT_MAX_BATCH, p.DEFAULT_MAX_BATCH + 1, 2**32 - 1]))
+        return p.Opcode.LIST, struct.pack(">IH", limit, len(prefix)) + prefix, b""
     if kind == "put":
         values = [draw(st.binary(max_size=300)) for _ in ks]
         algos = [draw(st.sampled_from([1, 2, 0, 255])) for _ in ks]
         sums = [draw(st.binary(min_size=32, max_size=32)) for _ in ks]
         meta = key_block(ks) + struct.pack(f">{len(ks)}I", *map(len, values)) + bytes(algos) + b"".join(sums)
         return p.Opcode.PUT, meta, b"".join(values)
-    opcode = draw(st.sampled_from([0x00, 0x02, 0x14, 0x20, 0x21, 0x55, 0x7F, 0x81, 0x90, 0x91, 0x92, 0xFF]))
+    opcode = draw(st.sampled_from([0x00, 0x02, 0x14, 0x15, 0x20, 0x21, 0x55, 0x7F, 0x81, 0x90, 0x91, 0x92, 0x94, 0xFF]))
     return opcode, draw(st.binary(max_size=200)), b""
 
 

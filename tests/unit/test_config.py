@@ -10,7 +10,10 @@ Behaviour under test:
 * unknown yaml keys are refused with the list of known ones;
 * sizes (512MiB, 8GiB, 1.5GB, plain bytes) and bad sizes; lanes NAME:PREFIX:SHARE and bad
   shares; server-side consistency checks;
-* AuthKey's repr and str mask the key.
+* AuthKey's repr and str mask the key;
+* the default node capacity is a quarter of the host's RAM or of the cgroup memory limit,
+  whichever is lower (cgroup v2 memory.max, then v1 memory.limit_in_bytes; "max" and v1's
+  near-2**63 "unlimited" mean no limit; unreadable or garbage files are ignored).
 """
 
 from __future__ import annotations
@@ -26,7 +29,10 @@ from memkv.config import (
     LaneSpec,
     ServerAddress,
     ServerConfig,
+    cgroup_memory_limit_bytes,
+    default_capacity_bytes,
     default_key_path,
+    host_memory_bytes,
     format_size,
     parse_address,
     parse_servers,
@@ -374,3 +380,67 @@ def test_key_file_with_surrounding_whitespace_is_accepted(tmp_path) -> None:
     path.write_text(f"\n{SECRET}\n\n")
     assert AuthKey.from_file(path, "--key-file").raw == bytes.fromhex(SECRET)
     assert os.fspath(path) in AuthKey.from_file(path, "--key-file").source
+
+
+# --------------------------------------------------------------------------------------------
+# Default capacity: host RAM or the container's cgroup memory limit
+# --------------------------------------------------------------------------------------------
+
+V1_UNLIMITED = "9223372036854771712"  # what cgroup v1 writes when no limit is set
+
+
+@pytest.fixture
+def cgroup_files(tmp_path) -> tuple[Path, Path]:
+    """(v2 memory.max, v1 memory.limit_in_bytes) stand-ins; neither exists until written."""
+    return tmp_path / "memory.max", tmp_path / "memory" / "memory.limit_in_bytes"
+
+
+def write(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+
+
+def test_cgroup_v2_limit_is_read_and_max_means_no_limit(cgroup_files) -> None:
+    v2, v1 = cgroup_files
+    write(v2, "17179869184\n")
+    assert cgroup_memory_limit_bytes((v2, v1)) == 16 << 30
+    write(v2, "max\n")
+    write(v1, "1073741824\n")
+    assert cgroup_memory_limit_bytes((v2, v1)) is None  # v2 decides when it exists
+
+
+def test_cgroup_v1_limit_is_read_when_there_is_no_v2_file(cgroup_files) -> None:
+    v2, v1 = cgroup_files
+    write(v1, "2147483648\n")
+    assert cgroup_memory_limit_bytes((v2, v1)) == 2 << 30
+
+
+def test_no_cgroup_file_or_garbage_means_no_limit(cgroup_files, tmp_path) -> None:
+    v2, v1 = cgroup_files
+    assert cgroup_memory_limit_bytes((v2, v1)) is None
+    write(v2, "not a number\n")
+    write(v1, "-1\n")
+    assert cgroup_memory_limit_bytes((v2, v1)) is None
+    assert cgroup_memory_limit_bytes((tmp_path,)) is None  # a directory: unreadable, skipped
+
+
+def test_default_capacity_is_a_quarter_of_the_lower_of_ram_and_the_cgroup_limit(cgroup_files) -> None:
+    v2, v1 = cgroup_files
+    ram = host_memory_bytes()
+    assert default_capacity_bytes((v2, v1)) == max(64 << 20, ram // 4)  # no cgroup files
+    write(v2, str(ram // 2))
+    assert default_capacity_bytes((v2, v1)) == max(64 << 20, ram // 8)
+    write(v2, str(ram * 4))  # a limit above the host's RAM: the RAM bounds it
+    assert default_capacity_bytes((v2, v1)) == max(64 << 20, ram // 4)
+    v2.unlink()
+    write(v1, V1_UNLIMITED)
+    assert default_capacity_bytes((v2, v1)) == max(64 << 20, ram // 4)
+    write(v1, str(128 << 20))  # a tiny container still gets the 64 MiB floor
+    assert default_capacity_bytes((v2, v1)) == 64 << 20
+
+
+def test_default_capacity_reads_the_real_cgroup_files_by_default() -> None:
+    limit = cgroup_memory_limit_bytes()
+    expected = host_memory_bytes() if limit is None else min(host_memory_bytes(), limit)
+    assert default_capacity_bytes() == max(64 << 20, expected // 4)
+    assert ServerConfig().capacity_bytes == default_capacity_bytes()

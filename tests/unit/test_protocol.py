@@ -1,7 +1,7 @@
 """The sans-I/O wire codec (memkv.protocol), driven with plain bytes only.
 
 Behaviour under test:
-* every message type (handshake messages, HELLO_OK, PING, PUT, GET, EXISTS, DELETE, their
+* every message type (handshake messages, HELLO_OK, PING, PUT, GET, EXISTS, DELETE, LIST, their
   replies, ERROR) round-trips; frames decode identically when fed whole, one byte at a time,
   and followed by trailing garbage (which stays in `trailing_data`), as h11's tests do;
   a hypothesis property round-trips random batches through encode -> FrameDecoder;
@@ -188,6 +188,11 @@ MESSAGES = [
     ("exists-reply", "s2c", p.StatusReply(p.Opcode.EXISTS, bytes([p.ItemStatus.OK, p.ItemStatus.MISS, p.ItemStatus.OK])), b""),
     ("delete-reply", "s2c", p.StatusReply(p.Opcode.DELETE, bytes([p.ItemStatus.MISS])), b""),
     ("error", "s2c", p.ErrorReply(p.ErrorCode.BAD_MAC, "frame MAC mismatch: \u00e9t\u00e9"), b""),
+    ("list", "c2s", p.ListRequest(b"model/b65536/", 1000), b""),
+    ("list-every-key", "c2s", p.ListRequest(b"", 1), b""),
+    ("list-binary-prefix", "c2s", p.ListRequest(b"\x00\xff" * 240, 4096), b""),
+    ("list-reply", "s2c", p.ListReply((b"\x00", b"a", b"a/b" * 160, b"\xff"), (1, 16 << 20, 0, 64 << 20), True), b""),
+    ("list-reply-empty", "s2c", p.ListReply((), (), False), b""),
 ]
 
 
@@ -223,6 +228,7 @@ def test_reply_opcode_is_request_opcode_with_high_bit() -> None:
         assert wire[3] == op | 0x80
     assert server.encode(p.PingReply())[3] == 0x81
     assert server.encode(p.GetReply(()))[3] == 0x91
+    assert server.encode(p.ListReply((), (), False))[3] == p.Opcode.LIST | 0x80 == 0x94
 
 
 # --------------------------------------------------------------------------------------------
@@ -240,7 +246,7 @@ def _payload_for(lengths: list[int]) -> bytes:
 
 @st.composite
 def batches(draw) -> tuple[str, p.Message, bytes]:
-    kind = draw(st.sampled_from(["put", "get", "exists", "delete", "get-reply", "status-reply"]))
+    kind = draw(st.sampled_from(["put", "get", "exists", "delete", "get-reply", "status-reply", "list", "list-reply"]))
     n = draw(st.integers(0, 24))
     if kind == "put":
         items = [p.PutItem(draw(_keys), draw(st.integers(0, 300)), draw(_algos), draw(_sums)) for _ in range(n)]
@@ -261,6 +267,12 @@ def batches(draw) -> tuple[str, p.Message, bytes]:
             items.append(p.GetReplyItem(status, length, draw(_algos), draw(_sums)))
         ok = [it.length for it in items if it.status == p.ItemStatus.OK]
         return "s2c", p.GetReply(tuple(items)), _payload_for(ok)
+    if kind == "list":
+        return "c2s", p.ListRequest(draw(st.binary(max_size=480)), draw(st.integers(1, 4096))), b""
+    if kind == "list-reply":
+        keys = tuple(sorted({draw(_keys) for _ in range(n)}))
+        lengths = tuple(draw(st.integers(0, p.ANY_LENGTH)) for _ in keys)
+        return "s2c", p.ListReply(keys, lengths, draw(st.booleans())), b""
     op = draw(st.sampled_from([p.Opcode.PUT, p.Opcode.EXISTS, p.Opcode.DELETE]))
     statuses = bytes(draw(st.lists(st.sampled_from(list(p.ItemStatus)), max_size=n)))
     return "s2c", p.StatusReply(op, statuses), b""
@@ -385,6 +397,9 @@ BOUNDS = [
     ("meta-over-max-meta-bytes", _put(*[(bytes([65 + i]) * 480, 0) for i in range(8)]), p.ErrorCode.FRAME_TOO_LARGE),
     ("payload-over-max-payload-bytes", _put(*[(b"v%d" % i, 1024) for i in range(5)]), p.ErrorCode.FRAME_TOO_LARGE),
     ("value-over-max-value-bytes", _put((b"big", 1025)), p.ErrorCode.VALUE_TOO_LARGE),
+    ("list-prefix-481-bytes", p.ListRequest(b"k" * 481, 1), p.ErrorCode.KEY_TOO_LONG),
+    ("list-limit-0", p.ListRequest(b"k", 0), p.ErrorCode.MALFORMED),
+    ("list-limit-over-max-list-keys", p.ListRequest(b"k", 9), p.ErrorCode.BATCH_TOO_LARGE),
 ]
 
 
@@ -457,6 +472,38 @@ def test_default_limits_are_the_documented_ones() -> None:
     assert limits.max_payload_bytes == 1 << 30
 
 
+def test_list_layouts_are_as_documented() -> None:
+    _, server = session()
+    # LIST: limit u32 | prefix_len u16 | prefix.
+    assert decode_one(server, raw_frame(0x14, struct.pack(">IH", 7, 3) + b"ns/")) == (p.ListRequest(b"ns/", 7), b"")
+    client, _ = session()
+    # LIST reply: key block | length u32 x n | truncated u8.
+    meta = keys_meta([b"a", b"bc"]) + struct.pack(">IIB", 5, 1 << 24, 1)
+    assert decode_one(client, raw_frame(0x94, meta, send_key=S2C_KEY)) == (p.ListReply((b"a", b"bc"), (5, 1 << 24), True), b"")
+    _, server2 = session()
+    assert server2.encode(p.ListReply((b"a", b"bc"), (5, 1 << 24), True)).endswith(meta)
+
+
+def test_max_list_keys_is_max_batch_unless_the_meta_bound_is_smaller() -> None:
+    assert p.Limits().max_list_keys == 4096
+    assert STRICT.max_list_keys == 8
+    # 10 keys of 480 bytes need 5 + 10 * 486 bytes of meta; one byte less holds 9.
+    tight = p.Limits(max_batch=100, max_meta_bytes=5 + 10 * 486 - 1)
+    assert tight.max_list_keys == 9
+    # A reply of max_list_keys keys of the longest length fits the meta bound exactly as computed.
+    _, server = session(server_limits=tight)
+    keys = tuple(bytes([i]) * 480 for i in range(9))
+    server.encode(p.ListReply(keys, (0,) * 9, False))
+
+
+def test_list_reply_with_more_keys_than_max_list_keys_is_refused_before_parsing() -> None:
+    client, server = session(client_limits=STRICT, server_limits=LAX)
+    wire = server.encode(p.ListReply(tuple(b"k%02d" % i for i in range(9)), (1,) * 9, False), validate=False)
+    with pytest.raises(RemoteProtocolError) as info:
+        decode_one(client, wire)
+    assert info.value.code == p.ErrorCode.BATCH_TOO_LARGE
+
+
 # --------------------------------------------------------------------------------------------
 # Malformed frames with a valid MAC: RemoteProtocolError with a code
 # --------------------------------------------------------------------------------------------
@@ -484,6 +531,12 @@ MALFORMED = [
     ("future-version", raw_frame(p.Opcode.PING, version=2), p.ErrorCode.UNSUPPORTED_VERSION),
     ("old-version", raw_frame(p.Opcode.PING, version=0), p.ErrorCode.UNSUPPORTED_VERSION),
     ("reserved-flags", raw_frame(p.Opcode.PING, flags=1), p.ErrorCode.MALFORMED),
+    ("list-meta-empty", raw_frame(p.Opcode.LIST, b""), p.ErrorCode.MALFORMED),
+    ("list-prefix-shorter-than-announced", raw_frame(p.Opcode.LIST, struct.pack(">IH", 10, 4) + b"abc"), p.ErrorCode.MALFORMED),
+    ("list-prefix-longer-than-announced", raw_frame(p.Opcode.LIST, struct.pack(">IH", 10, 2) + b"abc"), p.ErrorCode.MALFORMED),
+    ("list-limit-4097", raw_frame(p.Opcode.LIST, struct.pack(">IH", 4097, 0)), p.ErrorCode.BATCH_TOO_LARGE),
+    ("list-limit-2**32-1", raw_frame(p.Opcode.LIST, struct.pack(">IH", 2**32 - 1, 0)), p.ErrorCode.BATCH_TOO_LARGE),
+    ("list-prefix-over-480-bytes", raw_frame(p.Opcode.LIST, struct.pack(">IH", 1, 481) + b"k" * 481), p.ErrorCode.KEY_TOO_LONG),
 ]
 
 MALFORMED_REPLIES = [
@@ -495,6 +548,13 @@ MALFORMED_REPLIES = [
     ),
     ("status-reply-truncated", raw_frame(0x92, struct.pack(">I", 3) + b"\x00", send_key=S2C_KEY), p.ErrorCode.MALFORMED),
     ("get-reply-truncated", raw_frame(0x91, struct.pack(">I", 1) + b"\x00" + struct.pack(">I", 0), send_key=S2C_KEY), p.ErrorCode.MALFORMED),
+    ("list-reply-without-flag", raw_frame(0x94, keys_meta([b"a"]) + struct.pack(">I", 1), send_key=S2C_KEY), p.ErrorCode.MALFORMED),
+    ("list-reply-trailing-byte", raw_frame(0x94, keys_meta([b"a"]) + struct.pack(">IBB", 1, 0, 0), send_key=S2C_KEY), p.ErrorCode.MALFORMED),
+    ("list-reply-flag-2", raw_frame(0x94, keys_meta([b"a"]) + struct.pack(">IB", 1, 2), send_key=S2C_KEY), p.ErrorCode.MALFORMED),
+    ("list-reply-unsorted", raw_frame(0x94, keys_meta([b"b", b"a"]) + struct.pack(">IIB", 1, 1, 0), send_key=S2C_KEY), p.ErrorCode.MALFORMED),
+    ("list-reply-duplicate", raw_frame(0x94, keys_meta([b"a", b"a"]) + struct.pack(">IIB", 1, 1, 0), send_key=S2C_KEY), p.ErrorCode.MALFORMED),
+    ("list-reply-empty-key", raw_frame(0x94, keys_meta([b""]) + struct.pack(">IB", 1, 0), send_key=S2C_KEY), p.ErrorCode.KEY_TOO_LONG),
+    ("list-reply-count-over-max", raw_frame(0x94, struct.pack(">I", 4097), send_key=S2C_KEY), p.ErrorCode.BATCH_TOO_LARGE),
 ]
 
 

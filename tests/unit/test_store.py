@@ -12,7 +12,9 @@ Behaviour under test:
 * an evicted or deleted value's buffer is reused for the next value of its size class, without
   a new allocation;
 * when everything is pinned a put raises NoSpace and changes nothing;
-* an aborted put makes nothing visible, and leaves a value it would have replaced intact.
+* an aborted put makes nothing visible, and leaves a value it would have replaced intact;
+* `list_keys` returns the first `limit` keys under a prefix in byte order with their value
+  lengths, says whether more matched, and neither sees uncommitted values nor pins anything.
 """
 
 from __future__ import annotations
@@ -427,3 +429,25 @@ def test_in_flight_puts_count_against_capacity() -> None:
     for t in tickets:
         store.abort(t)
     assert store.stats()["allocated_bytes"] <= 3000
+
+
+def test_list_keys_returns_the_first_keys_under_a_prefix_in_byte_order_with_lengths() -> None:
+    store = Store(1 << 20)
+    for key, n in [(b"ns/b", 2), (b"ns/a", 1), (b"other", 5), (b"ns/\xff", 3), (b"ns/", 4), (b"ns/a\x00", 6), (b"n", 7)]:
+        put(store, key, b"v" * n)
+    assert store.list_keys(b"ns/", 10) == ([(b"ns/", 4), (b"ns/a", 1), (b"ns/a\x00", 6), (b"ns/b", 2), (b"ns/\xff", 3)], False)
+    assert store.list_keys(b"ns/", 5) == (store.list_keys(b"ns/", 10)[0], False)  # exactly all: not truncated
+    assert store.list_keys(b"ns/", 2) == ([(b"ns/", 4), (b"ns/a", 1)], True)
+    assert store.list_keys(b"", 3) == ([(b"n", 7), (b"ns/", 4), (b"ns/a", 1)], True)
+    assert store.list_keys(b"nope", 10) == ([], False)
+
+
+def test_list_keys_sees_only_committed_values_and_the_latest_length() -> None:
+    store = Store(1 << 20)
+    put(store, b"k", b"x" * 10)
+    put(store, b"k", b"x" * 20)  # replaced: listed once, with the new length
+    ticket = store.begin_put(b"k2", 5, 1, SUM)  # in flight: invisible
+    assert store.list_keys(b"k", 10) == ([(b"k", 20)], False)
+    store.commit(ticket)
+    store.delete([b"k"])
+    assert store.list_keys(b"k", 10) == ([(b"k2", 5)], False)

@@ -2,9 +2,11 @@
 
 Claims: every job is reported exactly once (empty and wholly shed ones included, at once); a
 failed load that could still land is withheld for the grace period and drain waits for it; a
-task that raises fails only its blocks; lookups answer None (RETRY) until the probe round lands,
-one round per flush, and a probe that does not answer within the deadline becomes a miss
-whose late answer is dropped; mark_miss turns a cached hit into a miss.
+task that raises fails only its blocks; lookups answer None (RETRY) until their answer lands,
+one round per flush; answers are used as they arrive, so keys answered early resolve while the
+rest of the same round stay pending; a key not answered within the deadline becomes a miss
+whose late answer is dropped; a prober that raises costs misses, never the worker; shutdown
+closes the prober and stops the thread; mark_miss turns a cached hit into a miss.
 """
 
 from __future__ import annotations
@@ -105,22 +107,100 @@ class FakeClock:
         return self.now
 
 
+class FakeProber:
+    """A Prober (memkv_vllm.lookup) over `answer(keys) -> hits`. Answers at once, or, with
+    `hold`, only for the keys that `hold(key)` lets through; the rest wait until `release` is
+    set (each poll then delivers them) or close() answers them False."""
+
+    def __init__(self, answer, hold=None, release: threading.Event | None = None) -> None:
+        self.answer = answer
+        self.hold = hold or (lambda key: False)
+        self.release = release or threading.Event()
+        self.calls: list[list[bytes]] = []
+        self.held: list[tuple[list[int], list[bytes], object]] = []
+        self.closed = threading.Event()
+        self._woken = threading.Event()
+
+    def submit(self, keys, on_answer) -> None:
+        self.calls.append(list(keys))
+        now = [i for i, k in enumerate(keys) if not self.hold(k)]
+        later = [i for i, k in enumerate(keys) if self.hold(k)]
+        if now:
+            on_answer(now, self.answer([keys[i] for i in now]))
+        if later:
+            self.held.append((later, [keys[i] for i in later], on_answer))
+
+    def poll(self, timeout_s=None) -> None:
+        if self.held and self.release.is_set():
+            held, self.held = self.held, []
+            for idx, keys, on_answer in held:
+                on_answer(idx, self.answer(keys))
+            return
+        self._woken.wait(0.01 if self.held else timeout_s)  # held answers: look at `release` again soon
+        self._woken.clear()
+
+    def wake(self) -> None:
+        self._woken.set()
+
+    def close(self) -> None:
+        held, self.held = self.held, []
+        for idx, _keys, on_answer in held:
+            on_answer(idx, [False] * len(idx))
+        self.closed.set()
+        self._woken.set()
+
+
 def test_lookup_is_none_until_the_round_lands_and_one_round_per_flush():
     stored = {b"k1"}
-    calls = []
-
-    def probe(keys):
-        calls.append(list(keys))
-        return [k in stored for k in keys]
-
-    svc = LookupService(probe, deadline_s=5.0)
+    prober = FakeProber(lambda keys: [k in stored for k in keys])
+    svc = LookupService(lambda: prober, deadline_s=5.0)
     try:
         assert svc.lookup(b"k1", "r1") is None
         assert svc.lookup(b"k2", "r2") is None
         svc.flush()
         assert wait_for(lambda: svc.lookup(b"k1", "r1") is not None)
         assert svc.lookup(b"k1", "r1") is True and svc.lookup(b"k2", "r2") is False
-        assert calls == [[b"k1", b"k2"]]  # both requests' keys in one exists round
+        assert prober.calls == [[b"k1", b"k2"]]  # both requests' keys in one exists round
+    finally:
+        svc.shutdown()
+
+
+def test_store_keys_maps_the_batch_before_it_is_probed():
+    prober = FakeProber(lambda keys: [k == b"ns/k1" for k in keys])
+    svc = LookupService(lambda: prober, deadline_s=5.0, store_keys=lambda ks: [b"ns/" + k for k in ks])
+    try:
+        svc.lookup(b"k1", "r")
+        svc.lookup(b"k2", "r")
+        svc.flush()
+        assert wait_for(lambda: svc.lookup(b"k2", "r") is not None)
+        assert svc.lookup(b"k1", "r") is True and svc.lookup(b"k2", "r") is False
+        assert prober.calls == [[b"ns/k1", b"ns/k2"]]
+    finally:
+        svc.shutdown()
+
+
+def test_answers_are_used_as_they_arrive_and_only_the_silent_keys_wait_for_the_deadline():
+    """The keys of a silent node stay pending (None) while the rest of the same round, and of
+    later rounds, resolve; at the deadline the silent ones become misses."""
+    clock = FakeClock()
+    prober = FakeProber(lambda keys: [True] * len(keys), hold=lambda key: key.startswith(b"silent/"))
+    svc = LookupService(lambda: prober, deadline_s=2.0, clock=clock)
+    try:
+        for key in (b"silent/1", b"ok/1", b"ok/2"):
+            assert svc.lookup(key, "r1") is None
+        svc.flush()
+        assert wait_for(lambda: svc.lookup(b"ok/1", "r1") is True)
+        assert svc.lookup(b"ok/2", "r1") is True and svc.lookup(b"silent/1", "r1") is None
+        assert svc.pending()
+        # A later round, while the first is still waiting on the silent node.
+        clock.now += 1.0
+        assert svc.lookup(b"ok/3", "r2") is None
+        svc.flush()
+        assert wait_for(lambda: svc.lookup(b"ok/3", "r2") is True)
+        assert svc.lookup(b"silent/1", "r1") is None and svc.rounds == 1
+        clock.now += 1.0  # the silent key's deadline
+        assert svc.lookup(b"silent/1", "r1") is False and svc.was_timeout(b"silent/1")
+        assert not svc.pending()
     finally:
         svc.shutdown()
 
@@ -129,12 +209,8 @@ def test_unanswered_probe_becomes_a_miss_at_the_deadline_and_its_late_answer_is_
     release = threading.Event()
     clock = FakeClock()
     timeouts = []
-
-    def probe(keys):
-        release.wait(5)
-        return [True] * len(keys)
-
-    svc = LookupService(probe, deadline_s=2.0, on_timeout=timeouts.append, clock=clock)
+    prober = FakeProber(lambda keys: [True] * len(keys), hold=lambda key: True, release=release)
+    svc = LookupService(lambda: prober, deadline_s=2.0, on_timeout=timeouts.append, clock=clock)
     try:
         assert svc.lookup(b"k", "r") is None
         svc.flush()
@@ -152,21 +228,22 @@ def test_unanswered_probe_becomes_a_miss_at_the_deadline_and_its_late_answer_is_
 
 
 def test_deadline_disabled_keeps_answering_none():
-    release = threading.Event()
     clock = FakeClock()
-    svc = LookupService(lambda keys: (release.wait(5), [True] * len(keys))[1], deadline_s=None, clock=clock)
+    prober = FakeProber(lambda keys: [True] * len(keys), hold=lambda key: True)
+    svc = LookupService(lambda: prober, deadline_s=None, clock=clock)
     try:
         svc.lookup(b"k", "r")
         svc.flush()
+        assert wait_for(lambda: prober.calls)
         clock.now += 3600
         assert svc.lookup(b"k", "r") is None
     finally:
-        release.set()
         svc.shutdown()
 
 
 def test_mark_miss_and_cleanup():
-    svc = LookupService(lambda keys: [True] * len(keys), deadline_s=5.0)
+    prober = FakeProber(lambda keys: [True] * len(keys))
+    svc = LookupService(lambda: prober, deadline_s=5.0)
     try:
         svc.lookup(b"k", "r")
         svc.flush()
@@ -182,13 +259,13 @@ def test_mark_miss_and_cleanup():
 def test_a_raising_probe_answers_misses_and_the_worker_survives():
     calls = []
 
-    def probe(keys):
+    def answer(keys):
         calls.append(keys)
         if len(calls) == 1:
             raise ConnectionError("injected")
         return [True] * len(keys)
 
-    svc = LookupService(probe, deadline_s=5.0)
+    svc = LookupService(lambda: FakeProber(answer), deadline_s=5.0)
     try:
         svc.lookup(b"a", "r")
         svc.flush()
@@ -198,3 +275,76 @@ def test_a_raising_probe_answers_misses_and_the_worker_survives():
         assert wait_for(lambda: svc.lookup(b"b", "r") is True)
     finally:
         svc.shutdown()
+
+
+def test_a_prober_whose_poll_raises_is_replaced_and_its_pending_keys_miss():
+    opened: list[FakeProber] = []
+
+    class Broken(FakeProber):
+        def poll(self, timeout_s=None) -> None:
+            if self.held:
+                raise RuntimeError("injected poll failure")
+            super().poll(timeout_s)
+
+    def open_prober():
+        prober = (Broken if not opened else FakeProber)(lambda keys: [True] * len(keys), hold=lambda key: key == b"held")
+        opened.append(prober)
+        return prober
+
+    svc = LookupService(open_prober, deadline_s=60.0)
+    try:
+        svc.lookup(b"held", "r")
+        svc.flush()
+        assert wait_for(lambda: svc.lookup(b"held", "r") is False)  # a miss, not a 60 s wait
+        assert not svc.was_timeout(b"held") and len(opened) == 2 and opened[0].closed.is_set()
+        svc.lookup(b"fine", "r")
+        svc.flush()
+        assert wait_for(lambda: svc.lookup(b"fine", "r") is True)
+    finally:
+        svc.shutdown()
+
+
+def test_shutdown_closes_the_prober_and_stops_the_thread():
+    prober = FakeProber(lambda keys: [True] * len(keys), hold=lambda key: True)
+    svc = LookupService(lambda: prober, deadline_s=5.0)
+    svc.lookup(b"k", "r")
+    svc.flush()
+    assert wait_for(lambda: prober.calls)
+    svc.shutdown()
+    assert prober.closed.is_set() and not svc._thread.is_alive()
+
+
+def test_probing_is_true_from_flush_until_every_handed_key_is_answered():
+    """The tier yields the GIL each step while `probing()`: it must turn True at flush and back
+    to False once the last key (here a silent node's, answered late) has been drained."""
+    release = threading.Event()
+    prober = FakeProber(lambda keys: [True] * len(keys), hold=lambda key: key.startswith(b"silent/"), release=release)
+    svc = LookupService(lambda: prober, deadline_s=None)
+    try:
+        svc.lookup(b"ok/1", "r")
+        svc.lookup(b"silent/1", "r")
+        assert not svc.probing()  # looked up, not handed to the worker yet
+        svc.flush()
+        assert svc.probing()
+        assert wait_for(lambda: svc.lookup(b"ok/1", "r") is True)
+        assert svc.probing()  # the silent key is still out
+        release.set()
+        assert wait_for(lambda: svc.lookup(b"silent/1", "r") is True)
+        assert not svc.probing()
+    finally:
+        svc.shutdown()
+
+
+def test_loading_is_true_only_while_a_load_job_is_unfinished():
+    pool = TransferPool(1, 1, grace_s=0.0)
+    gate = threading.Event()
+    try:
+        pool.submit(1, STORE, [b"s"], [(0, 1, lambda: (gate.wait(5), TaskResult([True]))[1])])
+        assert not pool.loading()  # stores in flight do not count
+        pool.submit(2, LOAD, [b"l"], [(0, 1, lambda: (gate.wait(5), TaskResult([True]))[1])])
+        assert pool.loading()
+        gate.set()
+        assert {f.job_id for f in collect(pool, 2)} == {1, 2}
+        assert not pool.loading()
+    finally:
+        pool.shutdown()

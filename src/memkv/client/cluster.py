@@ -9,14 +9,21 @@ Failure semantics (what callers can rely on):
   * reads (`get`, `exists`, `batch_get_into`) never raise for a node failure: the affected
     keys answer miss / False. A value counts as loaded only when it arrived whole and its
     checksum verified; anything else is False, whatever bytes reached the buffer.
+  * `exists` and `delete` read every node's replies as they arrive (memkv.client.pipeline):
+    a silent node delays only its own keys' answers, which `exists(on_answer=...)` and
+    `exists_stream()` hand over per node; `exists(timeout_s=...)` stops waiting for them.
   * batch writes (`batch_put_views`, `delete`) report per-key success and never raise for a
     node failure; the single-key `put` raises (NodeUnavailable, TransportError, ...).
   * `probe()` and `exists_on()` raise, naming the server: they exist to surface problems.
+  * `list_keys()` asks every server and never raises for a node failure: the listing names
+    each server that did not answer (its keys are missing from it) in `failed`.
   * usage errors (a key over 480 bytes, a value over the node's limit, a buffer that is not
     contiguous) raise ValueError/LocalProtocolError before anything is sent.
 
 Threading: a Client is thread-safe and meant to be shared; batches that span several nodes
-run their per-node parts in parallel on a small internal executor, one part inline.
+run their per-node parts in parallel on a small internal executor, one part inline (EXISTS
+and DELETE instead pipeline every node on the calling thread; only connects go to the
+executor). An `exists_stream()` pipeline belongs to one thread; see its docstring.
 """
 
 from __future__ import annotations
@@ -31,8 +38,9 @@ from memkv import protocol as p
 from memkv.client import metrics as m
 from memkv.client.hrw import RendezvousRing
 from memkv.client.node import NodeClient
+from memkv.client.pipeline import StatusPipeline
 from memkv.config import ClientConfig, ServerAddress
-from memkv.errors import MemKVError, NodeUnavailable, RemoteProtocolError
+from memkv.errors import MemKVError, NodeUnavailable
 from memkv.integrity import Checksummer, parse_integrity
 from memkv.transport import LoadResult, select_transport
 
@@ -80,6 +88,28 @@ class ProbeResult:
     node_id: str
     rtt_ms: float
     max_value_bytes: int
+
+
+@dataclasses.dataclass(frozen=True)
+class ListedKey:
+    key: bytes
+    length: int  # bytes of the stored value
+    server: str  # the server that holds it
+
+
+@dataclasses.dataclass(frozen=True)
+class KeyListing:
+    """What `Client.list_keys` found. `keys` is in ascending byte order and complete up to
+    `limit` for the servers that answered; `failed` maps each server that did not to why."""
+
+    keys: tuple[ListedKey, ...]
+    truncated: bool  # more keys matched than `limit` (on the servers that answered)
+    failed: dict[str, str]
+
+    @property
+    def complete(self) -> bool:
+        """Every server answered (the listing may still be truncated)."""
+        return not self.failed
 
 
 class Client:
@@ -188,13 +218,25 @@ class Client:
 
     # -- batches ----------------------------------------------------------------------------------
 
-    def exists(self, keys: Sequence[KeyLike]) -> list[bool]:
-        """Which keys are stored. An unreachable node's keys answer False."""
-        result = self._status_batch("exists", _keys(keys), p.ExistsRequest)
-        hits = sum(result)
-        m.KEYS.labels("exists", "hit").inc(hits)
-        m.KEYS.labels("exists", "miss").inc(len(result) - hits)
-        return result
+    def exists(self, keys: Sequence[KeyLike], *, on_answer: Callable[[list[int], list[bool]], None] | None = None,
+               timeout_s: float | None = None) -> list[bool]:
+        """Which keys are stored. An unreachable node's keys answer False.
+
+        Partial results: `on_answer(indices, hits)` is called (on this thread, before `exists`
+        returns) as each node's answers arrive, so the keys of healthy nodes are known while a
+        stopped node is still silent; every key is passed exactly once. `timeout_s` returns
+        after at most that long: keys not answered by then answer False (their connections are
+        closed, never reused half-read; the node is not marked down for it)."""
+        return self._status_batch("exists", _keys(keys), p.ExistsRequest, on_answer, timeout_s)
+
+    def exists_stream(self) -> StatusPipeline:
+        """A long-lived EXISTS pipeline for one thread (the vLLM tier's lookup thread):
+        `submit(keys, on_answer)` sends at once and never waits, `poll(timeout_s)` delivers
+        answers as they arrive, `wake()` (any thread) interrupts a `poll`, `close()` ends it.
+        A node that stops answering holds only its own keys. See memkv.client.pipeline."""
+        if self._closed:
+            raise RuntimeError("Client is closed")
+        return self._pipeline("exists", p.ExistsRequest, check_keys=_keys, wakeable=True)
 
     def exists_on(self, server: ServerAddress | str, keys: Sequence[KeyLike]) -> list[bool]:
         """Ask one server directly (ignores placement and the down mark). Raises on failure."""
@@ -280,6 +322,48 @@ class Client:
 
         return self._scatter(ks, run)
 
+    def list_keys(self, prefix: KeyLike = b"", limit: int = 1000) -> KeyListing:
+        """The first `limit` stored keys (byte order) that start with `prefix`, over every
+        configured server, with each value's length and server. For operators: each node scans
+        all its keys. Servers are asked in parallel, ignoring down marks; a server that fails is
+        reported in `failed` (never raised), so a partial listing never passes for a whole one."""
+        if self._closed:
+            raise RuntimeError("Client is closed")
+        pre = prefix.encode() if isinstance(prefix, str) else bytes(prefix)
+        if len(pre) > p.DEFAULT_MAX_KEY_BYTES:
+            raise ValueError(f"a key prefix must be 0..{p.DEFAULT_MAX_KEY_BYTES} bytes, got {len(pre)}")
+        most = p.Limits().max_list_keys
+        if not 1 <= limit <= most:
+            raise ValueError(f"limit must be 1..{most}, got {limit}")
+
+        def ask(node: NodeClient) -> p.ListReply:
+            t = time.perf_counter()
+            reply = node.list_keys(pre, limit)
+            m.SECONDS.labels("list").observe(time.perf_counter() - t)
+            m.REQUESTS.labels(node.name, "list", "ok").inc()
+            return reply
+
+        # Every node holds its share of a prefix (HRW spreads keys), so every node is asked;
+        # in parallel, so a dead node costs one timeout, not one per node.
+        futures = [(node, self._executor.submit(ask, node)) for node in self._nodes]
+        found: list[ListedKey] = []
+        failed: dict[str, str] = {}
+        truncated = False
+        for node, fut in futures:
+            try:
+                reply = fut.result()
+            except MemKVError as exc:
+                self._count_failure(node, "list", exc)
+                failed[node.name] = str(exc)
+                continue
+            truncated |= reply.truncated
+            found += [ListedKey(k, n, node.name) for k, n in zip(reply.keys, reply.lengths)]
+        # Each node sent its own first `limit` keys, so the first `limit` of the union are the
+        # cluster's first `limit`.
+        found.sort(key=lambda e: e.key)
+        truncated |= len(found) > limit
+        return KeyListing(tuple(found[:limit]), truncated, failed)
+
     # -- health checks ----------------------------------------------------------------------------
 
     def probe(self) -> list[ProbeResult]:
@@ -330,60 +414,43 @@ class Client:
         if lo < len(views):
             yield lo, len(views)
 
-    def _status_batch(self, op: str, keys: list[bytes], request: Callable[[tuple[bytes, ...]], p.Request]) -> list[bool]:
-        """EXISTS / DELETE over the keys' owners, pipelined: every node's requests are sent
-        before any reply is read, so a batch costs about one round trip of the slowest node and
-        no thread handoff. A node that fails answers False for its keys."""
+    def _status_batch(self, op: str, keys: list[bytes], request: Callable[[tuple[bytes, ...]], p.Request],
+                      on_answer: Callable[[list[int], list[bool]], None] | None = None,
+                      timeout_s: float | None = None) -> list[bool]:
+        """EXISTS / DELETE over the keys' owners, pipelined on this thread: every node's
+        requests are sent at once and replies are read in the order they arrive (poll over the
+        connections), so a batch costs about one round trip of the slowest node, no thread
+        handoff, and a silent node delays no other node's answers (`on_answer`). A node that
+        fails answers False for its keys; see memkv.client.pipeline."""
         if self._closed:
             raise RuntimeError("Client is closed")
         out = [False] * len(keys)
         if not keys:
             return out
-        started = time.perf_counter()
-        inflight: list[tuple[NodeClient, object, list[list[int]]]] = []
+
+        def answer(idx: list[int], hits: list[bool]) -> None:
+            for i, hit in zip(idx, hits):
+                out[i] = hit
+            if on_answer is not None:
+                on_answer(idx, hits)
+
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        pipe = self._pipeline(op, request)
         try:
-            for n, idx in self._group(keys).items():
-                node = self._nodes[n]
-                step = (node.limits or p.Limits()).max_batch
-                chunks = [idx[i : i + step] for i in range(0, len(idx), step)]
-                try:
-                    conn = node.borrow()
-                except MemKVError as exc:
-                    self._count_failure(node, op, exc)
-                    continue
-                inflight.append((node, conn, chunks))
-                try:
-                    for chunk in chunks:
-                        conn.send(request(tuple(keys[i] for i in chunk)))
-                except MemKVError as exc:
-                    inflight.pop()
-                    node.give_back(conn, exc)
-                    self._count_failure(node, op, exc)
-            while inflight:
-                node, conn, chunks = inflight[0]
-                try:
-                    for chunk in chunks:
-                        reply = conn.read_reply()
-                        if not isinstance(reply, p.StatusReply) or len(reply.statuses) != len(chunk):
-                            raise RemoteProtocolError(f"{node.name}: reply does not match the {op} request")
-                        for i, status in zip(chunk, reply.statuses):
-                            out[i] = status == p.ItemStatus.OK
-                except MemKVError as exc:
-                    inflight.pop(0)
-                    node.give_back(conn, exc)
-                    self._count_failure(node, op, exc)
-                    for chunk in chunks:
-                        for i in chunk:
-                            out[i] = False  # a half-read reply counts for nothing
-                    continue
-                inflight.pop(0)
-                node.give_back(conn)
-                m.REQUESTS.labels(node.name, op, "ok").inc()
+            pipe.submit(keys, answer)
+            # Bounded: each node answers, fails its io_timeout_s or its connect, or `deadline` passes.
+            while pipe.pending:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    break
+                pipe.poll(left)
         finally:
-            for node, conn, _ in inflight:  # only on an unexpected exception: never leak a slot
-                node.give_back(conn, RuntimeError("abandoned"))
-        m.SECONDS.labels(op).observe(time.perf_counter() - started)
+            pipe.close()  # what is still outstanding answers False; every connection goes back
         return out
+
+    def _pipeline(self, op: str, request: Callable[[tuple[bytes, ...]], p.Request], **kwargs) -> StatusPipeline:
+        return StatusPipeline(self._nodes, self._group, self._executor, op, request, self._count_failure,
+                              self.config.io_timeout_s, **kwargs)
 
     def _group(self, keys: list[bytes]) -> dict[int, list[int]]:
         """Key indices by owning node."""

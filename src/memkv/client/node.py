@@ -36,7 +36,7 @@ from memkv.errors import (
     map_os_error,
 )
 from memkv.integrity import Checksummer
-from memkv.sockio import recv_exactly, recv_exactly_into, send_all, set_timeouts
+from memkv.sockio import PeerClosed, recv_exactly, recv_exactly_into, send_all, set_timeouts
 
 # Values are received and hashed in pieces of this size. Large pieces matter more than cache
 # locality: every piece costs two GIL hand-offs, and in a busy process (vLLM's engine loop holds
@@ -52,6 +52,9 @@ class NodeConnection:
         self.address = address
         self.name = address.name
         self.io_timeout_s = io_timeout_s
+        self._unsent = bytearray()  # queued by queue_request, not yet taken by the socket
+        self._rx = bytearray()  # the part of the next reply received by recv_ready so far
+        self._rx_header: p.FrameHeader | None = None
         try:
             self.sock = socket.create_connection((address.host, address.port), timeout=connect_timeout_s)
         except OSError as exc:
@@ -141,6 +144,62 @@ class NodeConnection:
 
     def read_reply(self) -> p.Message:
         return self._read_reply(self.codec)
+
+    # -- without waiting (client/pipeline.py) ---------------------------------------------------
+    # Requests queued by `queue_request` leave through `send_ready`; a reply comes in through
+    # `recv_ready` piece by piece, as its bytes arrive. Neither call waits, so one thread can
+    # serve many connections from poll(); the caller enforces the io_timeout_s of each reply.
+    # Only for replies without payload (STATUS), and not mixed with the blocking calls while a
+    # request is unsent or a reply half-received (`idle` says when the stream is in step again).
+
+    def queue_request(self, msg: p.Request) -> None:
+        self._unsent += self.codec.encode(msg)
+
+    @property
+    def unsent(self) -> bool:
+        return bool(self._unsent)
+
+    @property
+    def idle(self) -> bool:
+        """Nothing unsent and no reply half-received."""
+        return not self._unsent and not self._rx
+
+    def send_ready(self) -> bool:
+        """Send what the socket takes now; True once nothing queued is left."""
+        with self._io("write"):
+            while self._unsent:
+                try:
+                    sent = self.sock.send(self._unsent, socket.MSG_DONTWAIT)
+                except BlockingIOError:
+                    return False
+                del self._unsent[:sent]
+        return True
+
+    def recv_ready(self) -> p.Message | None:
+        """Take the bytes of the next reply that have arrived; the reply once it is whole, else
+        None. Reads exactly up to the end of that reply, never into the next one."""
+        with self._io("read"):
+            while True:
+                header = self._rx_header
+                want = p.FRAME_PREFIX_BYTES + (header.meta_len if header is not None else 0)
+                if len(self._rx) == want and header is not None:
+                    break
+                try:
+                    piece = self.sock.recv(want - len(self._rx), socket.MSG_DONTWAIT)
+                except BlockingIOError:
+                    return None
+                if not piece:
+                    raise PeerClosed(len(self._rx), want)
+                self._rx += piece
+                if header is None and len(self._rx) == p.FRAME_PREFIX_BYTES:
+                    self._rx_header = self.codec.parse_header(self._rx)
+                    if self._rx_header.payload_len:
+                        raise RemoteProtocolError(f"{self.name}: a reply with a payload where a status was expected")
+        frame, self._rx, self._rx_header = self._rx, bytearray(), None
+        msg = self.codec.open(header, frame[: p.FRAME_PREFIX_BYTES], frame[p.FRAME_PREFIX_BYTES :])
+        if isinstance(msg, p.ErrorReply):
+            raise ServerError(f"{self.name}: node error {p.error_name(msg.code)}: {msg.message}", msg.code)
+        return msg
 
     def get_into(self, keys: Sequence[bytes], views: Sequence[memoryview], checksummer: Checksummer) -> list[bool]:
         """GET values straight into `views` (each exactly the expected length).
@@ -282,6 +341,22 @@ class NodeClient:
             self._slots.release()
             raise
 
+    def borrow_idle(self) -> NodeConnection | None:
+        """An idle pooled connection if one is there and a slot is free right now, else None:
+        never waits and never connects (pipelines connect through `borrow` on another thread).
+        Raises NodeUnavailable while the node is marked down. Matched by one `give_back`."""
+        if self._closed:
+            raise ConnectError("client is closed", self.name)
+        if self.is_down:
+            raise NodeUnavailable(self.name, self._down_until - time.monotonic())
+        if not self._slots.acquire(blocking=False):
+            return None
+        with self._lock:
+            conn = self._idle.pop() if self._idle else None
+        if conn is None:
+            self._slots.release()
+        return conn
+
     def give_back(self, conn: NodeConnection, error: BaseException | None = None) -> None:
         """Return a borrowed connection. After an error it is destroyed (its stream position is
         unknown); a transport or remote protocol error also marks the node down. A
@@ -330,6 +405,20 @@ class NodeClient:
             if not isinstance(reply, p.PingReply):
                 raise RemoteProtocolError(f"{self.name}: unexpected reply to PING")
             return time.perf_counter() - t
+
+    def list_keys(self, prefix: bytes, limit: int) -> p.ListReply:
+        """LIST on this node, ignoring the down mark (an operator asked). `limit` is capped at
+        the node's `max_list_keys`; the reply's `truncated` then says more keys matched. Raises
+        on failure; a reply that breaks the request's terms (more keys than asked, a key
+        outside the prefix) is a RemoteProtocolError."""
+        with self.connection(fail_fast=False) as conn:
+            asked = min(limit, conn.limits.max_list_keys)
+            reply = conn.request(p.ListRequest(prefix, asked))
+            if not isinstance(reply, p.ListReply):
+                raise RemoteProtocolError(f"{self.name}: unexpected reply to LIST ({type(reply).__name__})")
+            if len(reply.keys) > asked or not all(k.startswith(prefix) for k in reply.keys):
+                raise RemoteProtocolError(f"{self.name}: LIST reply does not match the request")
+        return reply
 
     def statuses(self, msg: p.Request, payload: Sequence[memoryview] = ()) -> bytes:
         with self.connection() as conn:

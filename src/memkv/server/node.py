@@ -41,6 +41,7 @@ _OP_NAMES = {
     p.Opcode.GET: "get",
     p.Opcode.EXISTS: "exists",
     p.Opcode.DELETE: "delete",
+    p.Opcode.LIST: "list",
     p.Opcode.RDMA_ATTACH: "rdma_attach",  # RDMA control messages: memkv/transport/responder.py
     p.Opcode.RDMA_GET: "rdma_get",
 }
@@ -260,6 +261,11 @@ class Connection:
             statuses = self.node.store.delete(msg.keys)
             self._count_keys(name, statuses)
             self._reply(p.StatusReply(p.Opcode.DELETE, statuses))
+        elif isinstance(msg, p.ListRequest):
+            found, truncated = self.node.store.list_keys(msg.prefix, msg.limit)
+            if found:
+                self.metrics.keys.labels(name, "ok").inc(len(found))
+            self._reply(p.ListReply(tuple(k for k, _ in found), tuple(n for _, n in found), truncated))
         elif isinstance(msg, p.PutRequest):
             self._put(msg)
         elif isinstance(msg, p.GetRequest):

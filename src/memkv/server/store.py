@@ -26,7 +26,9 @@ from __future__ import annotations
 import bisect
 import collections
 import dataclasses
+import heapq
 import mmap
+import operator
 import threading
 from typing import Callable, Iterable, Sequence
 
@@ -252,15 +254,19 @@ class Store:
                 ],
             }
 
-    def keys(self, prefix: bytes = b"", limit: int = 1000) -> list[bytes]:
+    def list_keys(self, prefix: bytes = b"", limit: int = 1000) -> tuple[list[tuple[bytes, int]], bool]:
+        """The first `limit` keys in byte order that start with `prefix`, each with its value's
+        length, and whether more keys matched. O(values on the node): for operators (LIST),
+        never the data path."""
         with self._lock:
-            out = []
-            for key in self._index:
-                if key.startswith(prefix):
-                    out.append(key)
-                    if len(out) >= limit:
-                        break
-            return out
+            # Only a C-speed snapshot under the lock: filtering and sorting a large node's keys
+            # happen outside it, so a listing does not stall PUT/GET. An entry's key and length
+            # never change, so reading them afterwards is safe.
+            entries = list(self._index.values())
+        if prefix:
+            entries = [e for e in entries if e.key.startswith(prefix)]
+        first = heapq.nsmallest(limit, entries, key=operator.attrgetter("key"))
+        return [(e.key, e.length) for e in first], len(entries) > limit
 
     # -- internals (lock held) ------------------------------------------------------------------
 
