@@ -3,9 +3,11 @@
 that bench/gpu/ttft.py and bench/gpu/xfer.py wrote on the GPU host (copied to
 bench/gpu/results/). Runs anywhere (matplotlib only).
 
-  python3 bench/gpu/report.py [--results bench/gpu/results] [--img docs/img/gpu-ttft.png]
+  python3 bench/gpu/report.py [--results bench/gpu/results]             # current: runs 6-12
+  python3 bench/gpu/report.py --history                                   # morning: runs 1-5
 
-Which file plays which role is fixed below (RUNS); the markdown goes to stdout.
+Which file plays which role is fixed below (RUNS, CURRENT); the markdown goes to stdout, the
+plots to docs/img/gpu-ttft.png (current) and docs/img/gpu-ttft-history.png (--history).
 """
 
 from __future__ import annotations
@@ -28,9 +30,21 @@ RUNS = {
 }
 
 
-def load(results: str) -> dict:
+# The afternoon runs (client verifying whole values; tier step_yield_ms from run 9 on).
+CURRENT = {
+    "run6-main-restart.json": "TP=1, 1x H200 host (16 vCPUs): main (sweep + 8k/32k/64k x 2) + restart",
+    "run7-fs-restart.json": "TP=1, same host: fs tier engine + a second restart on run 6's nodes",
+    "run8-tp2-noyield-main-restart.json": "TP=2, 2x H200 host (32 vCPUs), BEFORE step_yield_ms (starved lookups)",
+    "run9-tp2-main-restart.json": "TP=2, same host, step_yield_ms 1 (default): main + restart",
+    "run10-tp2-fs-restart.json": "TP=2, same host: fs tier engine + a second restart on run 9's nodes",
+    "run11-x2host-tp1-main.json": "TP=1 on the 2-GPU host (one GPU), step_yield_ms 1, 32k only",
+    "run12-x2host-tp1-noyield-main.json": "TP=1 on the 2-GPU host, step_yield_ms 0, 32k only (prompt already in MemKV)",
+}
+
+
+def load(results: str, names=None) -> dict:
     out = {}
-    for name in RUNS:
+    for name in names or RUNS:
         path = os.path.join(results, name)
         if os.path.exists(path):
             with open(path) as f:
@@ -85,8 +99,178 @@ def breakdown(r: dict) -> dict:
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--results", default=os.path.join(HERE, "results"))
-    ap.add_argument("--img", default=os.path.join(REPO, "docs", "img", "gpu-ttft.png"))
+    ap.add_argument("--history", action="store_true", help="the morning runs 1-5 (before the client fix)")
+    ap.add_argument("--img", default=None)
     args = ap.parse_args()
+    if args.history:
+        args.img = args.img or os.path.join(REPO, "docs", "img", "gpu-ttft-history.png")
+        return history(args)
+    args.img = args.img or os.path.join(REPO, "docs", "img", "gpu-ttft.png")
+    return current(args)
+
+
+def ttft_table(main_doc: dict, fs_doc: dict | None) -> dict:
+    """The TTFT table of one configuration (main+restart engines, fs+restart engines)."""
+    kvpt = main_doc["meta"]["kv_bytes_per_token"]
+    print("| prompt tokens | KV bytes | recompute | CPU-pool hit | MemKV promotion | MemKV after restart "
+          "| fs tier promotion | recompute / MemKV | fs / MemKV |")
+    print("|---:|---:|---|---|---|---|---|---:|---:|")
+    series = {}
+    for L in (8192, 32768, 65536):
+        rec = [r["seconds"] for r in runs_of(main_doc, "main", "recompute", L)]
+        rec_fs = [r["seconds"] for r in runs_of(fs_doc, "fs", "recompute", L)] if fs_doc else []
+        cpu = [r["seconds"] for r in runs_of(main_doc, "main", "cpu_hit", L)]
+        mk = [r["seconds"] for r in runs_of(main_doc, "main", "memkv", L)]
+        rs = [r["seconds"] for r in runs_of(main_doc, "restart", "restart_memkv", L)]
+        rs2 = [r["seconds"] for r in runs_of(fs_doc, "restart", "restart_memkv", L)] if fs_doc else []
+        fs = [r["seconds"] for r in runs_of(fs_doc, "fs", "fs", L)] if fs_doc else []
+        mk_all = mk + rs + rs2
+        series[L] = {"recompute": rec + rec_fs, "cpu_hit": cpu, "memkv": mk, "restart": rs + rs2, "fs": fs,
+                     "memkv_all": mk_all}
+        s1 = f"{med(rec + rec_fs) / med(mk_all):.1f}x" if rec and mk_all else "-"
+        s2 = f"{med(fs) / med(mk_all):.1f}x" if fs and mk_all else "-"
+        rs_txt = fmt(rs) + (f"; {fmt(rs2)}" if rs2 else "")
+        print(f"| {L:,} | {L * kvpt / 2**30:g} GiB | {fmt(rec + rec_fs)} s | {fmt(cpu)} s | {fmt(mk)} s | {rs_txt} s "
+              f"| {fmt(fs)} s | {s1} | {s2} |")
+    return series
+
+
+def breakdown_row(label: str, rr: list) -> dict:
+    bds = [breakdown(r) for r in rr]
+    m = {k: med([b[k] for b in bds]) for k in ("lookup", "transfer", "notice", "to_gpu", "total")}
+    g = med([b["gbps"] for b in bds if b["gbps"]])
+    rounds = [ms for b in bds for ms in b["exists_round_ms"]]
+    print(f"| {label} (n={len(bds)}) | {m['lookup'] * 1e3:.0f} ms | {med(rounds):.0f} ms | {m['transfer'] * 1e3:.0f} ms "
+          f"| {m['notice'] * 1e3:.0f} ms | {m['to_gpu'] * 1e3:.0f} ms | {m['total']:.2f} s | {g:.1f} GB/s |")
+    return m
+
+
+def current(args) -> int:
+    docs = load(args.results, CURRENT)
+    tp1, tp1fs = docs["run6-main-restart.json"], docs.get("run7-fs-restart.json")
+    tp2, tp2fs = docs["run9-tp2-main-restart.json"], docs.get("run10-tp2-fs-restart.json")
+    before = docs.get("run8-tp2-noyield-main-restart.json")
+    print("### TP=1, one H200 (16 vCPUs), runs 6+7\n")
+    s1 = ttft_table(tp1, tp1fs)
+    print("\n### TP=2, two H200 (32 vCPUs), runs 9+10 (tier step_yield_ms 1, the default)\n")
+    s2 = ttft_table(tp2, tp2fs)
+    if before:
+        print("\n### TP=2 before step_yield_ms (run 8, same host, same prompts)\n")
+        ttft_table(before, None)
+
+    print("\n### Breakdown of the 32k-token promotions\n")
+    print("| 32,768 tokens | lookup (first lookup -> load submitted) | exists round (median) | MemKV -> CPU pool "
+          "| job noticed | CPU pool -> GPU + last block + token | total | MemKV -> pool rate |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    bd = {}
+
+    def memkv_runs(doc, fs_doc):
+        return (runs_of(doc, "main", "memkv", 32768) + runs_of(doc, "restart", "restart_memkv", 32768)
+                + (runs_of(fs_doc, "restart", "restart_memkv", 32768) if fs_doc else []))
+
+    bd["TP=1, 16 vCPUs (runs 6+7)"] = breakdown_row("TP=1, 16 vCPUs, main + restarts (runs 6+7)", memkv_runs(tp1, tp1fs))
+    if before:
+        bd["TP=2 before step_yield_ms (run 8)"] = breakdown_row(
+            "TP=2 before step_yield_ms, promotions that hit (run 8)",
+            [r for r in memkv_runs(before, None) if r["timeline"].get("load_job_s")])
+    bd["TP=2, step_yield_ms 1 (runs 9+10)"] = breakdown_row("TP=2, step_yield_ms 1, main + restarts (runs 9+10)",
+                                                             memkv_runs(tp2, tp2fs))
+    for name, label in (("run11-x2host-tp1-main.json", "TP=1 on the 32-vCPU host, step_yield_ms 1 (run 11)"),
+                        ("run12-x2host-tp1-noyield-main.json", "TP=1 on the 32-vCPU host, step_yield_ms 0 (run 12)")):
+        if name in docs:
+            rr = [r for r in runs_of(docs[name], "main", None, 32768)
+                  if r["phase"] in ("memkv", "recompute") and r["timeline"].get("load_job_s")]
+            bd[label] = breakdown_row(label, rr)
+    cpu1 = s1[32768]["cpu_hit"]
+    cpu2 = s2[32768]["cpu_hit"]
+    print(f"| CPU-pool hit, TP=1 / TP=2 | - | - | - | - | {med(cpu1) * 1e3:.0f} / {med(cpu2) * 1e3:.0f} ms | "
+          f"{med(cpu1):.2f} / {med(cpu2):.2f} s | - |")
+    if before:
+        print()
+        for r in runs_of(before, "main", "memkv") + runs_of(before, "restart", "restart_memkv"):
+            tl = r["timeline"]
+            retry = sum(v for k, v in r.get("tier_counters", {}).items() if "lookups{retry}" in k)
+            print(f"- run 8 {r['phase']} {r['tokens']}: exists round {fmt(tl.get('exists_round_s', []))} s, "
+                  f"{int(retry):,} RETRY answers, load {'yes' if tl.get('load_job_s') else 'NO (lookup deadline: MISS)'}")
+        for r in runs_of(tp2, "main", "memkv"):
+            tl = r["timeline"]
+            retry = sum(v for k, v in r.get("tier_counters", {}).items() if "lookups{retry}" in k)
+            print(f"- run 9 {r['phase']} {r['tokens']}: exists round {fmt(tl.get('exists_round_s', []))} s, "
+                  f"{int(retry):,} RETRY answers")
+
+    sw = tp1["engines"]["main"].get("sweep") or []
+    if sw:
+        print("\n### Sweep (run 6, TP=1, 32k-token promotion, two repetitions)\n")
+        print("| read threads | blocks_per_op | client receive chunk | promotion |")
+        print("|---:|---:|---:|---|")
+        for s in sw:
+            print(f"| {s['threads']} | {s['blocks_per_op']} | {s.get('verify_chunk_mib') or 16} MiB | {fmt(s['seconds'])} s |")
+    xf = os.path.join(args.results, "xfer-run6.json")
+    if os.path.exists(xf):
+        with open(xf) as f:
+            x = json.load(f)
+        print(f"\n### xfer.py, same host as run 6 ({x['args']['values']} x {x['args']['value_mib']} MiB from "
+              f"{x['args']['nodes']} nodes into a {x['buffer']} buffer; put {x['put']['gbps']:.1f} GB/s; host->GPU copy "
+              f"{max(h['gbps'] for h in x.get('h2d', [{'gbps': 0}])):.1f} GB/s)\n")
+        print("| variant | seconds (3 reps) | GB/s (median) |")
+        print("|---|---|---:|")
+        for v in x["variants"]:
+            print(f"| {v['variant']} | {fmt(v['seconds'])} | {v['gbps_median']:.1f} |")
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(18, 5.4), gridspec_kw={"width_ratios": [1, 1, 1.1]})
+    cats = [("recompute", "recompute (cold)", "#b0b0b0"), ("fs", "vLLM fs tier", "#e39b52"),
+            ("restart", "MemKV after engine restart", "#7aa6d6"), ("memkv", "MemKV promotion", "#2a6db5"),
+            ("cpu_hit", "CPU-pool hit", "#5aa55a")]
+    lengths = [8192, 32768, 65536]
+    kvpt = tp1["meta"]["kv_bytes_per_token"]
+    w = 0.16
+    for ax, series, title in ((axes[0], s1, "TP=1, one H200"), (axes[1], s2, "TP=2, two H200")):
+        for i, (key, label, color) in enumerate(cats):
+            vals = [med(series[L][key]) or 0 for L in lengths]
+            xs = [j + (i - 2) * w for j in range(len(lengths))]
+            bars = ax.bar(xs, vals, w, label=label, color=color)
+            for b, v in zip(bars, vals):
+                if v:
+                    ax.text(b.get_x() + b.get_width() / 2, v * 1.04, f"{v:.2f}", ha="center", va="bottom", fontsize=6.5)
+        ax.set_xticks(range(len(lengths)), [f"{L // 1024}k tokens\n({L * kvpt / 2**30:g} GiB KV)" for L in lengths])
+        ax.set_yscale("log")
+        ax.set_ylabel("time to first token, s (median, log scale)")
+        ax.set_title(f"{title}: vLLM 0.25.0, Qwen2.5-32B shape")
+        ax.legend(fontsize=7, loc="upper left")
+        ax.grid(axis="y", alpha=0.3, which="both")
+    bx = axes[2]
+    seg = [("lookup", "lookup", "#999999"), ("transfer", "MemKV -> CPU pool", "#2a6db5"),
+           ("notice", "job noticed", "#f0c040"), ("to_gpu", "CPU pool -> GPU, last block, token", "#5aa55a")]
+    labels = list(bd)
+    for yi, lab in enumerate(labels):
+        m = bd[lab]
+        left = 0.0
+        for k, name, color in seg:
+            bx.barh(yi, m[k], left=left, color=color, label=name if yi == 0 else None)
+            left += m[k]
+        bx.text(left + 0.03, yi, f"{m['total']:.2f} s", va="center", fontsize=8)
+    bx.axvline(1.2, color="red", ls="--", lw=1)
+    bx.axvline(0.8, color="red", ls=":", lw=1)
+    bx.text(1.2, -0.6, " 1.2 s", color="red", fontsize=8)
+    bx.text(0.8, -0.6, " 0.8 s", color="red", fontsize=8)
+    bx.set_yticks(range(len(labels)), [lab.replace(" (", "\n(") for lab in labels], fontsize=7.5)
+    bx.invert_yaxis()
+    bx.set_xlabel("seconds (median)")
+    bx.set_title("Where a 32k-token promotion spends its time")
+    bx.legend(fontsize=7, loc="lower right")
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(args.img), exist_ok=True)
+    fig.savefig(args.img, dpi=110)
+    print(f"\nwrote {args.img}")
+    return 0
+
+
+def history(args) -> int:
     docs = load(args.results)
     r1 = docs["run1-4nodes-main-restart.json"]
     r2 = docs.get("run2-fs-restart.json")

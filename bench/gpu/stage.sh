@@ -7,6 +7,8 @@
 #   host:  bash bench/gpu/stage.sh recv c2
 #   host:  bash bench/gpu/stage.sh install         # /tmp/site (vllm), /tmp/site2 (wheels)
 #   host:  eval "$(bash bench/gpu/stage.sh env)"   # PYTHONPATH and vLLM variables
+#   here:  bash bench/gpu/stage.sh src             # HEAD's src/ + bench/ -> .gpu-stage/src (carry it; the
+#                                                  # env line then puts .gpu-stage/src/src first on PYTHONPATH)
 # Optional, for the RDMA transport over UCX cma (same-host nodes; no NIC on the lent host):
 #   here:  bash bench/gpu/stage.sh nixl            # -> .gpu-stage/c3 (nixl-cu12 for cp312, 30 MB)
 #   host:  bash bench/gpu/stage.sh recv c3 && bash bench/gpu/stage.sh install-nixl   # -> /tmp/site3
@@ -28,6 +30,15 @@ case "${1:-}" in
     # memkv's own runtime dependency missing from the host image (license.py imports jwt).
     python3 -m pip download -q --no-deps --only-binary=:all: -d "$out/c2/wheels" PyJWT==2.15.1
     du -b "$out"/c1 "$out"/c2
+    ;;
+  src)
+    # The committed src/ and bench/ (git archive HEAD), for `carry`: a run then measures exactly
+    # a commit, whatever is being edited in the working tree meanwhile.
+    out="$here/.gpu-stage/src"
+    rm -rf "$out" && mkdir -p "$out"
+    git -C "$here" archive HEAD src bench | tar -x -C "$out"
+    git -C "$here" rev-parse --short HEAD > "$out/COMMIT"
+    echo "$out: $(cat "$out/COMMIT")"
     ;;
   nixl)
     # nixl-cu12's cp312 wheel is 69 MB; 38 MB of it is nixl_ep (expert-parallel kernels MemKV
@@ -71,11 +82,13 @@ PY
     PYTHONPATH=/tmp/site:/tmp/site2 python3 -c "import vllm, jwt; print('vllm', vllm.__version__, 'jwt', jwt.__version__)"
     ;;
   env)
-    echo "export PYTHONPATH=$here/src:/tmp/site:/tmp/site2:/tmp/site3 PYTHONHASHSEED=0 VLLM_USE_FLASHINFER_SAMPLER=0" \
+    src="$here/src"
+    [ -d "$here/.gpu-stage/src/src" ] && src="$here/.gpu-stage/src/src"
+    echo "export PYTHONPATH=$src:/tmp/site:/tmp/site2:/tmp/site3 PYTHONHASHSEED=0 VLLM_USE_FLASHINFER_SAMPLER=0" \
          "VLLM_NO_USAGE_STATS=1 VLLM_ENABLE_V1_MULTIPROCESSING=0 PYTHONUNBUFFERED=1"
     ;;
   *)
-    echo "usage: stage.sh bundle | nixl | recv c1|c2|c3 | install | install-nixl | env" >&2
+    echo "usage: stage.sh bundle | src | nixl | recv c1|c2|c3 | install | install-nixl | env" >&2
     exit 2
     ;;
 esac
