@@ -12,7 +12,9 @@ Behaviour under test:
 * an evicted or deleted value's buffer is reused for the next value of its size class, without
   a new allocation;
 * when everything is pinned a put raises NoSpace and changes nothing;
-* an aborted put makes nothing visible, and leaves a value it would have replaced intact;
+* an aborted put makes nothing visible, and leaves a value it would have replaced intact while
+  the store had room for both; a full store replacing a key drops that key's old value (never
+  an unrelated one), so an abort there leaves the key a miss;
 * `list_keys` returns the first `limit` keys under a prefix in byte order with their value
   lengths, says whether more matched, and neither sees uncommitted values nor pins anything.
 """
@@ -418,6 +420,40 @@ def test_abort_of_a_replacement_leaves_the_old_value_intact() -> None:
     store.abort(ticket)
     assert read(store, b"k") == b"old!" * 250
     assert store.stats()["stored_bytes"] == 1000
+
+
+def test_a_full_store_replacing_a_key_drops_its_old_value_not_another() -> None:
+    store = Store(4000)
+    for i in range(4):
+        put(store, b"k%d" % i, b"%d" % i * 1000)
+    put(store, b"k1", b"one!" * 250)  # full: only k1's old buffer can make room
+    assert present(store, [b"k%d" % i for i in range(4)]) == [b"k0", b"k1", b"k2", b"k3"]
+    assert read(store, b"k1") == b"one!" * 250
+    stats = store.stats()
+    assert stats["evictions"] == 0 and stats["allocated_bytes"] <= 4000 and stats["values"] == 4
+
+
+def test_a_full_store_aborting_a_replacement_leaves_the_key_a_miss_and_the_rest_intact() -> None:
+    store = Store(4000)
+    for i in range(4):
+        put(store, b"k%d" % i, b"%d" % i * 1000)
+    ticket = store.begin_put(b"k2", 1000, 1, SUM)
+    assert store.exists([b"k2"]) == bytes([ItemStatus.MISS])  # the old value made room
+    store.abort(ticket)
+    assert present(store, [b"k%d" % i for i in range(4)]) == [b"k0", b"k1", b"k3"]
+    assert store.stats()["evictions"] == 0
+
+
+def test_a_full_store_replacing_a_key_being_read_keeps_the_readers_bytes() -> None:
+    store = Store(4000)
+    for i in range(4):
+        put(store, b"k%d" % i, b"%d" % i * 1000)
+    (pinned,) = store.acquire([b"k0"], [ANY_LENGTH], ANY_LENGTH)
+    put(store, b"k0", b"new0" * 250)  # the old buffer is pinned: an unrelated value must go
+    assert bytes(pinned.value) == b"0" * 1000
+    store.release([pinned])
+    assert read(store, b"k0") == b"new0" * 250
+    assert store.stats()["allocated_bytes"] <= 4000
 
 
 def test_in_flight_puts_count_against_capacity() -> None:

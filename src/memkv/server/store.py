@@ -157,6 +157,8 @@ class Store:
         lane = self.lane_for(key)
         with self._lock:
             buf = self._take_pooled(size)
+            if buf is None and self.allocated_bytes + size > self.capacity_bytes:
+                buf = self._drop_replaced(key, size)
             if buf is None:
                 buf = self._make_room(size, lane)
             if buf is None:
@@ -280,6 +282,17 @@ class Store:
         entry.live = False
         if entry.pins == 0 and not keep_buffer:
             self._give_back(entry.buf)
+
+    def _drop_replaced(self, key: bytes, size: int) -> ValueBuffer | None:
+        """A full store replacing `key`: its old value goes first, rather than an unrelated LRU
+        value (both buffers cannot exist at once without exceeding capacity). Its buffer is
+        handed over when it fits and no reader holds it. An abort then leaves the key a miss."""
+        old = self._index.get(key)
+        if old is None:
+            return None
+        reusable = old.pins == 0 and size <= old.buf.size <= size * (1 + REUSE_SLACK)
+        self._unlink(old, keep_buffer=reusable)
+        return old.buf if reusable else None
 
     def _give_back(self, buf: ValueBuffer) -> None:
         """A buffer nobody uses: keep it for reuse while the pool has room, else free it."""
