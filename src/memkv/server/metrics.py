@@ -48,7 +48,7 @@ class NodeMetrics:
         # process_resident_memory_bytes & co: RSS against stored bytes is the node's memory
         # overhead (docs/operations.md); a private registry does not get them by default.
         ProcessCollector(registry=r)
-        self.requests = Counter("memkv_node_requests", "Requests served, by op", ["op"], registry=r)
+        self.requests = Counter("memkv_node_requests", "Requests handled, by op (counted when read, before the reply)", ["op"], registry=r)
         self.keys = Counter("memkv_node_keys", "Keys processed, by op and result", ["op", "result"], registry=r)
         self.request_seconds = Histogram(
             "memkv_node_request_seconds", "Time to serve one request, by op", ["op"], buckets=LATENCY_BUCKETS, registry=r

@@ -251,6 +251,10 @@ class Connection:
         if name is None:
             raise RemoteProtocolError(f"opcode 0x{op:02x} is not a request", p.ErrorCode.UNKNOWN_OPCODE)
         started = time.perf_counter()
+        # Counted before the reply goes out: a client that got its answer then reads the
+        # metrics must see its request (counting after the send raced such a reader).
+        self.metrics.requests.labels(name).inc()
+        seconds = self.metrics.request_seconds.labels(name)  # the series exists from now on too
         if isinstance(msg, p.PingRequest):
             self._reply(p.PingReply())
         elif isinstance(msg, p.ExistsRequest):
@@ -272,8 +276,7 @@ class Connection:
             self._get(msg)
         elif isinstance(msg, (p.RdmaAttachRequest, p.RdmaGetRequest)):  # memkv/transport/responder.py
             self._reply(self.node.rdma.handle(self, msg))
-        self.metrics.requests.labels(name).inc()
-        self.metrics.request_seconds.labels(name).observe(time.perf_counter() - started)
+        seconds.observe(time.perf_counter() - started)
 
     def _put(self, msg: p.PutRequest) -> None:
         store = self.node.store
