@@ -96,6 +96,62 @@ def breakdown(r: dict) -> dict:
     }
 
 
+LENGTHS = [8192, 32768, 65536]
+PHASE_BARS = [("recompute", "recompute (cold)", "#b0b0b0"), ("fs", "vLLM fs tier", "#e39b52"),
+              ("restart", "MemKV after engine restart", "#7aa6d6"), ("memkv", "MemKV promotion", "#2a6db5"),
+              ("cpu_hit", "CPU-pool hit", "#5aa55a")]
+STAGES = [("lookup", "lookup", "#999999"), ("transfer", "tier -> CPU pool", "#2a6db5"),
+          ("notice", "job noticed", "#f0c040"), ("to_gpu", "CPU pool -> GPU, last block, token", "#5aa55a")]
+
+
+def plot_phases(ax, series: dict, kvpt: int, title: str) -> None:
+    """Grouped bars: median TTFT per phase and prompt length (log scale)."""
+    w = 0.16
+    for i, (key, label, color) in enumerate(PHASE_BARS):
+        vals = [med(series[L][key]) or 0 for L in LENGTHS]
+        xs = [j + (i - 2) * w for j in range(len(LENGTHS))]
+        bars = ax.bar(xs, vals, w, label=label, color=color)
+        for b, v in zip(bars, vals):
+            if v:
+                ax.text(b.get_x() + b.get_width() / 2, v * 1.04, f"{v:.2f}", ha="center", va="bottom", fontsize=6.5)
+    ax.set_xticks(range(len(LENGTHS)), [f"{L // 1024}k tokens\n({L * kvpt / 2**30:g} GiB KV)" for L in LENGTHS])
+    ax.set_yscale("log")
+    ax.set_ylabel("time to first token, s (median, log scale)")
+    ax.set_title(title)
+    ax.legend(fontsize=7, loc="upper left")
+    ax.grid(axis="y", alpha=0.3, which="both")
+
+
+def plot_stages(bx, rows: dict) -> None:
+    """Stacked horizontal bars: where each labelled 32k promotion spent its time."""
+    labels = list(rows)
+    for yi, lab in enumerate(labels):
+        m = rows[lab]
+        left = 0.0
+        for k, name, color in STAGES:
+            if k == "transfer" and lab.startswith("fs"):
+                color = "#e39b52"
+            bx.barh(yi, m[k], left=left, color=color, label=name if yi == 0 else None)
+            left += m[k]
+        bx.text(left + 0.03, yi, f"{m['total']:.2f} s", va="center", fontsize=8)
+    for x, style in ((1.2, "--"), (0.8, ":")):
+        bx.axvline(x, color="red", ls=style, lw=1)
+        bx.text(x, -0.6, f" {x} s", color="red", fontsize=8)
+    bx.set_yticks(range(len(labels)), [lab.replace(" (", "\n(") for lab in labels], fontsize=7.5)
+    bx.invert_yaxis()
+    bx.set_xlabel("seconds (median)")
+    bx.set_title("Where a 32k-token promotion spends its time")
+    bx.legend(fontsize=7, loc="lower right")
+    bx.set_xlim(0, max(m["total"] for m in rows.values()) * 1.15)
+
+
+def save(fig, path: str) -> None:
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    fig.savefig(path, dpi=110)
+    print(f"\nwrote {path}")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--results", default=os.path.join(HERE, "results"))
@@ -223,50 +279,11 @@ def current(args) -> int:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 3, figsize=(18, 5.4), gridspec_kw={"width_ratios": [1, 1, 1.1]})
-    cats = [("recompute", "recompute (cold)", "#b0b0b0"), ("fs", "vLLM fs tier", "#e39b52"),
-            ("restart", "MemKV after engine restart", "#7aa6d6"), ("memkv", "MemKV promotion", "#2a6db5"),
-            ("cpu_hit", "CPU-pool hit", "#5aa55a")]
-    lengths = [8192, 32768, 65536]
     kvpt = tp1["meta"]["kv_bytes_per_token"]
-    w = 0.16
-    for ax, series, title in ((axes[0], s1, "TP=1, one H200"), (axes[1], s2, "TP=2, two H200")):
-        for i, (key, label, color) in enumerate(cats):
-            vals = [med(series[L][key]) or 0 for L in lengths]
-            xs = [j + (i - 2) * w for j in range(len(lengths))]
-            bars = ax.bar(xs, vals, w, label=label, color=color)
-            for b, v in zip(bars, vals):
-                if v:
-                    ax.text(b.get_x() + b.get_width() / 2, v * 1.04, f"{v:.2f}", ha="center", va="bottom", fontsize=6.5)
-        ax.set_xticks(range(len(lengths)), [f"{L // 1024}k tokens\n({L * kvpt / 2**30:g} GiB KV)" for L in lengths])
-        ax.set_yscale("log")
-        ax.set_ylabel("time to first token, s (median, log scale)")
-        ax.set_title(f"{title}: vLLM 0.25.0, Qwen2.5-32B shape")
-        ax.legend(fontsize=7, loc="upper left")
-        ax.grid(axis="y", alpha=0.3, which="both")
-    bx = axes[2]
-    seg = [("lookup", "lookup", "#999999"), ("transfer", "MemKV -> CPU pool", "#2a6db5"),
-           ("notice", "job noticed", "#f0c040"), ("to_gpu", "CPU pool -> GPU, last block, token", "#5aa55a")]
-    labels = list(bd)
-    for yi, lab in enumerate(labels):
-        m = bd[lab]
-        left = 0.0
-        for k, name, color in seg:
-            bx.barh(yi, m[k], left=left, color=color, label=name if yi == 0 else None)
-            left += m[k]
-        bx.text(left + 0.03, yi, f"{m['total']:.2f} s", va="center", fontsize=8)
-    bx.axvline(1.2, color="red", ls="--", lw=1)
-    bx.axvline(0.8, color="red", ls=":", lw=1)
-    bx.text(1.2, -0.6, " 1.2 s", color="red", fontsize=8)
-    bx.text(0.8, -0.6, " 0.8 s", color="red", fontsize=8)
-    bx.set_yticks(range(len(labels)), [lab.replace(" (", "\n(") for lab in labels], fontsize=7.5)
-    bx.invert_yaxis()
-    bx.set_xlabel("seconds (median)")
-    bx.set_title("Where a 32k-token promotion spends its time")
-    bx.legend(fontsize=7, loc="lower right")
-    fig.tight_layout()
-    os.makedirs(os.path.dirname(args.img), exist_ok=True)
-    fig.savefig(args.img, dpi=110)
-    print(f"\nwrote {args.img}")
+    plot_phases(axes[0], s1, kvpt, "TP=1, one H200: vLLM 0.25.0, Qwen2.5-32B shape")
+    plot_phases(axes[1], s2, kvpt, "TP=2, two H200: vLLM 0.25.0, Qwen2.5-32B shape")
+    plot_stages(axes[2], bd)
+    save(fig, args.img)
     return 0
 
 
@@ -381,51 +398,10 @@ def history(args) -> int:
     import matplotlib.pyplot as plt
 
     fig, (ax, bx) = plt.subplots(1, 2, figsize=(14, 5.2), gridspec_kw={"width_ratios": [1.25, 1]})
-    cats = [("recompute", "recompute (cold)", "#b0b0b0"), ("fs", "vLLM fs tier", "#e39b52"),
-            ("restart", "MemKV after engine restart", "#7aa6d6"), ("memkv", "MemKV promotion", "#2a6db5"),
-            ("cpu_hit", "CPU-pool hit", "#5aa55a")]
-    lengths = [8192, 32768, 65536]
-    w = 0.16
-    for i, (key, label, color) in enumerate(cats):
-        vals = [med(series[L][key]) or 0 for L in lengths]
-        xs = [j + (i - 2) * w for j in range(len(lengths))]
-        bars = ax.bar(xs, vals, w, label=label, color=color)
-        for b, v in zip(bars, vals):
-            if v:
-                ax.text(b.get_x() + b.get_width() / 2, v * 1.04, f"{v:.2f}", ha="center", va="bottom", fontsize=7)
-    ax.set_xticks(range(len(lengths)), [f"{L // 1024}k tokens\n({L * kvpt / 2**30:g} GiB KV)" for L in lengths])
-    ax.set_yscale("log")
-    ax.set_ylabel("time to first token, s (median, log scale)")
-    ax.set_title("Revisited prompt on vLLM 0.25.0, H200, Qwen2.5-32B shape")
-    ax.legend(fontsize=8, loc="upper left")
-    ax.grid(axis="y", alpha=0.3, which="both")
-
-    seg = [("lookup", "lookup", "#999999"), ("transfer", "tier -> CPU pool", "#2a6db5"),
-           ("notice", "job noticed", "#f0c040"), ("to_gpu", "CPU pool -> GPU, last block, token", "#5aa55a")]
-    labels = list(bd_plot) + ["CPU-pool hit"]
-    for yi, lab in enumerate(labels):
-        m = bd_plot.get(lab) or {"lookup": 0, "transfer": 0, "notice": 0, "to_gpu": med(cpu32), "total": med(cpu32)}
-        left = 0.0
-        for k, name, color in seg:
-            if k == "transfer" and lab.startswith("fs"):
-                color = "#e39b52"
-            bx.barh(yi, m[k], left=left, color=color, label=name if yi == 0 else None)
-            left += m[k]
-        bx.text(left + 0.03, yi, f"{m['total']:.2f} s", va="center", fontsize=8)
-    bx.axvline(1.2, color="red", ls="--", lw=1)
-    bx.axvline(0.8, color="red", ls=":", lw=1)
-    bx.text(1.2, len(labels) - 0.4, " 1.2 s", color="red", fontsize=8)
-    bx.text(0.8, len(labels) - 0.4, " 0.8 s", color="red", fontsize=8)
-    bx.set_yticks(range(len(labels)), [lab.replace(" (", "\n(") for lab in labels], fontsize=8)
-    bx.invert_yaxis()
-    bx.set_xlabel("seconds (median)")
-    bx.set_title("Where a 32k-token promotion spends its time")
-    bx.legend(fontsize=7, loc="lower right")
-    bx.set_xlim(0, max(m["total"] for m in bd_plot.values()) * 1.15)
-    fig.tight_layout()
-    os.makedirs(os.path.dirname(args.img), exist_ok=True)
-    fig.savefig(args.img, dpi=110)
-    print(f"\nwrote {args.img}")
+    plot_phases(ax, series, kvpt, "Revisited prompt on vLLM 0.25.0, H200, Qwen2.5-32B shape")
+    cpu_row = {"lookup": 0, "transfer": 0, "notice": 0, "to_gpu": med(cpu32), "total": med(cpu32)}
+    plot_stages(bx, {**bd_plot, "CPU-pool hit": cpu_row})
+    save(fig, args.img)
     return 0
 
 

@@ -24,7 +24,6 @@ from vllm.v1.kv_offload.base import (  # identical in every release
     RequestOffloadingContext,
 )
 from vllm.v1.kv_offload.file_mapper import FileMapper
-from vllm.v1.kv_offload.tiering import base as _tier_base
 from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager
 
 __all__ = [

@@ -35,7 +35,7 @@ from typing import Any
 from memkv import __version__ as memkv_version
 from memkv.client.cluster import Client
 from memkv.config import ClientConfig
-from memkv.errors import AuthError, ConfigError, ConnectError, MemKVError, MemKVTimeout, ProtocolError, ServerError
+from memkv.errors import AuthError, ConnectError, MemKVError, MemKVTimeout, ProtocolError, ServerError
 from memkv.license import check_license
 from memkv_vllm import compat
 from memkv_vllm import metrics as tm

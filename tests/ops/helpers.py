@@ -3,12 +3,10 @@ environment for the `memkv` command, and the one way to wait (a deadline-bounded
 
 from __future__ import annotations
 
+import json
 import os
 import socket
-import threading
-import time
 from pathlib import Path
-from typing import Callable
 
 import pytest
 
@@ -85,3 +83,13 @@ def clean_env(tmp_dir: Path, **extra: str) -> dict[str, str]:
     env.update({"XDG_CONFIG_HOME": str(tmp_dir / "xdg"), "PYTHONUNBUFFERED": "1"})
     env.update(extra)
     return env
+
+
+def as_json(proc) -> dict:
+    """The `--json` document a CLI run printed: one object with a boolean `ok`."""
+    try:
+        doc = json.loads(proc.stdout)
+    except json.JSONDecodeError:
+        pytest.fail(f"not JSON on stdout (exit {proc.returncode}):\n{proc.stdout!r}\n{proc.stderr!r}")
+    assert isinstance(doc, dict) and isinstance(doc.get("ok"), bool), doc
+    return doc

@@ -19,9 +19,10 @@ Every node is a real `memkv serve` on 127.0.0.1; every command a real `python -m
 
 from __future__ import annotations
 
-import json
 
 import pytest
+
+from tests.ops.helpers import as_json
 
 pytestmark = pytest.mark.integration
 
@@ -49,15 +50,6 @@ def stored(cluster, ops_key) -> dict[bytes, tuple[int, str]]:
         owners = {k: client.owner(k).name for k in keys}
     assert len(set(owners.values())) == 3, "the keys should spread over every node"
     return {k: (n, owners[k]) for k, n in keys.items()}
-
-
-def as_json(proc) -> dict:
-    try:
-        doc = json.loads(proc.stdout)
-    except json.JSONDecodeError:
-        pytest.fail(f"not JSON on stdout (exit {proc.returncode}):\n{proc.stdout!r}\n{proc.stderr!r}")
-    assert isinstance(doc, dict) and isinstance(doc.get("ok"), bool), doc
-    return doc
 
 
 def test_ls_prints_the_keys_under_a_prefix_merged_over_three_nodes_with_size_and_server(memkv_cli, env, stored) -> None:

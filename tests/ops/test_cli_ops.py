@@ -21,13 +21,12 @@ Every node is a real `memkv serve` on 127.0.0.1; every command a real `python -m
 from __future__ import annotations
 
 import hashlib
-import json
 import re
 import socket
 
 import pytest
 
-from tests.ops.helpers import poll_until
+from tests.ops.helpers import as_json, poll_until
 
 pytestmark = pytest.mark.integration
 
@@ -51,15 +50,6 @@ def dead_address() -> str:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return f"127.0.0.1:{s.getsockname()[1]}"
-
-
-def as_json(proc) -> dict:
-    try:
-        doc = json.loads(proc.stdout)
-    except json.JSONDecodeError:
-        pytest.fail(f"not JSON on stdout (exit {proc.returncode}):\n{proc.stdout!r}\n{proc.stderr!r}")
-    assert isinstance(doc, dict) and isinstance(doc.get("ok"), bool), doc
-    return doc
 
 
 # --------------------------------------------------------------------------------------------
