@@ -31,7 +31,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "src"), str(ROOT)]
 
 from memkv.config import parse_size  # noqa: E402
-from memkv.local import LocalNode, new_key_hex  # noqa: E402
+from bench.tier import start_tier_cluster  # noqa: E402
 from tests.conformance import vllm_harness as h  # noqa: E402
 
 OUT = Path(__file__).resolve().parent / "out"
@@ -69,16 +69,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=4)
     ap.add_argument("--timeout-s", type=float, default=120.0)
     args = ap.parse_args()
-    row_bytes = parse_size(args.row_size, "--row-size")
-    geometry = h.Geometry(world_size=1, worker_kv_bytes_per_block=row_bytes // 4, gpu_block_size=16,
-                          block_size=64, num_rows=args.rows + 8)
-    key = new_key_hex()
-    capacity = str(int(args.rows * geometry.row_bytes * 1.5 / 2) + (64 << 20))
-    nodes = [LocalNode(key, capacity=capacity) for _ in range(2)]
-    os.environ.update({"MEMKV_SERVERS": ",".join(n.address for n in nodes), "MEMKV_AUTH_KEY": key})
-    import memkv_vllm
-
-    memkv_vllm.register()
+    geometry, nodes = start_tier_cluster(args.rows, parse_size(args.row_size, "--row-size"), 1.5, 64 << 20)
     base = {"type": "memkv", "n_read_threads": args.threads, "n_write_threads": args.threads,
             "lookup_timeout_s": args.timeout_s}
     settings = {"step_yield_ms=0": 0.0, "step_yield_ms=1": 1.0}

@@ -80,6 +80,23 @@ def run_tier(tier: dict, geometry: h.Geometry, rows: int) -> dict:
             "promote_gbps": nbytes / promote_s / 1e9, "steps_to_hit": len(trace.steps), "byte_exact": exact}
 
 
+def start_tier_cluster(rows: int, row_bytes: int, fill: float, headroom: int) -> tuple[h.Geometry, list[LocalNode]]:
+    """The tier benches' setup: a one-rank geometry of `rows` chunks of `row_bytes`, two local
+    nodes holding `fill` x the prompt between them (+ `headroom` each), MEMKV_* pointed at them
+    and the memkv tier registered with vLLM."""
+    # One rank, 64-token chunks of 4 GPU blocks: worker bytes per GPU block = row / 4.
+    geometry = h.Geometry(world_size=1, worker_kv_bytes_per_block=row_bytes // 4, gpu_block_size=16,
+                          block_size=64, num_rows=rows + 8)
+    key = new_key_hex()
+    capacity = str(int(rows * geometry.row_bytes * fill / 2) + headroom)
+    nodes = [LocalNode(key, capacity=capacity) for _ in range(2)]
+    os.environ.update({"MEMKV_SERVERS": ",".join(n.address for n in nodes), "MEMKV_AUTH_KEY": key})
+    import memkv_vllm
+
+    memkv_vllm.register()
+    return geometry, nodes
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rows", type=int, default=128)
@@ -89,17 +106,7 @@ def main() -> None:
     ap.add_argument("--tiers", default="memkv,fs (disk),fs (/dev/shm)",
                     help="comma-separated subset (512 rows: the /dev/shm copy does not fit in 24 GiB next to the rest)")
     args = ap.parse_args()
-    row_bytes = parse_size(args.row_size, "--row-size")
-    # One rank, 64-token chunks of 4 GPU blocks: worker bytes per GPU block = row / 4.
-    geometry = h.Geometry(world_size=1, worker_kv_bytes_per_block=row_bytes // 4, gpu_block_size=16,
-                          block_size=64, num_rows=args.rows + 8)
-    key = new_key_hex()
-    capacity = str(int(args.rows * geometry.row_bytes * 1.2 / 2) + (256 << 20))
-    nodes = [LocalNode(key, capacity=capacity) for _ in range(2)]
-    os.environ.update({"MEMKV_SERVERS": ",".join(n.address for n in nodes), "MEMKV_AUTH_KEY": key})
-    import memkv_vllm
-
-    memkv_vllm.register()
+    geometry, nodes = start_tier_cluster(args.rows, parse_size(args.row_size, "--row-size"), 1.2, 256 << 20)
     disk_root = tempfile.mkdtemp(prefix="memkv-bench-fs-", dir=os.environ.get("BENCH_DISK_DIR", "/var/tmp"))
     shm_root = tempfile.mkdtemp(prefix="memkv-bench-fs-", dir="/dev/shm")
     t = args.threads

@@ -172,7 +172,7 @@ def ttft_table(main_doc: dict, fs_doc: dict | None) -> dict:
           "| fs tier promotion | recompute / MemKV | fs / MemKV |")
     print("|---:|---:|---|---|---|---|---|---:|---:|")
     series = {}
-    for L in (8192, 32768, 65536):
+    for L in LENGTHS:
         rec = [r["seconds"] for r in runs_of(main_doc, "main", "recompute", L)]
         rec_fs = [r["seconds"] for r in runs_of(fs_doc, "fs", "recompute", L)] if fs_doc else []
         cpu = [r["seconds"] for r in runs_of(main_doc, "main", "cpu_hit", L)]
@@ -294,28 +294,11 @@ def history(args) -> int:
     r4 = docs.get("run4-chunk-main-restart.json")
     kvpt = r1["meta"]["kv_bytes_per_token"]
 
-    # ---- main table ------------------------------------------------------------------------------
-    print("| prompt tokens | KV bytes | recompute | CPU-pool hit | MemKV promotion | MemKV after restart "
-          "| fs tier promotion | recompute / MemKV | fs / MemKV |")
-    print("|---:|---:|---|---|---|---|---|---:|---:|")
-    series = {}
-    for L in (8192, 32768, 65536):
-        rec = [r["seconds"] for r in runs_of(r1, "main", "recompute", L)]
-        cpu = [r["seconds"] for r in runs_of(r1, "main", "cpu_hit", L)]
-        mk = [r["seconds"] for r in runs_of(r1, "main", "memkv", L)]
-        rs = [r["seconds"] for r in runs_of(r1, "restart", "restart_memkv", L)]
-        rs2 = [r["seconds"] for r in runs_of(r2, "restart", "restart_memkv", L)] if r2 else []
-        fs = [r["seconds"] for r in runs_of(r2, "fs", "fs", L)] if r2 else []
-        mk_all = mk + rs + rs2
-        series[L] = {"recompute": rec, "cpu_hit": cpu, "memkv": mk, "restart": rs + rs2, "fs": fs}
-        if r4:
+    series = ttft_table(r1, r2)
+    if r4:
+        for L in LENGTHS:
             series[L]["memkv_c4"] = [r["seconds"] for r in runs_of(r4, "main", "memkv", L)]
             series[L]["restart_c4"] = [r["seconds"] for r in runs_of(r4, "restart", "restart_memkv", L)]
-        s1 = f"{med(rec) / med(mk_all):.1f}x" if rec and mk_all else "-"
-        s2 = f"{med(fs) / med(mk_all):.1f}x" if fs and mk_all else "-"
-        rs_txt = fmt(rs) + (f"; {fmt(rs2)}" if rs2 else "")
-        print(f"| {L:,} | {L * kvpt / 2**30:g} GiB | {fmt(rec)} s | {fmt(cpu)} s | {fmt(mk)} s | {rs_txt} s "
-              f"| {fmt(fs)} s | {s1} | {s2} |")
     if r4:
         print()
         print("Experiment (run 4, client receive/verify chunk patched from 1 MiB to 4 MiB, same settings otherwise):")
