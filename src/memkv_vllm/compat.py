@@ -147,3 +147,45 @@ def block_hash_reuse_problem() -> str | None:
 
 # -- 0.33 config info metric -------------------------------------------------------------------------
 HAS_CONFIG_INFO = hasattr(SecondaryTierManager, "config_info_keys")
+
+
+# -- direct mode: the OffloadingSpec API (../shared/ref/vllm-spec-api.md) ----------------------------
+@dataclasses.dataclass(frozen=True)
+class SpecGeometry:
+    """What a direct-mode spec needs from vLLM's spec base, in one release-neutral shape."""
+
+    rank: int  # this process's worker rank (0 on the scheduler side)
+    world_size: int  # workers per engine: every job is run by each of them
+    blocks_per_chunk: int  # GPU blocks per offloaded chunk (one key)
+    worker_bytes_per_block: int  # KV bytes one worker holds per GPU block, all offloaded layers
+    engine_id: str
+
+
+def spec_geometry(spec) -> SpecGeometry:
+    """0.26+: `spec.config` (OffloadingConfig) and `blocks_per_chunk`; 0.25: the spec keeps
+    `vllm_config`/`kv_cache_config` and `block_size_factor`, and bytes per block come from
+    the KV cache tensors (section 3.1)."""
+    config = getattr(spec, "config", None)
+    if config is not None and hasattr(config, "worker_kv_bytes_per_block"):
+        parallel = config.parallel
+        return SpecGeometry(int(parallel.rank), int(parallel.world_size), int(spec.blocks_per_chunk),
+                            int(config.worker_kv_bytes_per_block), str(config.engine_id))
+    vllm_config, kv = spec.vllm_config, spec.kv_cache_config
+    tensors = kv.kv_cache_tensors
+    packed = [t for t in tensors if getattr(t, "block_stride", 0)]
+    total = packed[0].size if packed else sum(t.size for t in tensors)
+    parallel = vllm_config.parallel_config
+    return SpecGeometry(int(getattr(parallel, "rank", 0)), int(parallel.world_size), int(spec.block_size_factor),
+                        int(total // kv.num_blocks), str(vllm_config.kv_transfer_config.engine_id))
+
+
+def spec_model_name(spec) -> str:
+    config = getattr(spec, "config", None)
+    if config is not None and hasattr(config, "model"):
+        return str(config.model.name)
+    return str(spec.vllm_config.model_config.model)
+
+
+# 0.33: `submit_load(..., expedited=True)` for loads inside sync_load_budget_bytes; the
+# worker accepts the keyword in every release (older ones never pass it).
+# 0.25: LoadStoreSpec.medium() is abstract; 0.26+ a plain marker class. Define it always.

@@ -1,9 +1,17 @@
-"""The tier's metrics on vLLM's Prometheus endpoint (vllm:kv_offload_memkv_*).
+"""MemKV's metrics on vLLM's Prometheus endpoint (vllm:kv_offload_memkv_*), tier and direct mode.
 
 Worker threads record into a `TierStats` accumulator under a lock; `get_stats()` (scheduler
 thread) swaps it out once per step and turns it into vLLM's OffloadingConnectorStats. Every
-name and label arity emitted is declared in `metric_definitions()`: vLLM's API server asserts
-on anything undeclared.
+name and label arity emitted is declared in `metric_definitions()` / `direct_metric_definitions()`:
+vLLM's API server asserts on anything undeclared.
+
+The `mode` label. Direct mode (memkv_vllm.direct) emits the same series plus its own, each with
+a trailing `mode="direct"` label: `TierStats(mode="direct")` appends it at emission, so code
+records and reads totals with the same label tuples in both modes, and
+`direct_metric_definitions()` declares the extra label name. The tier's series keep their
+label arity (no `mode`): one engine runs one spec and the API server declares the series from
+that spec class, so the two arities never meet in one registry. A tier that wants the label
+too needs `TierStats(mode="tier")` plus `metric_definitions(mode=True)`, nothing else.
 """
 
 from __future__ import annotations
@@ -24,10 +32,11 @@ LOOKUP_RESULTS = ("hit", "miss", "retry", "timeout")
 JOB_SECONDS_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
 
-def metric_definitions() -> dict[str, Any]:
+def metric_definitions(mode: bool = False) -> dict[str, Any]:
+    """The tier's series; with `mode`, each has a trailing `mode` label (see the module docstring)."""
     from memkv_vllm.compat import OffloadingCounterMetadata, OffloadingHistogramMetadata
 
-    return {
+    definitions = {
         STORE_BYTES: OffloadingCounterMetadata("Bytes the memkv tier stored to MemKV (cascades)"),
         LOAD_BYTES: OffloadingCounterMetadata("Bytes the memkv tier loaded from MemKV into the CPU pool (promotions)"),
         JOB_SECONDS: OffloadingHistogramMetadata(
@@ -44,12 +53,43 @@ def metric_definitions() -> dict[str, Any]:
             labelnames=("result",),
         ),
     }
+    return {name: _with_mode(d) for name, d in definitions.items()} if mode else definitions
+
+
+# Direct mode only (memkv_vllm.direct): the staging region, per use. Gauges, set every step.
+STAGING_BYTES = "vllm:kv_offload_memkv_staging_bytes"
+STAGING_USES = ("load", "store", "quarantine")
+STAGING_FULL = "vllm:kv_offload_memkv_staging_full"
+
+
+def direct_metric_definitions() -> dict[str, Any]:
+    from vllm.v1.kv_offload.base import OffloadingCounterMetadata, OffloadingGaugeMetadata
+
+    definitions = metric_definitions(mode=True)
+    definitions[STAGING_BYTES] = _with_mode(OffloadingGaugeMetadata(
+        "Bytes of the direct-mode staging region in use, by use: load (prefetched for a lookup or pinned by a "
+        "load), store (written by workers or being put), quarantine (released, but a transfer may still touch it)",
+        labelnames=("use",),
+    ))
+    definitions[STAGING_FULL] = _with_mode(OffloadingCounterMetadata(
+        "Chunks the direct mode could not stage, by op: a lookup answered MISS (load) or a store job waited a step "
+        "(store) because the staging region was full; raise staging_mb", labelnames=("op",),
+    ))
+    return definitions
+
+
+def _with_mode(metadata: Any) -> Any:
+    import dataclasses
+
+    return dataclasses.replace(metadata, labelnames=(*metadata.labelnames, "mode"))
 
 
 class TierStats:
     """Thread-safe accumulator, drained by `take()` once per scheduler step."""
 
-    def __init__(self) -> None:
+    def __init__(self, mode: str | None = None) -> None:
+        self._mode = () if mode is None else (mode,)  # appended to every emitted label tuple
+        self._gauges: dict[tuple[str, tuple[str, ...]], float] = {}
         self._lock = threading.Lock()
         self._counters: Counter[tuple[str, tuple[str, ...]]] = Counter()
         self._observations: list[tuple[str, tuple[str, ...], float]] = []
@@ -67,6 +107,11 @@ class TierStats:
         with self._lock:
             self._observations.append((name, labels, value))
 
+    def gauge(self, name: str, value: float, labels: tuple[str, ...] = ()) -> None:
+        """Set a gauge; the last value set is emitted at the next `take()`."""
+        with self._lock:
+            self._gauges[(name, labels)] = value
+
     def total(self, name: str, labels: tuple[str, ...] = ()) -> float:
         with self._lock:
             return self.totals[(name, labels)]
@@ -76,13 +121,17 @@ class TierStats:
         with self._lock:
             counters, self._counters = self._counters, Counter()
             observations, self._observations = self._observations, []
-        if not counters and not observations:
+            gauges, self._gauges = self._gauges, {}
+        if not counters and not observations and not gauges:
             return None
         from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import OffloadingConnectorStats
 
         stats = OffloadingConnectorStats()
+        mode = self._mode
         for (name, labels), value in counters.items():
-            stats.increase_counter(name, value, labels)
+            stats.increase_counter(name, value, labels + mode)
         for name, labels, value in observations:
-            stats.observe_histogram(name, value, labels)
+            stats.observe_histogram(name, value, labels + mode)
+        for (name, labels), value in gauges.items():
+            stats.set_gauge(name, value, labels + mode)
         return stats

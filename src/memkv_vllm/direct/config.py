@@ -1,0 +1,78 @@
+"""Direct-mode keys: the `"memkv"` object inside `kv_connector_extra_config`.
+
+    {"spec_name": "MemKVOffloadingSpec", "spec_module_path": "memkv_vllm.direct",
+     "block_size": 256, "memkv": {"staging_mb": 512}}
+
+vLLM reads the top-level keys (`block_size`, `offload_prompt_only`, ...) itself; ours live in
+one nested object so that neither can shadow the other. Values arrive as parsed from JSON. A
+key we do not know, or a value of the wrong type or range, is a startup error naming the key
+(in every process that builds the spec: the API server, the engine core and each worker).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Mapping
+
+from memkv.errors import ConfigError
+
+EXTRA_CONFIG_KEY = "memkv"
+DEFAULT_STAGING_MB = 512
+
+
+@dataclasses.dataclass(frozen=True)
+class DirectSettings:
+    prefix: str = ""  # key namespace, e.g. one per fleet
+    staging_mb: int = DEFAULT_STAGING_MB  # the shared staging region: every chunk in flight, both directions
+    n_read_threads: int = 8  # prefetch (load) priority threads
+    n_write_threads: int = 8  # put (store) priority threads
+    blocks_per_op: int = 8  # chunks per batched request
+    lookup_timeout_s: float = 5.0  # an exists probe or prefetch unresolved this long answers MISS; <= 0 disables
+    load_failure_grace_s: float = 60.0  # RDMA: a failed prefetch's slot stays quarantined this long
+    step_yield_ms: float = 1.0  # per scheduler step, GIL given to the transfer threads while a lookup is open
+
+    @classmethod
+    def from_extra_config(cls, extra_config: Mapping[str, Any] | None) -> "DirectSettings":
+        raw = (extra_config or {}).get(EXTRA_CONFIG_KEY, {})
+        if raw is None:
+            raw = {}
+        if not isinstance(raw, Mapping):
+            raise ConfigError(f"MemKV direct mode: kv_connector_extra_config[{EXTRA_CONFIG_KEY!r}] must be an "
+                              f"object, got {type(raw).__name__}")
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(raw) - known)
+        if unknown:
+            raise ConfigError(f"MemKV direct mode: unknown key(s) {unknown} in kv_connector_extra_config"
+                              f"[{EXTRA_CONFIG_KEY!r}]; known keys: {sorted(known)}")
+        settings = cls(**raw)
+        settings._validate()
+        return settings
+
+    def _validate(self) -> None:
+        def fail(key: str, want: str) -> None:
+            raise ConfigError(f"MemKV direct mode: {EXTRA_CONFIG_KEY}.{key} must be {want}, got {getattr(self, key)!r}")
+
+        if not isinstance(self.prefix, str) or len(self.prefix.encode()) > 128:
+            fail("prefix", "a string of at most 128 bytes")
+        for key, lo, hi in (("staging_mb", 1, 1 << 20), ("n_read_threads", 1, 256), ("n_write_threads", 1, 256),
+                            ("blocks_per_op", 1, 4096)):
+            v = getattr(self, key)
+            if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
+                fail(key, f"an integer in {lo}..{hi}")
+        for key in ("lookup_timeout_s", "load_failure_grace_s"):
+            v = getattr(self, key)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or v != v:
+                fail(key, "a number")
+        if self.load_failure_grace_s < 0:
+            fail("load_failure_grace_s", ">= 0")
+        v = self.step_yield_ms
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v <= 50:
+            fail("step_yield_ms", "a number in 0..50")
+
+    @property
+    def staging_bytes(self) -> int:
+        return self.staging_mb << 20
+
+    @property
+    def deadline_s(self) -> float | None:
+        return self.lookup_timeout_s if self.lookup_timeout_s > 0 else None

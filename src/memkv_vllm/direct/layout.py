@@ -1,0 +1,78 @@
+"""Where a chunk's bytes sit in the staging region, shared by the scheduler and every worker.
+
+Both sides compute it from the spec alone (same extra_config, same KV geometry), so nothing
+about it travels in the job: a job names staging slots, the layout says where rank r's bytes of
+a slot are. See memkv_vllm.direct.staging for the region and memkv_vllm.direct.worker for the
+byte order inside one rank's section.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import os
+
+from vllm.v1.kv_offload.base import LoadStoreSpec
+
+from memkv_vllm import compat
+from memkv_vllm.direct.staging import PAGE_BYTES, round_up
+
+STAGING_DIR = "/dev/shm"
+
+
+@dataclasses.dataclass(frozen=True)
+class StagingLayout:
+    rank: int
+    world_size: int
+    blocks_per_chunk: int
+    value_bytes: int  # one rank's bytes of one chunk: one MemKV value
+    section_bytes: int  # value_bytes rounded up to a page: rank r's section starts at r * section_bytes
+    num_slots: int
+    path: str
+
+    @property
+    def slot_bytes(self) -> int:
+        return self.world_size * self.section_bytes
+
+    @property
+    def region_bytes(self) -> int:
+        return self.num_slots * self.slot_bytes
+
+    def section_offset(self, slot: int, rank: int) -> int:
+        return slot * self.slot_bytes + rank * self.section_bytes
+
+    @classmethod
+    def for_spec(cls, spec, staging_bytes: int) -> "StagingLayout":
+        g = compat.spec_geometry(spec)
+        value_bytes = g.worker_bytes_per_block * g.blocks_per_chunk
+        if value_bytes <= 0:
+            raise ValueError(f"MemKV direct mode: a chunk holds {value_bytes} bytes per worker")
+        section = round_up(value_bytes, PAGE_BYTES)
+        slot_bytes = g.world_size * section
+        num_slots = staging_bytes // slot_bytes
+        if num_slots < 1:
+            from memkv.errors import ConfigError
+
+            raise ConfigError(f"MemKV direct mode: memkv.staging_mb ({staging_bytes >> 20} MiB) holds no chunk: one "
+                              f"chunk is {slot_bytes} bytes over {g.world_size} rank(s); raise staging_mb to at "
+                              f"least {-(-slot_bytes // (1 << 20))} or use a smaller block_size")
+        # engine_id is unique per engine (per DP rank) and the same in its scheduler and workers.
+        digest = hashlib.sha256(g.engine_id.encode()).hexdigest()[:16]
+        path = os.path.join(STAGING_DIR, f"memkv_direct_{digest}.staging")
+        return cls(g.rank, g.world_size, g.blocks_per_chunk, value_bytes, section, num_slots, path)
+
+
+class MemKVLoadStoreSpec(LoadStoreSpec):
+    """The MemKV side of one job, as the manager returns it from prepare_store / prepare_load:
+    the staging slot of each chunk, in the job's key order. Pickled to every worker unchanged,
+    so plain attributes only."""
+
+    def __init__(self, slots: list[int]) -> None:
+        self.slots = [int(s) for s in slots]
+
+    @staticmethod
+    def medium() -> str:  # abstract on 0.25 (never called for this spec); a plain attribute later
+        return "MEMKV"
+
+    def __repr__(self) -> str:
+        return f"MemKVLoadStoreSpec(slots={self.slots})"

@@ -1,0 +1,561 @@
+"""`MemKVDirectManager`: the scheduler side of direct mode. MemKV is the offload medium.
+
+vLLM's worker asserts success for every transfer job (vllm-spec-api.md 5.4): once the
+connector has turned a lookup HIT into a load job, nothing can turn it back into a recompute.
+So a HIT must mean "the bytes are already here". This manager answers HIT only for chunks
+whose bytes sit in the engine's staging region, received whole and checksum-verified:
+
+  lookup(key)   unknown       -> batched `exists` probe (LookupService: lookup_timeout_s
+                                 deadline, MISS on outage) ............................ RETRY
+                exists: no    -> ............................................................ MISS
+                exists: yes   -> take a staging slot, prefetch every rank's value into it . RETRY
+                                 (no free slot: ....................................... MISS)
+                prefetching   -> ........................................................ RETRY
+                                 (past lookup_timeout_s: abandon, slot quarantined ... MISS)
+                prefetch failed or corrupt (the client verifies checksums) ............ MISS
+                staged, verified -> ...................................................... HIT
+  prepare_load  pins the staged slots; the workers copy slot -> GPU (local memory, cannot fail)
+  complete_load unpins; a slot nobody needs is free again (no residency: staging is not a cache)
+
+Stores go the other way, with the network after the GPU is released:
+
+  prepare_store takes one slot per new chunk (all of the job, or None = "retry next step" while
+                the job could fit once puts drain; a job larger than the whole region keeps
+                its leading chunks and the request's later chunks are shed: what MemKV holds
+                for a request is always a prefix, the only part the connector's prefix
+                lookup can use);
+  workers copy GPU -> their rank's section of the slots and report (a local copy: fast, so
+                the engine's wait() on flushed jobs never waits on the network);
+  complete_store puts every rank's section as its own value; the slot is free once the put
+                returned. A failed put is just a future MISS.
+
+Why the scheduler, not the workers, talks to MemKV: the connector gives the scheduler the
+only point where a failure can still become a MISS (lookup), and one client per engine sees
+the whole chunk (all ranks) for verification; workers stay free of sockets and timeouts.
+The price: every byte crosses the scheduler process, as in the tier.
+
+Threading: every public method runs on the scheduler thread (0.33: under the connector's
+`manager.lock`, default nullcontext, which suffices: no thread of ours touches the fields
+below). Ownership: `_entries`, `_req_refs`, `_loads`, `_fence`, the SlotTable and the store
+admission state belong to the scheduler side; transfer threads (memkv_vllm.transfers) only
+move bytes between MemKV and slots they were given, and report through TransferPool records
+that `_drain` applies. No method waits on the network.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+from vllm.v1.kv_offload.base import OffloadingManager, PrepareStoreOutput
+
+from memkv import __version__ as memkv_version
+from memkv.client.cluster import Client
+from memkv.config import ClientConfig
+from memkv.errors import MemKVError
+from memkv.license import check_license
+from memkv_vllm import compat
+from memkv_vllm import metrics as tm
+from memkv_vllm.direct.config import DirectSettings
+from memkv_vllm.direct.keys import DirectKeys
+from memkv_vllm.direct.layout import MemKVLoadStoreSpec, StagingLayout
+from memkv_vllm.direct.staging import SlotTable, StagingRegion
+from memkv_vllm.lookup import LookupService
+from memkv_vllm.transfers import LOAD, STORE, TaskResult, TransferPool
+
+log = logging.getLogger("vllm.memkv_vllm.direct")
+
+FILLING, READY, WRITING, PUTTING = "filling", "ready", "writing", "putting"
+RESET_FENCE_STEPS = 2  # <= 0.32: steps after a reset before flushed jobs' slots are reused
+
+
+class DirectStartupError(RuntimeError):
+    """Direct mode cannot start: the message names the server or setting and the likely cause."""
+
+
+class _Entry:
+    """One chunk in staging. FILLING: prefetch in flight; READY: verified bytes; WRITING:
+    workers are copying a store into it; PUTTING: stored bytes, put in flight (readable)."""
+
+    __slots__ = ("key", "slot", "state", "refs", "pins", "started")
+
+    def __init__(self, key: bytes, slot: int, state: str, now: float) -> None:
+        self.key = key
+        self.slot = slot
+        self.state = state
+        self.refs: set[str] = set()  # requests whose lookups answered (or will answer) from it
+        self.pins = 0  # load jobs between prepare_load and complete_load
+        self.started = now
+
+    @property
+    def readable(self) -> bool:
+        return self.state in (READY, PUTTING)
+
+
+class MemKVDirectManager(OffloadingManager):
+    def __init__(self, spec, settings: DirectSettings, layout: StagingLayout) -> None:
+        self.settings = settings
+        self.layout = layout
+        self.client = Client(self._client_config())
+        self._region: StagingRegion | None = None
+        try:
+            self._probe_all()
+            self.keys = DirectKeys(settings.prefix, spec, layout.value_bytes, layout.world_size)
+            self._write_config_record()
+            self._region = StagingRegion.create(layout.path, layout.region_bytes)
+            self._register_region()
+        except BaseException:
+            if self._region is not None:
+                self._region.close()
+            self.client.close()
+            raise
+        self._flat = self._region.view
+        self.slots = SlotTable(layout.num_slots)
+        self.stats = tm.TierStats(mode="direct")
+        self._clock = time.monotonic
+        self._entries: dict[bytes, _Entry] = {}
+        self._req_refs: dict[str, set[bytes]] = {}
+        self._loads: dict[str, list[list[bytes]]] = {}  # req -> keys of each pinned load
+        self._cut: set[str] = set()  # requests whose later store jobs are shed
+        self._prefetch_queue: list[_Entry] = []
+        self._jobs: dict[int, list[_Entry]] = {}
+        self._job_ids = 0
+        self._looked_up: set[str] = set()  # requests that looked something up this step
+        self._retrying: set[str] = set()  # ... and got a RETRY
+        self._fence: list[tuple[int, list[_Entry]]] = []  # (steps left, entries) after reset_cache
+        self._pool = TransferPool(settings.n_read_threads, settings.n_write_threads, settings.load_failure_grace_s)
+        self._lookup = LookupService(self.client.exists_stream, settings.deadline_s,
+                                     on_timeout=lambda n: self.stats.count(tm.LOOKUPS, n, ("timeout",)),
+                                     store_keys=self.keys.probe_keys)
+        self._step_yield_s = settings.step_yield_ms / 1000.0
+        self._closed = False
+        problem = compat.block_hash_reuse_problem()
+        if problem:
+            log.warning("MemKV direct mode: %s: chunks stored by this engine cannot be reused by a restarted or "
+                        "another engine. Set PYTHONHASHSEED (e.g. 0) on every instance that should share KV.", problem)
+        log.info("MemKV direct mode ready (servers=%s, rdma=%s, world_size=%d, value_bytes=%d, staging=%d slots x %d "
+                 "bytes = %d MiB at %s, namespace=%s, lookup_timeout_s=%s, memkv=%s)",
+                 [a.name for a in self.client.servers()], self.client.has_rdma(), layout.world_size,
+                 layout.value_bytes, layout.num_slots, layout.slot_bytes, layout.region_bytes >> 20, layout.path,
+                 self.keys.namespace, settings.lookup_timeout_s, memkv_version)
+
+    # ---------------------------------------------------------------------------------------------
+    # Startup
+    # ---------------------------------------------------------------------------------------------
+
+    @staticmethod
+    def _client_config() -> ClientConfig:
+        config = ClientConfig.from_env()  # MEMKV_CONFIG, then MEMKV_* (memkv.config)
+        status = check_license(config.license, config.license_public_key)
+        if status is not None:
+            log.info(status.log_line())
+        return config
+
+    def _probe_all(self) -> None:
+        """Every configured server: with HRW a bad entry would silently lose its share of keys."""
+        from memkv_vllm.tier import explain_probe_failure  # one wording for both modes
+
+        try:
+            probes = self.client.probe()
+        except MemKVError as exc:
+            raise DirectStartupError(f"MemKV direct mode cannot start: {explain_probe_failure(exc)}") from exc
+        for probe in probes:
+            if probe.max_value_bytes < self.layout.value_bytes:
+                raise DirectStartupError(
+                    f"MemKV direct mode cannot start: server {probe.server} accepts values up to "
+                    f"{probe.max_value_bytes} bytes but one rank's chunk is {self.layout.value_bytes} bytes -- start "
+                    f"the node with --max-value-size >= {self.layout.value_bytes} or use a smaller block_size")
+
+    def _write_config_record(self) -> None:
+        key = self.keys.config_key
+        if not self.client.exists([key])[0]:
+            if not self.client.batch_put_views([(key, self.keys.config_record())])[0]:
+                log.warning("MemKV direct mode: could not write the namespace record %r", key)
+
+    def _register_region(self) -> None:
+        """RDMA (docs/rdma.md): nodes WRITE prefetches straight into the staging region."""
+        try:
+            self.client.register_pool(self._region.view)
+        except MemKVError as exc:
+            raise DirectStartupError(f"MemKV direct mode cannot start: {exc}") from exc
+
+    # ---------------------------------------------------------------------------------------------
+    # Lookups and loads
+    # ---------------------------------------------------------------------------------------------
+
+    def lookup(self, key, req_context):
+        self._drain()
+        rid = req_context.req_id
+        self._looked_up.add(rid)
+        e = self._entries.get(key)
+        if e is not None:
+            if e.readable:
+                self._ref(e, rid)
+                return self._answer("hit")
+            if e.state == FILLING:
+                deadline = self.settings.deadline_s
+                if deadline is not None and self._clock() - e.started >= deadline:
+                    self._abandon(e)
+                    log.warning("MemKV direct mode: prefetch unanswered after %.1fs: answering MISS "
+                                "(lookup_timeout_s); its staging slot stays quarantined until the transfer ends",
+                                self._clock() - e.started)
+                    self.stats.count(tm.LOOKUPS, 1, ("timeout",))
+                    return compat.LookupResult.MISS
+                self._ref(e, rid)
+            return self._answer("retry", rid)  # FILLING, or WRITING: its bytes land at complete_store
+        found = self._lookup.lookup(key, rid)
+        if found is None:
+            return self._answer("retry", rid)
+        if not found:
+            if self._lookup.was_timeout(key):
+                return compat.LookupResult.MISS  # counted as a timeout by the LookupService
+            return self._answer("miss")
+        taken = self.slots.take(1)
+        if taken is None:
+            self.stats.count(tm.STAGING_FULL, 1, ("load",))
+            return self._answer("miss")
+        e = _Entry(key, taken[0], FILLING, self._clock())
+        self._entries[key] = e
+        self._ref(e, rid)
+        self._prefetch_queue.append(e)
+        return self._answer("retry", rid)
+
+    def _answer(self, result: str, rid: str | None = None):
+        self.stats.count(tm.LOOKUPS, 1, (result,))
+        if result == "retry":
+            self._retrying.add(rid)
+            return compat.LookupResult.RETRY
+        return compat.LookupResult.HIT if result == "hit" else compat.LookupResult.MISS
+
+    def prepare_load(self, keys, req_context):
+        self._drain()
+        rid = req_context.req_id
+        keys = list(keys)
+        slots = []
+        for key in keys:
+            e = self._entries.get(key)
+            # The connector asks only for keys that answered HIT, in this step (0.33: in the same
+            # lock region); a HIT entry is dropped only once no request refers to it.
+            if e is None or not e.readable:
+                raise AssertionError(f"MemKV direct mode: prepare_load of a chunk that is not staged "
+                                     f"({None if e is None else e.state}); this is a bug")
+            e.pins += 1
+            self._ref(e, rid)
+            slots.append(e.slot)
+        self._loads.setdefault(rid, []).append(keys)
+        loading = set(keys)
+        self._unref(rid, keep=loading)  # staged past the loaded prefix: not needed any more
+        return MemKVLoadStoreSpec(slots)
+
+    def complete_load(self, keys, req_context) -> None:
+        rid = req_context.req_id
+        jobs = self._loads.get(rid, [])
+        keyset = set(keys)
+        for i, job in enumerate(jobs):
+            if set(job) == keyset:
+                del jobs[i]
+                break
+        else:
+            return  # a load flushed by reset_cache: its pins were dropped there
+        if not jobs:
+            self._loads.pop(rid, None)
+        for key in keyset:
+            e = self._entries.get(key)
+            if e is not None and e.pins:
+                e.pins -= 1
+        self._unref(rid, only=keyset)
+
+    def get_load_source(self, key, req_context):  # 0.32+: a remote memory store, not the CPU pool
+        if compat.TIER_CACHE_HIT_SOURCE is not None:
+            return compat.TIER_CACHE_HIT_SOURCE
+        return super().get_load_source(key, req_context)
+
+    # ---------------------------------------------------------------------------------------------
+    # Stores
+    # ---------------------------------------------------------------------------------------------
+
+    def prepare_store(self, keys, req_context):
+        self._drain()
+        rid = req_context.req_id
+        keys = list(keys)  # prompt order (the connector builds it so; only complete_store gets a set)
+        todo = [k for k in keys if k not in self._entries]  # staged or being stored: skip for good
+        if rid in self._cut:
+            self.stats.count(tm.SHEDS, len(todo))
+            return PrepareStoreOutput(keys_to_store=[], store_spec=MemKVLoadStoreSpec([]), evicted_keys=[])
+        slots = self.slots.take(len(todo))
+        if slots is None:
+            if len(todo) <= self.slots.num_slots:
+                # Puts are draining the region: the connector offers the same chunks next step.
+                self.stats.count(tm.STAGING_FULL, len(todo), ("store",))
+                return None
+            # Larger than the whole region: keep what fits now, shed the rest and every later job
+            # of this request (the prefix rule), and say which key to raise.
+            fit = self.slots.free
+            slots = self.slots.take(fit) or []
+            shed = len(todo) - fit
+            todo = todo[:fit]
+            self._cut.add(rid)
+            self.stats.count(tm.SHEDS, shed)
+            log.warning("MemKV direct mode: a store job of %s needs more staging than memkv.staging_mb (%d MiB) "
+                        "holds; kept its first %d chunk(s), shed %d and the rest of the request. Raise "
+                        "staging_mb or lower max_num_batched_tokens.", rid, self.settings.staging_mb, fit, shed)
+        now = self._clock()
+        for key, slot in zip(todo, slots):
+            e = _Entry(key, slot, WRITING, now)
+            self._entries[key] = e
+        return PrepareStoreOutput(keys_to_store=todo, store_spec=MemKVLoadStoreSpec(slots), evicted_keys=[])
+
+    def complete_store(self, keys, req_context, success: bool = True) -> None:
+        entries = []
+        for key in keys:
+            e = self._entries.get(key)
+            if e is None or e.state != WRITING:
+                continue
+            if not success:  # never passed by the connector (0.25-0.33); kept for the contract
+                self._drop(e)
+                continue
+            e.state = PUTTING
+            entries.append(e)
+        if entries:
+            self._submit(STORE, entries, self._put_task)
+
+    def _put_task(self, entries: list[_Entry]) -> TaskResult:
+        items, owners = [], []
+        last = self.layout.world_size - 1
+        present = self.client.exists([self.keys.value_key(e.key, last) for e in entries])
+        ok = list(present)  # another engine stored it already: one small round trip saves the bytes
+        for i, e in enumerate(entries):
+            if present[i]:
+                continue
+            for rank, vk in enumerate(self.keys.value_keys(e.key)):
+                items.append((vk, self._section(e.slot, rank)))
+                owners.append(i)
+        if items:
+            stored = self.client.batch_put_views(items)
+            per = [True] * len(entries)
+            for i, good in zip(owners, stored):
+                per[i] &= good
+            for i, e in enumerate(entries):
+                if not present[i]:
+                    ok[i] = per[i]
+            self.stats.count(tm.STORE_BYTES, self.layout.value_bytes * sum(stored))
+        return TaskResult(ok)
+
+    # ---------------------------------------------------------------------------------------------
+    # Transfers
+    # ---------------------------------------------------------------------------------------------
+
+    def _section(self, slot: int, rank: int) -> memoryview:
+        start = self.layout.section_offset(slot, rank)
+        return self._flat[start : start + self.layout.value_bytes]
+
+    def _submit(self, kind: str, entries: list[_Entry], run) -> None:
+        """One pool job of tasks of blocks_per_op chunks; each entry's slot is busy until its
+        record is drained (a failed RDMA load: until load_failure_grace_s after it)."""
+        for e in entries:
+            self.slots.mark_busy(e.slot)
+        job_id = self._job_ids
+        self._job_ids += 1
+        self._jobs[job_id] = entries
+        step = self.settings.blocks_per_op
+        tasks = [(lo, len(entries[lo : lo + step]), lambda es=entries[lo : lo + step]: run(es))
+                 for lo in range(0, len(entries), step)]
+        self._pool.submit(job_id, kind, [e.key for e in entries], tasks)
+
+    def _prefetch_task(self, entries: list[_Entry]) -> TaskResult:
+        items, owners = [], []
+        for i, e in enumerate(entries):
+            for rank, vk in enumerate(self.keys.value_keys(e.key)):
+                items.append((vk, self._section(e.slot, rank)))
+                owners.append(i)
+        result = self.client.batch_load_into(items)  # whole, exact length, checksum verified, or False
+        ok = [True] * len(entries)
+        for i, good in zip(owners, result.ok):
+            ok[i] &= good
+        self.stats.count(tm.LOAD_BYTES, self.layout.value_bytes * sum(result.ok))
+        failed = [vk for (vk, _), i in zip(items, owners) if not ok[i]]
+        if failed:
+            # Purge: a chunk that cannot load (evicted, corrupt, a rank missing) must recompute and
+            # re-store once instead of failing the same prefetch again.
+            self.client.delete(failed)
+        return TaskResult(ok, may_land_late=result.may_land_late)
+
+    def _drain(self) -> None:
+        for f in self._pool.take_finished():
+            entries = self._jobs.pop(f.job_id)
+            self.stats.observe(tm.JOB_SECONDS, f.seconds, (f.kind,))
+            if not all(f.ok):
+                self.stats.count(tm.JOBS_FAILED, 1, (f.kind,))
+            missed = []
+            for e, good in zip(entries, f.ok):
+                self.slots.transfer_done(e.slot)  # the transfer can no longer touch the slot
+                if self._entries.get(e.key) is not e:
+                    continue  # abandoned by a deadline, or dropped by a reset: its slot was released
+                if f.kind == LOAD:
+                    if good:
+                        e.state = READY
+                    else:
+                        missed.append(e.key)
+                        self._drop(e)
+                        continue
+                else:
+                    e.state = READY  # stored (or not: a failed put is a future MISS); bytes still valid
+                self._maybe_drop(e)
+            if missed:
+                self._lookup.mark_miss(missed)
+
+    # ---------------------------------------------------------------------------------------------
+    # Entries and references
+    # ---------------------------------------------------------------------------------------------
+
+    def _ref(self, e: _Entry, rid: str) -> None:
+        if rid not in e.refs:
+            e.refs.add(rid)
+            self._req_refs.setdefault(rid, set()).add(e.key)
+
+    def _unref(self, rid: str, keep: set[bytes] = frozenset(), only: set[bytes] | None = None) -> None:
+        keys = self._req_refs.get(rid)
+        if not keys:
+            return
+        for key in list(keys if only is None else keys & only):
+            if key in keep:
+                continue
+            keys.discard(key)
+            e = self._entries.get(key)
+            if e is not None:
+                e.refs.discard(rid)
+                self._maybe_drop(e)
+        if not keys:
+            self._req_refs.pop(rid, None)
+
+    def _maybe_drop(self, e: _Entry) -> None:
+        if e.state == FILLING and not e.refs and not e.pins:
+            self._abandon(e)  # nobody waits for it any more
+        elif e.state == READY and not e.refs and not e.pins:
+            self._drop(e)
+
+    def _drop(self, e: _Entry) -> None:
+        if self._entries.get(e.key) is e:
+            del self._entries[e.key]
+        self.slots.release(e.slot)  # free now, or when its transfer returns (quarantine)
+
+    def _abandon(self, e: _Entry) -> None:
+        self._drop(e)
+        self._lookup.mark_miss([e.key])
+
+    # ---------------------------------------------------------------------------------------------
+    # Step hooks and requests
+    # ---------------------------------------------------------------------------------------------
+
+    def on_new_request(self, req_context):
+        return compat.RequestOffloadingContext()
+
+    def on_schedule_end(self, context) -> None:
+        self._drain()
+        self._lookup.flush()
+        if self._prefetch_queue:
+            queued, self._prefetch_queue = self._prefetch_queue, []
+            live = [e for e in queued if self._entries.get(e.key) is e and e.state == FILLING]
+            if live:
+                self._submit(LOAD, live, self._prefetch_task)
+        # A request whose lookups this step were all final has been answered: what it did not
+        # pin with prepare_load (staged past its prefix, or a prefix under one chunk) is released.
+        for rid in self._looked_up - self._retrying:
+            self._unref(rid, keep=self._pinned_keys(rid))
+        self._looked_up.clear()
+        self._retrying.clear()
+        self._advance_fence()
+        self._report_staging()
+        if self._step_yield_s and (self._lookup.probing() or self._pool.loading()):
+            # As in the tier (memkv_vllm.tier.on_schedule_end): a scheduler stepping in pure Python
+            # keeps the GIL from the lookup and transfer threads; sleeping releases it.
+            time.sleep(self._step_yield_s)
+
+    def _pinned_keys(self, rid: str) -> set[bytes]:
+        return {k for job in self._loads.get(rid, ()) for k in job}
+
+    def on_request_finished(self, req_context) -> None:
+        rid = req_context.req_id
+        self._lookup.cleanup(rid)
+        self._cut.discard(rid)
+        self._unref(rid, keep=self._pinned_keys(rid))  # a load in flight keeps its pins and refs
+
+    def has_pending_work(self) -> bool:
+        return bool(self._pool.busy() or self._lookup.pending() or self._prefetch_queue or self._fence
+                    or self.slots.quarantined)
+
+    def reset_cache(self) -> None:
+        """Forget every request's state. Jobs in flight at the reset are flushed to the workers
+        and their reports ignored, so their slots (stores being written, loads pinned) are fenced:
+        0.33 frees them at on_reset_flushed; earlier releases after RESET_FENCE_STEPS steps
+        (the flush runs in the workers' next step, whose report arrives before the one after)."""
+        fenced = []
+        for e in list(self._entries.values()):
+            e.refs.clear()
+            if e.state == WRITING or e.pins:
+                del self._entries[e.key]
+                fenced.append(e)
+            else:
+                self._maybe_drop(e)
+        self._req_refs.clear()
+        self._loads.clear()
+        self._cut.clear()
+        if fenced:
+            self._fence.append((RESET_FENCE_STEPS, fenced))
+
+    def on_reset_flushed(self) -> None:  # 0.33
+        for _, fenced in self._fence:
+            for e in fenced:
+                self.slots.release(e.slot)
+        self._fence.clear()
+
+    def _advance_fence(self) -> None:
+        if not self._fence:
+            return
+        keep = []
+        for steps, fenced in self._fence:
+            if steps <= 1:
+                for e in fenced:
+                    self.slots.release(e.slot)
+            else:
+                keep.append((steps - 1, fenced))
+        self._fence = keep
+
+    # ---------------------------------------------------------------------------------------------
+    # Metrics and lifecycle
+    # ---------------------------------------------------------------------------------------------
+
+    def _report_staging(self) -> None:
+        load = store = 0
+        for e in self._entries.values():
+            if e.state in (FILLING, READY):
+                load += 1
+            else:
+                store += 1
+        slot = self.layout.slot_bytes
+        self.stats.gauge(tm.STAGING_BYTES, load * slot, ("load",))
+        self.stats.gauge(tm.STAGING_BYTES, store * slot, ("store",))
+        self.stats.gauge(tm.STAGING_BYTES, self.slots.quarantined * slot, ("quarantine",))
+
+    def get_stats(self):
+        return self.stats.take()
+
+    def config_info(self) -> list[dict[str, Any]]:  # 0.33 info metric
+        return [{
+            "memkv_mode": "direct",
+            "memkv_servers": ",".join(a.name for a in self.client.servers()),
+            "memkv_prefix": self.settings.prefix,
+            "memkv_staging_mb": str(self.settings.staging_mb),
+        }]
+
+    def shutdown(self) -> None:
+        if getattr(self, "_closed", True):
+            return
+        self._closed = True
+        self._lookup.shutdown()
+        self._pool.shutdown()
+        self.client.close()
+        self._flat = None
+        if self._region is not None:
+            self._region.close()  # unlinks the file; workers' mappings stay valid until they close

@@ -1,0 +1,149 @@
+"""The staging region: a small shared-memory file through which every direct-mode chunk moves.
+
+Layout. The region is `num_slots` slots of `slot_bytes`; a slot holds one offloaded chunk for
+every tensor-parallel rank: rank r's bytes are `[r * section_bytes, r * section_bytes +
+value_bytes)` of the slot (sections are page aligned). One MemKV value is one rank's section
+of one chunk (rank-qualified keys, memkv_vllm.direct.keys).
+
+Ownership. The scheduler-side manager creates the file (`StagingRegion.create`), allocates
+slots and does every network transfer into and out of them; it unlinks the file at shutdown.
+Workers (other processes: one per TP rank) open the same file by name (`StagingRegion.open`)
+the first time they get a job -- by then the scheduler has created it, whatever order the
+engine built the two sides in -- and copy between their GPU blocks and their rank's section.
+The region is engine-owned: no other engine or process writes it.
+
+Quarantine (`SlotTable`). A slot is free only when nobody owns it (no lookup, load or store
+refers to it) *and* no network transfer can still touch it. A transfer abandoned by a
+deadline (its lookup answered MISS) gives up ownership at once, but the slot stays busy
+until the transfer's thread has returned -- and, on a transport that can write late (RDMA),
+until the grace period after it (memkv_vllm.transfers withholds the record) -- so a late
+byte can never land in a slot that was handed to someone else.
+
+Threading: SlotTable belongs to the scheduler thread (0.33: under the manager lock); transfer
+threads only touch slot *bytes*, never the table. Completions reach the table through the
+manager's drain of TransferPool records.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+
+PAGE_BYTES = mmap.PAGESIZE
+
+
+def round_up(n: int, to: int) -> int:
+    return -(-n // to) * to
+
+
+class StagingRegion:
+    """A mapped staging file. `view` is a flat writable memoryview of the whole region."""
+
+    def __init__(self, path: str, fd: int, nbytes: int, owner: bool) -> None:
+        self.path = path
+        self.nbytes = nbytes
+        self.owner = owner
+        self._mmap = mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        os.close(fd)
+        self.view = memoryview(self._mmap)
+
+    @classmethod
+    def create(cls, path: str, nbytes: int) -> "StagingRegion":
+        """The scheduler side: a fresh file (a stale one of a dead engine with the same id is replaced)."""
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            os.ftruncate(fd, nbytes)
+        except BaseException:
+            os.close(fd)
+            os.unlink(path)
+            raise
+        return cls(path, fd, nbytes, owner=True)
+
+    @classmethod
+    def open(cls, path: str, nbytes: int) -> "StagingRegion":
+        """A worker: the scheduler's file. Raises (naming the file) if it is missing or short."""
+        try:
+            fd = os.open(path, os.O_RDWR)
+        except FileNotFoundError as exc:
+            raise RuntimeError(f"MemKV direct mode: staging region {path} does not exist; the worker got a job "
+                               "before the scheduler created it, or the two disagree on engine_id") from exc
+        size = os.fstat(fd).st_size
+        if size < nbytes:
+            os.close(fd)
+            raise RuntimeError(f"MemKV direct mode: staging region {path} is {size} bytes, expected {nbytes}; "
+                               "scheduler and worker disagree on staging_mb or the KV layout")
+        return cls(path, fd, nbytes, owner=False)
+
+    def close(self) -> None:
+        """Idempotent. Every view derived from `view` must be released first."""
+        if self._mmap is None:
+            return
+        self.view.release()
+        try:
+            self._mmap.close()
+        except BufferError:  # a view is still alive somewhere: the mapping goes with the last of them
+            pass
+        self._mmap = None
+        if self.owner:
+            try:
+                os.unlink(self.path)
+            except FileNotFoundError:
+                pass
+
+
+class SlotTable:
+    """Which slots are free, owned, or busy with a transfer (see the module docstring)."""
+
+    def __init__(self, num_slots: int) -> None:
+        if num_slots < 1:
+            raise ValueError(f"num_slots must be >= 1, got {num_slots}")
+        self.num_slots = num_slots
+        self._free = list(range(num_slots - 1, -1, -1))  # pop() hands out low slots first
+        self._owned: set[int] = set()
+        self._busy: set[int] = set()
+
+    @property
+    def free(self) -> int:
+        return len(self._free)
+
+    @property
+    def quarantined(self) -> int:
+        """Slots nobody owns any more whose transfer may still touch them."""
+        return len(self._busy - self._owned)
+
+    @property
+    def in_use(self) -> int:
+        return self.num_slots - len(self._free)
+
+    def take(self, n: int) -> list[int] | None:
+        """`n` slots, owned by the caller, or None (all or nothing)."""
+        if n > len(self._free):
+            return None
+        slots = [self._free.pop() for _ in range(n)]
+        self._owned.update(slots)
+        return slots
+
+    def mark_busy(self, slot: int) -> None:
+        """A network transfer may touch `slot` from now until `transfer_done(slot)`."""
+        assert slot in self._owned, f"slot {slot} is not owned"
+        self._busy.add(slot)
+
+    def transfer_done(self, slot: int) -> None:
+        if slot in self._busy:
+            self._busy.discard(slot)
+            if slot not in self._owned:
+                self._free.append(slot)
+
+    def release(self, slot: int) -> None:
+        """The owner no longer needs `slot`; it is free once no transfer touches it."""
+        if slot in self._owned:
+            self._owned.discard(slot)
+            if slot not in self._busy:
+                self._free.append(slot)
+
+    def busy(self, slot: int) -> bool:
+        return slot in self._busy

@@ -1,0 +1,170 @@
+"""`MemKVDirectWorker`: the worker side of direct mode. Copies only; never touches the network.
+
+A store job copies this rank's GPU blocks of each chunk into this rank's section of the
+chunk's staging slot; a load job copies them back. The scheduler-side manager does every
+MemKV transfer (memkv_vllm.direct.manager), so a load job's bytes are already in staging and
+verified when the job arrives: a copy between two memories cannot fail, which is what vLLM's
+worker requires (it asserts `success` for every job).
+
+Byte order of one rank's section (one chunk of KV group g): layer-major. For the group's
+layer refs 0..L-1 with page sizes p_i, ref i's `blocks_per_chunk` pages are contiguous at
+`blocks_per_chunk * sum(p_0..p_{i-1})`, sub-block j at `+ j * p_i`. A job's GPU blocks map to
+(chunk, sub-block) by vLLM's rule (vllm-spec-api.md 5.3): per group, `skip = block_indices[g]
+% blocks_per_chunk`, GPU block j is sub-block `(skip + j) % bpc` of the group's chunk
+`(skip + j) // bpc`, and the group consumes `ceil((n + skip) / bpc)` of the job's slots.
+
+GPU ordering: a job's copies run on this worker's side stream, which first waits on the
+stream that was current at submit (the compute that wrote a store's blocks; pending zeroing of
+blocks re-allocated to a load). CPU tensors (the conformance suite) copy synchronously.
+The staging region is host-registered with CUDA once (pinned) when the worker first maps it.
+
+Threading: every method is called by the worker's connector on one thread; no threads here.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+from vllm.v1.kv_offload.base import OffloadingWorker, TransferResult
+
+from memkv_vllm.direct.layout import StagingLayout
+from memkv_vllm.direct.staging import StagingRegion
+
+log = logging.getLogger("vllm.memkv_vllm.direct")
+
+
+class MemKVDirectWorker(OffloadingWorker):
+    def __init__(self, kv_caches, layout: StagingLayout) -> None:
+        self.layout = layout
+        self._tensors = [t.tensor for t in kv_caches.tensors]
+        self._groups: list[list[tuple[int, int, int]]] = []  # per group: (tensor idx, page bytes, offset)
+        bpc = layout.blocks_per_chunk
+        for g, refs in enumerate(kv_caches.group_data_refs):
+            entries, offset = [], 0
+            for ref in refs:
+                entries.append((ref.tensor_idx, ref.page_size_bytes, offset))
+                offset += ref.page_size_bytes * bpc
+            if offset > layout.value_bytes:
+                raise RuntimeError(f"MemKV direct mode: KV group {g} holds {offset} bytes per chunk on rank "
+                                   f"{layout.rank} but the spec sized values at {layout.value_bytes} bytes")
+            self._groups.append(entries)
+        self._cuda = any(t.is_cuda for t in self._tensors)
+        self._region: StagingRegion | None = None
+        self._staging: torch.Tensor | None = None
+        self._registered = False
+        self._stream = None
+        self._pending: dict[int, tuple[object, int, float]] = {}  # job -> (end event, bytes, start)
+        self._done: list[TransferResult] = []
+
+    # -- the staging region, mapped on first use ------------------------------------------------
+
+    def _stage(self) -> torch.Tensor:
+        if self._staging is None:
+            # Opened at the first job, not in get_worker: an engine builds its workers before its
+            # scheduler, and the scheduler creates the region.
+            self._region = StagingRegion.open(self.layout.path, self.layout.region_bytes)
+            self._staging = torch.frombuffer(self._region.view, dtype=torch.int8)
+            if self._cuda:
+                rc = torch.cuda.cudart().cudaHostRegister(self._staging.data_ptr(), self.layout.region_bytes, 0)
+                if int(rc) != 0:
+                    raise RuntimeError(f"MemKV direct mode: cudaHostRegister of the staging region failed ({rc})")
+                self._registered = True
+                self._stream = torch.cuda.Stream()
+        return self._staging
+
+    # -- jobs -------------------------------------------------------------------------------------
+
+    def submit_store(self, job_id, src_spec, dst_spec) -> bool:
+        return self._run(job_id, src_spec, dst_spec.slots, to_staging=True)
+
+    def submit_load(self, job_id, src_spec, dst_spec, expedited: bool = False) -> bool:
+        return self._run(job_id, dst_spec, src_spec.slots, to_staging=False)
+
+    def _run(self, job_id: int, gpu_spec, slots: list[int], to_staging: bool) -> bool:
+        start = time.perf_counter()
+        copies = self._copies(gpu_spec, slots)
+        nbytes = sum(length * page for _, _, length, page, _ in copies)
+        if not copies:
+            self._done.append(TransferResult(job_id, True, 0, 0.0))
+            return True
+        staging = self._stage()
+        if self._cuda:
+            stream = self._stream
+            stream.wait_stream(torch.cuda.current_stream())  # after the compute of this step
+            with torch.cuda.stream(stream):
+                self._copy(staging, copies, to_staging, non_blocking=True)
+                event = torch.cuda.Event()
+                event.record(stream)
+            self._pending[job_id] = (event, nbytes, start)
+        else:
+            self._copy(staging, copies, to_staging, non_blocking=False)
+            self._done.append(TransferResult(job_id, True, nbytes, time.perf_counter() - start))
+        return True
+
+    def _copies(self, gpu_spec, slots: list[int]) -> list[tuple[int, int, int, int, int]]:
+        """(tensor idx, first GPU block, blocks, page bytes, staging byte offset) runs:
+        consecutive GPU blocks that are consecutive sub-blocks of one chunk are one copy per layer."""
+        bpc = self.layout.blocks_per_chunk
+        block_ids = [int(b) for b in gpu_spec.block_ids]
+        group_sizes = list(gpu_spec.group_sizes)
+        block_indices = list(gpu_spec.block_indices)
+        runs: list[tuple[int, int, int, int, int]] = []
+        pos = 0  # the group's first GPU block in block_ids
+        key = 0  # the group's first slot
+        for g, n in enumerate(group_sizes):
+            if n == 0:
+                continue
+            skip = int(block_indices[g]) % bpc
+            ids = block_ids[pos : pos + n]
+            j = 0
+            while j < n:
+                chunk, sub = divmod(skip + j, bpc)
+                length = 1
+                while j + length < n and sub + length < bpc and ids[j + length] == ids[j] + length:
+                    length += 1
+                base = self.layout.section_offset(slots[key + chunk], self.layout.rank)
+                for tensor_idx, page, offset in self._groups[g]:
+                    runs.append((tensor_idx, ids[j], length, page, base + offset + sub * page))
+                j += length
+            pos += n
+            key += -(-(n + skip) // bpc)
+        if key != len(slots):
+            raise AssertionError(f"MemKV direct mode: a job names {len(slots)} slot(s) but its GPU blocks cover {key}")
+        return runs
+
+    def _copy(self, staging: torch.Tensor, runs, to_staging: bool, non_blocking: bool) -> None:
+        for tensor_idx, block, length, page, offset in runs:
+            gpu = self._tensors[tensor_idx][block : block + length, :page]
+            host = staging[offset : offset + length * page].view(length, page)
+            if to_staging:
+                host.copy_(gpu, non_blocking=non_blocking)
+            else:
+                gpu.copy_(host, non_blocking=non_blocking)
+
+    def get_finished(self) -> list[TransferResult]:
+        done, self._done = self._done, []
+        for job_id in [j for j, (event, _, _) in self._pending.items() if event.query()]:
+            _, nbytes, start = self._pending.pop(job_id)
+            done.append(TransferResult(job_id, True, nbytes, time.perf_counter() - start))
+        return done
+
+    def wait(self, job_ids) -> None:
+        """Blocks until those jobs' copies are over: a GPU->host or host->GPU copy, never the network."""
+        for job_id in job_ids:
+            pending = self._pending.get(job_id)
+            if pending is not None:
+                pending[0].synchronize()
+
+    def shutdown(self) -> None:
+        if self._stream is not None:
+            self._stream.synchronize()
+        if self._staging is not None:
+            if self._registered:
+                torch.cuda.cudart().cudaHostUnregister(self._staging.data_ptr())
+                self._registered = False
+            self._staging = None
+        if self._region is not None:
+            self._region.close()
+            self._region = None
