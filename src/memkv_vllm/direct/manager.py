@@ -351,17 +351,25 @@ class MemKVDirectManager(OffloadingManager):
         return self._flat[start : start + self.layout.value_bytes]
 
     def _submit(self, kind: str, entries: list[_Entry], run) -> None:
-        """One pool job of tasks of blocks_per_op chunks; each entry's slot is busy until its
-        record is drained (a failed RDMA load: until load_failure_grace_s after it)."""
+        """Pool jobs of up to blocks_per_op chunks; each entry's slot is busy until its job's
+        record is drained (a failed RDMA load: until load_failure_grace_s after it).
+
+        A job is reported when its last task returns and a batch returns when its slowest node
+        does, so jobs never mix chunks of different owner sets: a stalled node holds only its
+        own chunks, and the others HIT at once."""
+        groups: dict[frozenset, list[_Entry]] = {}
         for e in entries:
             self.slots.mark_busy(e.slot)
-        job_id = self._job_ids
-        self._job_ids += 1
-        self._jobs[job_id] = entries
+            owners = frozenset(self.client.owner(vk).name for vk in self.keys.value_keys(e.key))
+            groups.setdefault(owners, []).append(e)
         step = self.settings.blocks_per_op
-        tasks = [(lo, len(entries[lo : lo + step]), lambda es=entries[lo : lo + step]: run(es))
-                 for lo in range(0, len(entries), step)]
-        self._pool.submit(job_id, kind, [e.key for e in entries], tasks)
+        for group in groups.values():
+            for lo in range(0, len(group), step):
+                part = group[lo : lo + step]
+                job_id = self._job_ids
+                self._job_ids += 1
+                self._jobs[job_id] = part
+                self._pool.submit(job_id, kind, [e.key for e in part], [(0, len(part), lambda es=part: run(es))])
 
     def _prefetch_task(self, entries: list[_Entry]) -> TaskResult:
         items, owners = [], []
