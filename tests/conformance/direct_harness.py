@@ -114,6 +114,9 @@ def prompt_keys(tag: str, num_chunks: int, g: Geometry) -> list[bytes]:
 
 
 def direct_config(staging_mb: int = 16, block_size: int = 32, **memkv: Any) -> dict[str, Any]:
+    """The extra_config a user writes. lookup_timeout_s defaults to 30 s here: on a loaded
+    2-core box the default 5 s can pass, and only the deadline tests want it to."""
+    memkv.setdefault("lookup_timeout_s", 30.0)
     return {"spec_name": "MemKVOffloadingSpec", "spec_module_path": "memkv_vllm.direct",
             "block_size": block_size, "memkv": {"staging_mb": staging_mb, **memkv}}
 

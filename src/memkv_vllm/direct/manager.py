@@ -44,6 +44,7 @@ that `_drain` applies. No method waits on the network.
 
 from __future__ import annotations
 
+import collections
 import logging
 import time
 from typing import Any
@@ -67,7 +68,8 @@ from memkv_vllm.transfers import LOAD, STORE, TaskResult, TransferPool
 log = logging.getLogger("vllm.memkv_vllm.direct")
 
 FILLING, READY, WRITING, PUTTING = "filling", "ready", "writing", "putting"
-RESET_FENCE_STEPS = 2  # <= 0.32: steps after a reset before flushed jobs' slots are reused
+RESET_FENCE_STEPS = 2
+PUT_RECENTLY_MAX = 1 << 16  # keys this engine stored, answered without a probe (a prefetch still verifies)  # <= 0.32: steps after a reset before flushed jobs' slots are reused
 
 
 class DirectStartupError(RuntimeError):
@@ -121,6 +123,7 @@ class MemKVDirectManager(OffloadingManager):
         self._prefetch_queue: list[_Entry] = []
         self._jobs: dict[int, list[_Entry]] = {}
         self._job_ids = 0
+        self._put_recently: collections.OrderedDict[bytes, None] = collections.OrderedDict()  # bounded
         self._looked_up: set[str] = set()  # requests that looked something up this step
         self._retrying: set[str] = set()  # ... and got a RETRY
         self._fence: list[tuple[int, list[_Entry]]] = []  # (steps left, entries) after reset_cache
@@ -205,6 +208,10 @@ class MemKVDirectManager(OffloadingManager):
                 self._ref(e, rid)
             return self._answer("retry", rid)  # FILLING, or WRITING: its bytes land at complete_store
         found = self._lookup.lookup(key, rid)
+        if found is False and key in self._put_recently:
+            # Stored by this engine after the verdict was cached (the request that stored it may not
+            # be reported finished yet, so its MISS is still remembered): it exists.
+            found = True
         if found is None:
             return self._answer("retry", rid)
         if not found:
@@ -409,9 +416,16 @@ class MemKVDirectManager(OffloadingManager):
                         continue
                 else:
                     e.state = READY  # stored (or not: a failed put is a future MISS); bytes still valid
+                    if good:
+                        self._put_recently[e.key] = None
+                        self._put_recently.move_to_end(e.key)
+                        if len(self._put_recently) > PUT_RECENTLY_MAX:
+                            self._put_recently.popitem(last=False)
                 self._maybe_drop(e)
             if missed:
                 self._lookup.mark_miss(missed)
+                for key in missed:
+                    self._put_recently.pop(key, None)
 
     # ---------------------------------------------------------------------------------------------
     # Entries and references
@@ -451,6 +465,7 @@ class MemKVDirectManager(OffloadingManager):
     def _abandon(self, e: _Entry) -> None:
         self._drop(e)
         self._lookup.mark_miss([e.key])
+        self._put_recently.pop(e.key, None)
 
     # ---------------------------------------------------------------------------------------------
     # Step hooks and requests
