@@ -126,6 +126,7 @@ class MemKVDirectManager(OffloadingManager):
         self._put_recently: collections.OrderedDict[bytes, None] = collections.OrderedDict()  # bounded
         self._looked_up: set[str] = set()  # requests that looked something up this step
         self._retrying: set[str] = set()  # ... and got a RETRY
+        self._probing: set[str] = set()  # ... and had a chunk whose exists probe is unanswered
         self._fence: list[tuple[int, list[_Entry]]] = []  # (steps left, entries) after reset_cache
         self._pool = TransferPool(settings.n_read_threads, settings.n_write_threads, settings.load_failure_grace_s)
         self._lookup = LookupService(self.client.exists_stream, settings.deadline_s,
@@ -213,11 +214,17 @@ class MemKVDirectManager(OffloadingManager):
             # be reported finished yet, so its MISS is still remembered): it exists.
             found = True
         if found is None:
+            self._probing.add(rid)
             return self._answer("retry", rid)
         if not found:
             if self._lookup.was_timeout(key):
                 return compat.LookupResult.MISS  # counted as a timeout by the LookupService
             return self._answer("miss")
+        if rid in self._probing:
+            # An earlier chunk of this scan (the connector scans in prompt order and goes on past a
+            # RETRY) is still being probed: it gets the next slot first, or a later chunk could take
+            # the last one and leave a hole in the prefix.
+            return self._answer("retry", rid)
         taken = self.slots.take(1)
         if taken is None:
             self.stats.count(tm.STAGING_FULL, 1, ("load",))
@@ -488,6 +495,7 @@ class MemKVDirectManager(OffloadingManager):
             self._unref(rid, keep=self._pinned_keys(rid))
         self._looked_up.clear()
         self._retrying.clear()
+        self._probing.clear()
         self._advance_fence()
         self._report_staging()
         if self._step_yield_s and (self._lookup.probing() or self._pool.loading()):
