@@ -68,9 +68,11 @@ class MemKVDirectWorker(OffloadingWorker):
             self._staging = torch.frombuffer(self._region.view, dtype=torch.int8)
             if self._cuda:
                 rc = torch.cuda.cudart().cudaHostRegister(self._staging.data_ptr(), self.layout.region_bytes, 0)
-                if int(rc) != 0:
-                    raise RuntimeError(f"MemKV direct mode: cudaHostRegister of the staging region failed ({rc})")
-                self._registered = True
+                if rc.value != 0:  # as vLLM's CPU spec does: go on, unpinned (slower, synchronous copies)
+                    log.warning("MemKV direct mode: cudaHostRegister of the %d MiB staging region failed (%s); "
+                                "copies go unpinned", self.layout.region_bytes >> 20, rc)
+                else:
+                    self._registered = True
                 self._stream = torch.cuda.Stream()
         return self._staging
 

@@ -1,0 +1,250 @@
+#!/usr/bin/env python3
+"""TTFT of a revisited long prompt: direct mode vs the tier vs recompute, same nodes, same run.
+
+Runs on a GPU host with vLLM installed (bench/gpu/stage.md) and this repository's `src/` on
+PYTHONPATH. Starts `--nodes` MemKV nodes on loopback (bench/gpu/ttft.py's helpers), then one
+engine process per (mode, role), so the restarted engine is a real new process:
+
+  direct   OffloadingConnector + MemKVOffloadingSpec (spec_module_path memkv_vllm.direct):
+           no CPU pool; a staging region of --staging-mb, host-registered (pinned) by the worker.
+  tier     OffloadingConnector + TieringOffloadingSpec + the `memkv` tier: a CPU pool of
+           --cpu-gib (pinned), then MemKV.
+
+  role main     per prompt: recompute (cold: first sight, stores to MemKV), then memkv (after
+                llm.reset_prefix_cache(reset_connector=True): GPU cache and, for the tier, the
+                CPU pool are emptied; direct mode has nothing to empty but its staging)
+  role restart  a new engine process, same nodes: each prompt once (every hit from MemKV)
+
+Each mode stores into its own key namespace (the two value layouts differ), so the tier's
+revisit never reads direct-mode values or the reverse. Greedy output (max_tokens=1, top-5
+logprobs) must agree across every run of a prompt, across modes too; a mismatch is reported
+and makes the exit status 1. Pinned host memory per mode is recorded from the configuration
+actually used (tier: cpu_bytes_to_use; direct: the staging region's size) and the engine
+process's VmRSS / VmLck after the runs.
+
+The model is ttft.py's Qwen2.5-32B-shaped dummy: 256 KiB of KV per token, 64-token chunks of
+16 MiB. A prompt is fully reusable in direct mode only if its KV fits the staging region
+(docs/direct-mode.md: a HIT is answered only once the bytes are staged): 8k tokens = 2 GiB,
+32k = 8 GiB, hence the default --staging-mb 9216; --staging-mb 512 (the default of the key)
+shows the truncated reuse a too-small region gives.
+
+Usage (GPU host, repository root):
+  eval "$(bash bench/gpu/stage.sh env)"; python3 bench/gpu/direct.py --out-dir $OUT
+  ... --modes direct --tokens 8192 --staging-mb 512     # one mode, one size
+Output: a table on stdout and <out-dir>/direct.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+import ttft  # noqa: E402  (helpers only: nodes, prompts, shapes, metrics; ttft.py is not modified)
+
+BLOCK_TOKENS = ttft.BLOCK_TOKENS
+
+
+def log(msg: str) -> None:
+    print(f"[direct {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def kv_transfer_config(spec: dict) -> dict:
+    if spec["mode"] == "direct":
+        extra = {"spec_name": "MemKVOffloadingSpec", "spec_module_path": "memkv_vllm.direct",
+                 "block_size": BLOCK_TOKENS, "memkv": {"staging_mb": spec["staging_mb"], "prefix": "direct/"}}
+    else:
+        extra = {"spec_name": "TieringOffloadingSpec", "cpu_bytes_to_use": int(spec["cpu_gib"] * 2**30),
+                 "block_size": BLOCK_TOKENS, "secondary_tiers": [{"type": "memkv", "prefix": "tier/"}]}
+    return {"kv_connector": "OffloadingConnector", "kv_role": "kv_both", "kv_connector_extra_config": extra}
+
+
+def proc_status() -> dict:
+    out = {}
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(("VmRSS", "VmLck", "VmPin")):
+                k, v = line.split(":", 1)
+                out[k] = int(v.split()[0]) * 1024
+    return out
+
+
+def memkv_object(llm, mode: str):
+    """The direct manager or the memkv tier of an in-process engine (stats.totals, layout)."""
+    conn = llm.llm_engine.engine_core.engine_core.scheduler.connector
+    mgr = conn.connector_scheduler.manager
+    return mgr if mode == "direct" else mgr.secondary_tiers[0]
+
+
+def totals(obj) -> dict:
+    with obj.stats._lock:
+        return {f"{n}{{{','.join(labels)}}}": float(v) for (n, labels), v in obj.stats.totals.items()}
+
+
+def engine_child(spec: dict) -> int:
+    result: dict = {"mode": spec["mode"], "role": spec["role"], "spec": spec, "runs": [], "errors": []}
+
+    def save():
+        with open(spec["out"] + ".tmp", "w") as f:
+            json.dump(result, f, indent=1)
+        os.replace(spec["out"] + ".tmp", spec["out"])
+
+    import memkv_vllm
+
+    memkv_vllm.register()  # what the vllm.general_plugins entry point does
+    import vllm
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    shape = ttft.SHAPES[spec["shape"]]
+    model_dir = f"/tmp/ttft_model_{spec['shape']}"
+    os.makedirs(model_dir, exist_ok=True)
+    with open(os.path.join(model_dir, "config.json"), "w") as f:  # the same dummy as ttft.py
+        json.dump({"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", **shape,
+                   "max_position_embeddings": 131072, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
+                   "torch_dtype": "bfloat16", "tie_word_embeddings": False, "bos_token_id": 151643,
+                   "eos_token_id": 151643, "hidden_act": "silu", "max_window_layers": 64,
+                   "use_sliding_window": False, "sliding_window": None, "attention_dropout": 0.0,
+                   "initializer_range": 0.02, "use_cache": True}, f)
+    result["versions"] = {"vllm": vllm.__version__}
+    kw = dict(model=model_dir, load_format="dummy", skip_tokenizer_init=True, kv_transfer_config=kv_transfer_config(spec),
+              gpu_memory_utilization=spec["gpu_util"], max_model_len=max(spec["tokens"]) + 64,
+              enable_prefix_caching=True, enforce_eager=spec["eager"], seed=0, disable_log_stats=False)
+    if spec["tp"] > 1:
+        kw["tensor_parallel_size"] = spec["tp"]
+    t = time.perf_counter()
+    llm = LLM(**kw)
+    result["engine_init_s"] = time.perf_counter() - t
+    obj = memkv_object(llm, spec["mode"])
+    if spec["mode"] == "direct":
+        result["pinned_bytes"] = obj.layout.region_bytes
+        result["staging"] = {"slots": obj.layout.num_slots, "slot_bytes": obj.layout.slot_bytes}
+    else:
+        result["pinned_bytes"] = int(spec["cpu_gib"] * 2**30)
+    log(f"[{spec['mode']}/{spec['role']}] engine up in {result['engine_init_s']:.1f} s, "
+        f"pinned host memory {result['pinned_bytes'] / 2**30:.2f} GiB")
+    sp = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False, logprobs=5)
+
+    def settle() -> None:
+        conn = llm.llm_engine.engine_core.engine_core.scheduler.connector
+        deadline = time.monotonic() + 120
+        while conn.has_pending_push_work() and time.monotonic() < deadline:
+            llm.llm_engine.step()
+        if conn.has_pending_push_work():
+            result["errors"].append("settle: still pending after 120 s")
+
+    def run(phase: str, tokens: int, ids: list[int]) -> None:
+        before = totals(obj)
+        t0 = time.perf_counter()
+        out = llm.generate([TokensPrompt(prompt_token_ids=ids)], sp, use_tqdm=False)[0]
+        seconds = time.perf_counter() - t0
+        comp = out.outputs[0]
+        lp = comp.logprobs[0] if comp.logprobs else {}
+        rec = {"phase": phase, "tokens": tokens, "seconds": seconds, "token_ids": list(comp.token_ids),
+               "top5": [[int(k), float(v.logprob)] for k, v in sorted(lp.items(), key=lambda kv: -kv[1].logprob)],
+               "counters": ttft.diff(totals(obj), before)}
+        settle()
+        rec["counters_after_settle"] = ttft.diff(totals(obj), before)
+        loaded = sum(v for k, v in rec["counters"].items() if "load_bytes" in k)
+        log(f"[{spec['mode']}/{spec['role']}] {phase:<9} {tokens:>6} tok: {seconds:.3f} s  tok={rec['token_ids']} "
+            f"memkv_load={loaded / 2**30:.2f} GiB")
+        result["runs"].append(rec)
+        save()
+
+    try:
+        for tokens in spec["tokens"]:
+            ids = ttft.prompt_ids(tokens, ttft.prompt_seed(tokens, 0), shape["vocab_size"])
+            if spec["role"] == "main":
+                run("recompute", tokens, ids)
+                llm.reset_prefix_cache(reset_connector=True)
+                run("memkv", tokens, ids)
+            else:
+                run("restart", tokens, ids)
+        result["proc_status"] = proc_status()
+    except Exception as exc:  # recorded, the parent reports it
+        import traceback
+
+        result["errors"].append(traceback.format_exc())
+        log(f"[{spec['mode']}/{spec['role']}] failed: {exc!r}")
+    save()
+    return 0 if not result["errors"] else 1
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--engine-child")
+    ap.add_argument("--out-dir", default="bench/gpu/results/direct")
+    ap.add_argument("--modes", default="direct,tier")
+    ap.add_argument("--tokens", default="8192,32768")
+    ap.add_argument("--staging-mb", type=int, default=9216)
+    ap.add_argument("--cpu-gib", type=float, default=24.0)
+    ap.add_argument("--nodes", type=int, default=4)
+    ap.add_argument("--node-capacity", default="24GiB")
+    ap.add_argument("--shape", default="32b", choices=sorted(ttft.SHAPES))
+    ap.add_argument("--tp", type=int, default=1)
+    ap.add_argument("--gpu-util", type=float, default=0.85)
+    ap.add_argument("--eager", action="store_true")
+    ap.add_argument("--child-timeout-s", type=float, default=1500)
+    args = ap.parse_args()
+    if args.engine_child:
+        with open(args.engine_child) as f:
+            return engine_child(json.load(f))
+
+    os.makedirs(args.out_dir, exist_ok=True)
+    state = ttft.start_nodes(args.nodes, args.node_capacity, "64MiB", os.path.join(args.out_dir, "nodes"), [])
+    env = {**os.environ, "MEMKV_SERVERS": ",".join(n["address"] for n in state["nodes"]),
+           "MEMKV_AUTH_KEY": state["key"], "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+           "PYTHONHASHSEED": "0"}  # block hashes equal across engine processes (restart reuse)
+    tokens = [int(t) for t in args.tokens.split(",")]
+    engines = []
+    try:
+        for mode in args.modes.split(","):
+            for role in ("main", "restart"):
+                spec = {"mode": mode, "role": role, "tokens": tokens, "staging_mb": args.staging_mb,
+                        "cpu_gib": args.cpu_gib, "shape": args.shape, "tp": args.tp, "gpu_util": args.gpu_util,
+                        "eager": args.eager, "out": os.path.join(args.out_dir, f"{mode}-{role}.json")}
+                with open(spec["out"] + ".spec", "w") as f:
+                    json.dump(spec, f)
+                t = time.perf_counter()
+                try:
+                    rc = subprocess.run([sys.executable, os.path.abspath(__file__), "--engine-child", spec["out"] + ".spec"],
+                                        env=env, timeout=args.child_timeout_s).returncode
+                except subprocess.TimeoutExpired:
+                    rc = "timeout"
+                log(f"{mode}/{role}: exit {rc} after {time.perf_counter() - t:.0f} s")
+                try:
+                    with open(spec["out"]) as f:
+                        engines.append(json.load(f))
+                except Exception:
+                    engines.append({"mode": mode, "role": role, "runs": [], "errors": [f"no result (exit {rc})"]})
+    finally:
+        ttft.stop_nodes(state)
+
+    # Table and output agreement.
+    bad = []
+    outputs: dict[int, set] = {}
+    print(f"\n{'mode':<7} {'role':<8} {'tokens':>6} {'phase':<9} {'TTFT s':>8} {'MemKV GiB':>9} {'pinned GiB':>10}")
+    for e in engines:
+        for r in e.get("runs", []):
+            loaded = sum(v for k, v in r["counters"].items() if "load_bytes" in k)
+            print(f"{e['mode']:<7} {e['role']:<8} {r['tokens']:>6} {r['phase']:<9} {r['seconds']:>8.3f} "
+                  f"{loaded / 2**30:>9.2f} {e.get('pinned_bytes', 0) / 2**30:>10.2f}")
+            outputs.setdefault(r["tokens"], set()).add(tuple(r["token_ids"]))
+        bad += [f"{e['mode']}/{e['role']}: {err[:300]}" for err in e.get("errors", [])]
+    for tok, outs in outputs.items():
+        if len(outs) != 1:
+            bad.append(f"{tok} tokens: greedy outputs differ across runs: {sorted(outs)}")
+    with open(os.path.join(args.out_dir, "direct.json"), "w") as f:
+        json.dump({"host": ttft.host_info(), "args": vars(args), "engines": engines, "problems": bad}, f, indent=1)
+    for p in bad:
+        log(f"PROBLEM: {p}")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
