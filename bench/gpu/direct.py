@@ -28,6 +28,12 @@ The model is ttft.py's Qwen2.5-32B-shaped dummy: 256 KiB of KV per token, 64-tok
 32k = 8 GiB, hence the default --staging-mb 9216; --staging-mb 512 (the default of the key)
 shows the truncated reuse a too-small region gives.
 
+Dry run without a GPU (flow check; real nodes, vLLM's real connector on CPU tensors for direct
+mode, bench/gpu/dryrun's stand-in for the tier; timings mean nothing):
+  TTFT_FAKE_LLM=1 PYTHONPATH=bench/gpu/dryrun_direct:src:. .nox/conformance-0-25-0/bin/python \
+    bench/gpu/direct.py --shape toy --tokens 1024,2048 --staging-mb 64 --cpu-gib 0.1 \
+    --node-capacity 1GiB --out-dir /tmp/direct-dry
+
 Usage (GPU host, repository root):
   eval "$(bash bench/gpu/stage.sh env)"; python3 bench/gpu/direct.py --out-dir $OUT
   ... --modes direct --tokens 8192 --staging-mb 512     # one mode, one size
@@ -233,7 +239,7 @@ def main() -> int:
         for r in e.get("runs", []):
             loaded = sum(v for k, v in r["counters"].items() if "load_bytes" in k)
             print(f"{e['mode']:<7} {e['role']:<8} {r['tokens']:>6} {r['phase']:<9} {r['seconds']:>8.3f} "
-                  f"{loaded / 2**30:>9.2f} {e.get('pinned_bytes', 0) / 2**30:>10.2f}")
+                  f"{loaded / 2**30:>9.3f} {e.get('pinned_bytes', 0) / 2**30:>10.2f}")
             outputs.setdefault(r["tokens"], set()).add(tuple(r["token_ids"]))
         bad += [f"{e['mode']}/{e['role']}: {err[:300]}" for err in e.get("errors", [])]
     for tok, outs in outputs.items():

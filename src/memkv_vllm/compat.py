@@ -179,6 +179,16 @@ def spec_geometry(spec) -> SpecGeometry:
                         int(total // kv.num_blocks), str(vllm_config.kv_transfer_config.engine_id))
 
 
+def vllm_release_tag() -> str:
+    """`v<major>.<minor>` of the running vLLM. Direct-mode values are the worker's own page
+    bytes, whose layout vLLM picks per release (HND and cross-layer tensors <= 0.28, LBHNC from
+    0.29, packed layouts...): keys carry the release so no engine reads another layout's bytes."""
+    import vllm
+
+    parts = str(getattr(vllm, "__version__", "0.0")).split(".")
+    return "v" + ".".join(parts[:2])
+
+
 def spec_model_name(spec) -> str:
     config = getattr(spec, "config", None)
     if config is not None and hasattr(config, "model"):

@@ -1,13 +1,14 @@
 """Direct-mode MemKV keys: one value per rank per chunk.
 
-    <tier namespace: prefix><model>_<layout hash>/b<value bytes>/  d<world size>/<group>/<block hash hex>/r<rank>
+    <tier namespace: prefix><model>_<layout hash>/b<value bytes>/  d<world size>v<vLLM major.minor>/<group>/<block hash hex>/r<rank>
 
 The namespace is memkv_vllm.keys.KeyNamespace (the tier's: model, dtype, block sizes and
 parallel layout from vLLM's FileMapper) with the *value* size in place of the tier's row size,
-followed by `d<world size>/`: a direct value is one rank's bytes of one chunk, laid out by
-memkv_vllm.direct.worker, which is not a tier row (all ranks plus padding), so the two modes
-never read each other's values, and engines with another TP size never read a shard of the
-wrong width. Everything in a key is content or layout: a restarted engine, or another engine
+followed by `d<world size>v<major.minor>/`: a direct value is one rank's bytes of one chunk,
+laid out by memkv_vllm.direct.worker, which is not a tier row (all ranks plus padding), so the
+two modes never read each other's values, engines with another TP size never read a shard of
+the wrong width, and engines of another vLLM release (which may lay out GPU pages differently)
+never read bytes of another layout. Everything in a key is content or layout: a restarted engine, or another engine
 with the same model and layout (and the same PYTHONHASHSEED, see compat.block_hash_reuse_problem),
 finds the same keys.
 """
@@ -22,7 +23,7 @@ class DirectKeys:
     def __init__(self, prefix: str, offloading_spec, value_bytes: int, world_size: int) -> None:
         self._base = KeyNamespace(prefix, offloading_spec, value_bytes)
         self.world_size = world_size
-        self.namespace = self._base.namespace + f"d{world_size}/"
+        self.namespace = self._base.namespace + f"d{world_size}{compat.vllm_release_tag()}/"
         self._ns = self.namespace.encode()
         self.record = {**self._base.record, "mode": "direct", "world_size": world_size, "value_bytes": value_bytes,
                        "key_format": "memkv_vllm/direct/1"}
