@@ -229,13 +229,13 @@ class DirectEngine:
         self.step_sleep_s = step_sleep_s
         self.before_alloc = before_alloc
         self.kv_cache_config = build_kv_cache_config(g)
-        self.connector = OffloadingConnector(vllm_config(self.extra_config, g, self.engine_id, 0),
-                                             KVConnectorRole.SCHEDULER, self.kv_cache_config)
-        self.manager = self.connector.connector_scheduler.manager
+        self.connector = None
         self.workers: list[OffloadingConnector] = []
         self.kv: list[list[torch.Tensor]] = []  # per rank, per layer
         self._closed = False
         try:
+            # Workers first, then the scheduler: the order vLLM's engine core builds them in (the
+            # executor's workers allocate and register their KV caches before the Scheduler exists).
             for rank in range(g.world_size):
                 worker = OffloadingConnector(vllm_config(copy.deepcopy(self.extra_config), g, self.engine_id, rank),
                                              KVConnectorRole.WORKER, copy.deepcopy(self.kv_cache_config))
@@ -244,6 +244,9 @@ class DirectEngine:
                 worker.register_kv_caches({layer_name(i): t for i, t in enumerate(layers)})
                 self.workers.append(worker)
                 self.kv.append(layers)
+            self.connector = OffloadingConnector(vllm_config(self.extra_config, g, self.engine_id, 0),
+                                                 KVConnectorRole.SCHEDULER, self.kv_cache_config)
+            self.manager = self.connector.connector_scheduler.manager
         except BaseException:
             self.shutdown()
             raise
@@ -477,4 +480,5 @@ class DirectEngine:
         self._closed = True
         for worker in self.workers:
             worker.shutdown()
-        self.connector.shutdown()
+        if self.connector is not None:
+            self.connector.shutdown()

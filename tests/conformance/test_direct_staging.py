@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import glob
 import subprocess
 import sys
 import textwrap
@@ -128,9 +129,11 @@ def test_unreachable_server_fails_startup_naming_it(monkeypatch, auth_key_hex):
     monkeypatch.setenv("MEMKV_SERVERS", f"127.0.0.1:{port}")
     monkeypatch.setenv("MEMKV_AUTH_KEY", auth_key_hex)
     monkeypatch.delenv("MEMKV_CONFIG", raising=False)
+    before = set(glob.glob("/dev/shm/memkv_direct_*"))
     with pytest.raises(Exception) as info:
         dh.DirectEngine(dh.Geometry())
     assert f"127.0.0.1:{port}" in str(info.value) and "MEMKV_SERVERS" in str(info.value)
+    assert set(glob.glob("/dev/shm/memkv_direct_*")) == before, "a failed startup left its staging file"
 
 
 def run_python(code: str) -> str:

@@ -105,7 +105,7 @@ class MemKVDirectManager(OffloadingManager):
             self._probe_all()
             self.keys = DirectKeys(settings.prefix, spec, layout.value_bytes, layout.world_size)
             self._write_config_record()
-            self._region = StagingRegion.create(layout.path, layout.region_bytes)
+            self._region = StagingRegion.open_or_create(layout.path, layout.region_bytes, owner=True)
             self._register_region()
         except BaseException:
             if self._region is not None:

@@ -5,12 +5,13 @@ every tensor-parallel rank: rank r's bytes are `[r * section_bytes, r * section_
 value_bytes)` of the slot (sections are page aligned). One MemKV value is one rank's section
 of one chunk (rank-qualified keys, memkv_vllm.direct.keys).
 
-Ownership. The scheduler-side manager creates the file (`StagingRegion.create`), allocates
-slots and does every network transfer into and out of them; it unlinks the file at shutdown.
-Workers (other processes: one per TP rank) open the same file by name (`StagingRegion.open`)
-the first time they get a job -- by then the scheduler has created it, whatever order the
-engine built the two sides in -- and copy between their GPU blocks and their rank's section.
-The region is engine-owned: no other engine or process writes it.
+Ownership. The scheduler-side manager allocates slots and does every network transfer into
+and out of them. Workers (other processes: one per TP rank)
+map the same file by name when vLLM hands them their KV caches, and host-register it with
+CUDA then (engine startup, not a request's first transfer); they copy between their GPU
+blocks and their rank's section. Whichever side comes first creates the file
+(`StagingRegion.open_or_create`), and the first side to shut down removes it. The region is engine-owned: the name derives from vLLM's
+engine_id, unique per engine and DP rank on a host (the rule vLLM's own CPU-pool file has).
 
 Quarantine (`SlotTable`). A slot is free only when nobody owns it (no lookup, load or store
 refers to it) *and* no network transfer can still touch it. A transfer abandoned by a
@@ -48,35 +49,20 @@ class StagingRegion:
         self.view = memoryview(self._mmap)
 
     @classmethod
-    def create(cls, path: str, nbytes: int) -> "StagingRegion":
-        """The scheduler side: a fresh file (a stale one of a dead engine with the same id is replaced)."""
+    def open_or_create(cls, path: str, nbytes: int, owner: bool) -> "StagingRegion":
+        """Map the engine's staging file, creating it if this side comes first (vLLM builds the
+        workers before the scheduler). Both sides size it alike; an `owner` unlinks it at close
+        (every side is one: whichever closes first removes the name, mappings stay valid, and a
+        scheduler that failed to start leaves nothing behind). Old bytes of a file left by a crashed engine with the same engine_id are
+        harmless: a slot is only ever read after this engine wrote it."""
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
         try:
-            os.unlink(path)
-        except FileNotFoundError:
-            pass
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-        try:
-            os.ftruncate(fd, nbytes)
+            if os.fstat(fd).st_size < nbytes:
+                os.ftruncate(fd, nbytes)
         except BaseException:
             os.close(fd)
-            os.unlink(path)
             raise
-        return cls(path, fd, nbytes, owner=True)
-
-    @classmethod
-    def open(cls, path: str, nbytes: int) -> "StagingRegion":
-        """A worker: the scheduler's file. Raises (naming the file) if it is missing or short."""
-        try:
-            fd = os.open(path, os.O_RDWR)
-        except FileNotFoundError as exc:
-            raise RuntimeError(f"MemKV direct mode: staging region {path} does not exist; the worker got a job "
-                               "before the scheduler created it, or the two disagree on engine_id") from exc
-        size = os.fstat(fd).st_size
-        if size < nbytes:
-            os.close(fd)
-            raise RuntimeError(f"MemKV direct mode: staging region {path} is {size} bytes, expected {nbytes}; "
-                               "scheduler and worker disagree on staging_mb or the KV layout")
-        return cls(path, fd, nbytes, owner=False)
+        return cls(path, fd, nbytes, owner=owner)
 
     def close(self) -> None:
         """Idempotent. Every view derived from `view` must be released first."""

@@ -16,7 +16,7 @@ layer refs 0..L-1 with page sizes p_i, ref i's `blocks_per_chunk` pages are cont
 GPU ordering: a job's copies run on this worker's side stream, which first waits on the
 stream that was current at submit (the compute that wrote a store's blocks; pending zeroing of
 blocks re-allocated to a load). CPU tensors (the conformance suite) copy synchronously.
-The staging region is host-registered with CUDA once (pinned) when the worker first maps it.
+The staging region is mapped and host-registered with CUDA (pinned) once, in get_worker.
 
 Threading: every method is called by the worker's connector on one thread; no threads here.
 """
@@ -57,14 +57,13 @@ class MemKVDirectWorker(OffloadingWorker):
         self._stream = None
         self._pending: dict[int, tuple[object, int, float]] = {}  # job -> (end event, bytes, start)
         self._done: list[TransferResult] = []
+        self._stage()  # map and pin at engine startup, not in a request's first transfer
 
-    # -- the staging region, mapped on first use ------------------------------------------------
+    # -- the staging region ---------------------------------------------------------------------
 
     def _stage(self) -> torch.Tensor:
         if self._staging is None:
-            # Opened at the first job, not in get_worker: an engine builds its workers before its
-            # scheduler, and the scheduler creates the region.
-            self._region = StagingRegion.open(self.layout.path, self.layout.region_bytes)
+            self._region = StagingRegion.open_or_create(self.layout.path, self.layout.region_bytes, owner=True)
             self._staging = torch.frombuffer(self._region.view, dtype=torch.int8)
             if self._cuda:
                 rc = torch.cuda.cudart().cudaHostRegister(self._staging.data_ptr(), self.layout.region_bytes, 0)
