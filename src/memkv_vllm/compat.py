@@ -189,13 +189,6 @@ def vllm_release_tag() -> str:
     return "v" + ".".join(parts[:2])
 
 
-def spec_model_name(spec) -> str:
-    config = getattr(spec, "config", None)
-    if config is not None and hasattr(config, "model"):
-        return str(config.model.name)
-    return str(spec.vllm_config.model_config.model)
-
-
 # 0.33: `submit_load(..., expedited=True)` for loads inside sync_load_budget_bytes; the
 # worker accepts the keyword in every release (older ones never pass it).
 # 0.25: LoadStoreSpec.medium() is abstract; 0.26+ a plain marker class. Define it always.

@@ -53,7 +53,6 @@ import torch
 
 try:
     from vllm.distributed.kv_transfer.kv_connector.v1 import KVConnectorRole
-    from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import OffloadingWorkerMetadata
     from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import OffloadingConnector
 except ModuleNotFoundError as exc:  # a venv built with only the tiering code's import deps
     if (exc.name or "").split(".")[0] in ("vllm", "torch", "memkv", "memkv_vllm"):

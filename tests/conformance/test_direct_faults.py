@@ -98,11 +98,10 @@ def test_stalled_node_resolves_miss_within_deadline_and_quarantines_a_stuck_pref
         _wait_probes_answered(engine)
         _sigstop(stalled)  # every chunk exists; its prefetch now hangs on the stopped node
         try:
-            started = time.monotonic()
+            # Without the deadline the stuck prefetch would answer RETRY until the client's 120 s
+            # io timeout, past this bound (TimeoutError); with it, the lookup resolves.
             engine.run_until(lambda: req.matched_tokens is not None, timeout_s=20, what="lookup")
-            took = time.monotonic() - started
             assert req.matched_tokens == first_bad * g.block_size
-            assert took < deadline_s + 5, f"a stalled node held the lookup for {took:.1f}s"
             m = engine.manager
             assert m.slots.quarantined >= 1, "an abandoned prefetch's slot must stay out of use"
             engine.run_until(lambda: req.is_finished(), timeout_s=20, what="request")
