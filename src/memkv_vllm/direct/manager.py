@@ -80,7 +80,7 @@ class _Entry:
     """One chunk in staging. FILLING: prefetch in flight; READY: verified bytes; WRITING:
     workers are copying a store into it; PUTTING: stored bytes, put in flight (readable)."""
 
-    __slots__ = ("key", "slot", "state", "refs", "pins", "started")
+    __slots__ = ("key", "slot", "state", "refs", "pins", "started", "late")
 
     def __init__(self, key: bytes, slot: int, state: str, now: float) -> None:
         self.key = key
@@ -89,6 +89,7 @@ class _Entry:
         self.refs: set[str] = set()  # requests whose lookups answered (or will answer) from it
         self.pins = 0  # load jobs between prepare_load and complete_load
         self.started = now
+        self.late = False  # set by the transfer thread: a failed RDMA fetch may still write the slot
 
     @property
     def readable(self) -> bool:
@@ -128,7 +129,10 @@ class MemKVDirectManager(OffloadingManager):
         self._retrying: set[str] = set()  # ... and got a RETRY
         self._probing: set[str] = set()  # ... and had a chunk whose exists probe is unanswered
         self._fence: list[tuple[int, list[_Entry]]] = []  # (steps left, entries) after reset_cache
-        self._pool = TransferPool(settings.n_read_threads, settings.n_write_threads, settings.load_failure_grace_s)
+        # Grace 0: a failed prefetch is reported at once (its lookup answers MISS now); what may
+        # still land late is handled per slot here (_late), not by withholding the result.
+        self._pool = TransferPool(settings.n_read_threads, settings.n_write_threads, 0.0)
+        self._late: list[tuple[float, int]] = []  # (release time, slot): failed RDMA prefetches
         self._lookup = LookupService(self.client.exists_stream, settings.deadline_s,
                                      on_timeout=lambda n: self.stats.count(tm.LOOKUPS, n, ("timeout",)),
                                      store_keys=self.keys.probe_keys)
@@ -396,6 +400,9 @@ class MemKVDirectManager(OffloadingManager):
         for i, good in zip(owners, result.ok):
             ok[i] &= good
         self.stats.count(tm.LOAD_BYTES, self.layout.value_bytes * sum(result.ok))
+        if result.may_land_late:
+            for e, good in zip(entries, ok):
+                e.late = not good  # read by the scheduler thread once this job's record is drained
         failed = [vk for (vk, _), i in zip(items, owners) if not ok[i]]
         if failed:
             # Purge: a chunk that cannot load (evicted, corrupt, a rank missing) must recompute and
@@ -404,6 +411,13 @@ class MemKVDirectManager(OffloadingManager):
         return TaskResult(ok, may_land_late=result.may_land_late)
 
     def _drain(self) -> None:
+        if self._late:
+            now = self._clock()
+            due = [slot for t, slot in self._late if t <= now]
+            if due:
+                self._late = [(t, slot) for t, slot in self._late if t > now]
+                for slot in due:
+                    self.slots.transfer_done(slot)
         for f in self._pool.take_finished():
             entries = self._jobs.pop(f.job_id)
             self.stats.observe(tm.JOB_SECONDS, f.seconds, (f.kind,))
@@ -411,7 +425,11 @@ class MemKVDirectManager(OffloadingManager):
                 self.stats.count(tm.JOBS_FAILED, 1, (f.kind,))
             missed = []
             for e, good in zip(entries, f.ok):
-                self.slots.transfer_done(e.slot)  # the transfer can no longer touch the slot
+                if e.late and not good and self.settings.load_failure_grace_s > 0:
+                    # RDMA: a node may still WRITE into the slot; it stays quarantined a while.
+                    self._late.append((self._clock() + self.settings.load_failure_grace_s, e.slot))
+                else:
+                    self.slots.transfer_done(e.slot)  # the transfer can no longer touch the slot
                 if self._entries.get(e.key) is not e:
                     continue  # abandoned by a deadline, or dropped by a reset: its slot was released
                 if f.kind == LOAD:
@@ -513,8 +531,8 @@ class MemKVDirectManager(OffloadingManager):
         self._unref(rid, keep=self._pinned_keys(rid))  # a load in flight keeps its pins and refs
 
     def has_pending_work(self) -> bool:
-        return bool(self._pool.busy() or self._lookup.pending() or self._prefetch_queue or self._fence
-                    or self.slots.quarantined)
+        # Quarantined slots do not count: nobody waits for them, the next drain frees them.
+        return bool(self._pool.busy() or self._lookup.pending() or self._prefetch_queue or self._fence)
 
     def reset_cache(self) -> None:
         """Forget every request's state. Jobs in flight at the reset are flushed to the workers
