@@ -3,7 +3,7 @@
 # offline engine: uvicorn & co) onto the offline GPU host, in two transfers of < 64 MiB each.
 # See bench/gpu/stage.md for the whole procedure and timings.
 #
-#   here:  bash bench/gpu/stage.sh bundle          # -> .gpu-stage/c1 (60 MiB), .gpu-stage/c2 (~58 MB)
+#   here:  bash bench/gpu/stage.sh bundle          # -> .gpu-stage/c1 (59 MiB), .gpu-stage/c2 (58.2 MiB)
 #   host:  bash bench/gpu/stage.sh recv c1         # copy a carried part to /tmp/stage
 #   host:  bash bench/gpu/stage.sh probe           # which of the API server's imports the host lacks (no vLLM needed)
 #   host:  bash bench/gpu/stage.sh recv c2
@@ -25,8 +25,9 @@ case "${1:-}" in
     [ -d "$out/bundle" ] || bash "$mb" "$out/bundle"
     rm -rf "$out/c1" "$out/c2"
     mkdir -p "$out/c1" "$out/c2/wheels"
-    # Re-split the vLLM tree (tar.gz) into one 60 MiB part and a rest that fits with the wheels.
-    cat "$out"/bundle/vllm.part.* | split -b 60m - "$out/c1/vllm.part."
+    # Re-split the vLLM tree (tar.gz) into one 59 MiB part and a rest that fits with the wheels
+    # (c1 59.0 MiB, c2 58.2 MiB: each call keeps ~4 MB for the working tree under the 64 MiB).
+    cat "$out"/bundle/vllm.part.* | split -b 59m - "$out/c1/vllm.part."
     mv "$out/c1/vllm.part.ab" "$out/c2/"
     cp "$out"/bundle/wheels/*.whl "$out/c2/wheels/"
     # memkv's own runtime dependency missing from the host image (license.py imports jwt).
