@@ -383,6 +383,10 @@ def main() -> int:
                         log(f"[{role}] retrying without logprobs")
                         args.logprobs = 0
                         srec["logprobs_disabled"] = w["error"]
+                        w = stream_completion(port, body(ttft.prompt_ids(n, 424242 + n, vocab)), args.request_timeout_s)
+                        if w.get("error"):
+                            srec["warmup_errors"].append(w["error"])
+                            log(f"[{role}] warm-up {n} without logprobs: {w['error']}")
             time.sleep(0.5)
             for L in tokens:
                 for rep in range(args.reps):
