@@ -34,7 +34,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from memkv import __version__
 from memkv.protocol import HELLO_MAGIC
-from memkv.server.node import ADMIN_MAX_CONNECTIONS, Node
+from memkv.server.node import ACCEPT_BACKOFF_S, ADMIN_MAX_CONNECTIONS, EXHAUSTED_ERRNOS, Node
 
 log = logging.getLogger("memkv.admin")
 
@@ -96,6 +96,15 @@ class BoundedHTTPServer(ThreadingHTTPServer):
         self._closed = threading.Event()
         self._reaper = threading.Thread(target=self._reap, name="memkv-admin-reaper", daemon=True)
         self._reaper.start()
+
+    def get_request(self):
+        try:
+            return super().get_request()
+        except OSError as exc:
+            if exc.errno in EXHAUSTED_ERRNOS:  # the listener stays readable: back off, do not spin
+                self.metrics.admin_refused.labels(EXHAUSTED_ERRNOS[exc.errno]).inc()
+                self._closed.wait(ACCEPT_BACKOFF_S)
+            raise  # socketserver drops this accept and polls again
 
     def process_request(self, request, client_address) -> None:
         with self._lock:
@@ -182,7 +191,7 @@ class AdminServer:
 def _make_handler(admin: AdminServer):
     class Handler(BaseHTTPRequestHandler):
         server_version = f"memkv/{__version__}"
-        timeout = ADMIN_TIMEOUT_S  # each read and write; the reaper bounds the whole connection
+        timeout = 2 * ADMIN_TIMEOUT_S  # each read and write: a backstop; the reaper bounds the whole connection
 
         def handle_one_request(self) -> None:
             try:

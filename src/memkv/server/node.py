@@ -75,7 +75,7 @@ HEAD_BYTES = 64 << 10
 # their reservation until --io-timeout.
 INFLIGHT_WAIT_S = 1.0
 # accept() errnos that mean "no resources right now", never "the listener is broken".
-_EXHAUSTED = {errno.EMFILE: "fd_limit", errno.ENFILE: "fd_limit_system", errno.ENOBUFS: "no_memory", errno.ENOMEM: "no_memory"}
+EXHAUSTED_ERRNOS = {errno.EMFILE: "fd_limit", errno.ENFILE: "fd_limit_system", errno.ENOBUFS: "no_memory", errno.ENOMEM: "no_memory"}
 
 
 def fit_connections_to_fd_limit(max_connections: int) -> int:
@@ -152,9 +152,9 @@ class Node:
                 except OSError as exc:
                     if self._stopping.is_set():
                         break
-                    if exc.errno not in _EXHAUSTED:
+                    if exc.errno not in EXHAUSTED_ERRNOS:
                         raise
-                    self._shed_newest(_EXHAUSTED[exc.errno])
+                    self._shed_newest(EXHAUSTED_ERRNOS[exc.errno])
                     self._stopping.wait(ACCEPT_BACKOFF_S)  # descriptors free up as connections end
                     continue
                 self._start_connection(sock, peer)
