@@ -112,7 +112,7 @@ class Node:
         self._auth_key = auth_key
         # PUT buffers reserved but not yet filled, all connections together (each connection has
         # at most one: its items are received one after another). Bounds what writers that
-        # stall mid-value can take from the cache (docs/protocol.md, section 5).
+        # stall mid-value can take from the cache (docs/operations.md, "Resource bounds").
         inflight = max(2 * config.max_value_bytes, config.capacity_bytes // 4)
         self.store = Store(config.capacity_bytes, config.lanes, max_inflight_bytes=min(inflight, config.capacity_bytes))
         self.metrics = NodeMetrics(self.store)
