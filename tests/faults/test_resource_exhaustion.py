@@ -9,7 +9,7 @@ Behaviour under test:
 * a node whose descriptors run out while it runs (its RLIMIT_NOFILE cut with prlimit to a few
   above what it holds) keeps its accept loop: accept()'s EMFILE sheds the newest connection,
   is counted (`reason="fd_limit"`), and once the flood ends the node serves again (it used to
-  exit: `serve_forever` re-raised the OSError);
+  exit: `serve_forever` re-raised the OSError); a shed peer gets a SERVER_BUSY refusal at once;
 * the admin port is bounded: during a flood of idle HTTP connections the node holds at most
   its admin cap of them (threads bounded), /v1/health and the data port keep answering, the
   shed connections are counted (`memkv_node_admin_connections_refused_total{reason}`), and the
@@ -27,6 +27,7 @@ import socket
 
 import pytest
 
+from memkv import protocol as p
 from memkv.server.admin import ADMIN_TIMEOUT_S
 from memkv.server.node import ADMIN_FDS, ADMIN_MAX_CONNECTIONS, PROCESS_FDS
 from tests.faults.nodeops import admin_get, metric_value, metrics_of, open_fds, status_of, thread_count
@@ -58,11 +59,13 @@ def idle_connections(port: int, count: int):
             s.close()
 
 
-def closed_by_peer(sock: socket.socket) -> bool:
-    """Whether the node closed `sock` (looked at without waiting or consuming a byte)."""
+def shed_by_node(sock: socket.socket) -> bool:
+    """Whether the node refused (a SERVER_BUSY ServerHello) or closed `sock`, looked at without
+    waiting or consuming a byte. A connection the node accepted gets nothing until its hello."""
     sock.setblocking(False)
     try:
-        return sock.recv(1, socket.MSG_PEEK) == b""
+        data = sock.recv(p.SERVER_HELLO.size, socket.MSG_PEEK)
+        return data == b"" or data.startswith(p.SERVER_HELLO_MAGIC)
     except BlockingIOError:  # open, nothing to read
         return False
     except OSError:  # reset
@@ -108,9 +111,9 @@ def test_accept_out_of_descriptors_sheds_counts_and_keeps_serving(start_node, ma
     with idle_connections(node.port, 4 * headroom) as flood:
         # Out of descriptors, the admin port cannot accept a scrape either: the shedding shows
         # on the flood's side, as connections the node closed at once.
-        wait_until(lambda: sum(map(closed_by_peer, flood)) >= 1, 10.0, what="the node to shed connections on EMFILE")
+        wait_until(lambda: sum(map(shed_by_node, flood)) >= 1, 10.0, what="the node to shed connections on EMFILE")
         assert node.proc.poll() is None, f"the node exited on EMFILE:\n{''.join(node.output)[-3000:]}"
-        opened, shed_seen = len(flood), sum(map(closed_by_peer, flood))
+        opened, shed_seen = len(flood), sum(map(shed_by_node, flood))
     # The flood is gone: its descriptors come back and the node accepts again under the same limit.
     wait_until(lambda: status_of(node)["connections"] == baseline, 15.0, what="the flood's connections to close")
     assert serves(node, make_client, "after")

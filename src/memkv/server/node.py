@@ -180,7 +180,11 @@ class Node:
                 sock, _ = self._listener.accept()
             finally:
                 self._listener.settimeout(0.25)
-            sock.close()
+            try:
+                sock.setblocking(False)
+                sock.send(p.ServerHandshake.refusal(p.ErrorCode.SERVER_BUSY))  # "too many connections"
+            finally:
+                sock.close()
         except OSError:
             pass  # nothing waiting, or still out of resources: the count stands
         finally:
