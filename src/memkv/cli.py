@@ -4,8 +4,9 @@ r"""The `memkv` command: run a node, and look at a cluster as an operator.
                     of the container's memory limit)
     memkv keygen    print a new 64-hex-character auth key
     memkv probe     authenticated round trip to every configured server
-    memkv status    each server's admin status as a table: used/capacity, values, hit ratio,
-                    evictions, health (and per lane with --lanes)
+    memkv status    each server's admin status as a table: stored / allocated / capacity, values,
+                    hit ratio, evictions, health (and per lane with --lanes); an authenticated
+                    PING on each data port checks the key too (the admin port takes none)
     memkv bench     move values through the client, with a progress bar on stderr; with no
                     servers configured, against an embedded local node on loopback
     memkv get/put/del/ls   small key tools for debugging a namespace
@@ -62,13 +63,16 @@ from memkv.config import (
     LaneSpec,
     ServerAddress,
     ServerConfig,
+    SIZE_UNITS_HELP,
+    capacity_warning,
     default_capacity_bytes,
     default_key_path,
+    env_value,
     format_size,
     parse_address,
     parse_size,
 )
-from memkv.errors import ConfigError, MemKVError
+from memkv.errors import AuthError, ConfigError, MemKVError
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 ENV_LOG_LEVEL = "MEMKV_LOG_LEVEL"
@@ -121,10 +125,11 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--admin-port", type=int, default=None, help="admin HTTP port (default: data port + 1; 0 picks a free one)")
     s.add_argument("--admin-host", default=None, help="admin HTTP address (default: the data host)")
     s.add_argument("--capacity", default=None,
-                   help="byte capacity, e.g. 512MiB, 8GiB (default: 1/4 of RAM, or of the cgroup memory limit when lower)")
+                   help=f"byte capacity, e.g. 512MiB, 8GiB; units: {SIZE_UNITS_HELP} "
+                        "(default: 1/4 of RAM, or of the cgroup memory limit when lower)")
     s.add_argument("--lane", action="append", default=[], metavar="NAME:PREFIX:SHARE",
                    help="an eviction lane: keys starting with PREFIX share SHARE of the capacity (repeatable)")
-    s.add_argument("--max-value-size", default="64MiB", help="largest value accepted (default 64MiB)")
+    s.add_argument("--max-value-size", default="64MiB", help="largest value accepted, a size as for --capacity (default 64MiB)")
     s.add_argument("--key-file", default=None, help="file holding the 64-hex auth key (MEMKV_AUTH_KEY wins when set)")
     s.add_argument("--max-connections", type=int, default=1024, help="concurrent client connections (default 1024)")
     s.add_argument("--idle-timeout", type=float, default=300.0, help="seconds an idle connection is kept (default 300)")
@@ -148,12 +153,13 @@ def _parser() -> argparse.ArgumentParser:
     st.set_defaults(func=cmd_status)
 
     b = sub.add_parser("bench", help="store and load values through the client (progress bar on stderr)")
-    b.add_argument("--value-size", default="16MiB")
+    b.add_argument("--value-size", default="16MiB", help="bytes per value, e.g. 1MiB, 16MiB, 4MB (default 16MiB)")
     b.add_argument("--values", type=int, default=32, help="values per round (default 32)")
-    b.add_argument("--rounds", type=int, default=3)
-    b.add_argument("--threads", type=int, default=2)
+    b.add_argument("--rounds", type=int, default=3,
+                   help="rounds of store-then-load; the figures printed are the median round (default 3)")
+    b.add_argument("--threads", type=int, default=2, help="client threads moving values in parallel (default 2)")
     b.add_argument("--embedded", action="store_true", help="run against a local node started for the run (default when neither MEMKV_SERVERS nor MEMKV_CONFIG is set)")
-    b.add_argument("--json", action="store_true")
+    b.add_argument("--json", action="store_true", help='print the result as one JSON object on stdout ({"ok", "put_gbps", ...})')
     b.set_defaults(func=cmd_bench)
 
     g = sub.add_parser("get", help="print or save one value (exit 1 on a miss)")
@@ -182,7 +188,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _server_key(args) -> AuthKey:
-    if os.environ.get(ENV_AUTH_KEY):
+    if env_value(os.environ, ENV_AUTH_KEY) is not None:
         return AuthKey.from_hex(os.environ[ENV_AUTH_KEY], ENV_AUTH_KEY)
     if args.key_file:
         return AuthKey.from_file(args.key_file, "--key-file")
@@ -212,6 +218,8 @@ def cmd_serve(args) -> int:
 
     host, port = parse_address(args.listen, "--listen", DEFAULT_PORT)
     capacity = parse_size(args.capacity, "--capacity") if args.capacity else default_capacity_bytes()
+    if warning := capacity_warning(capacity):
+        logging.getLogger("memkv.serve").warning("%s", warning)
     config = ServerConfig(
         host=host,
         port=port,
@@ -323,6 +331,14 @@ def _key_arg(text: str) -> bytes:
     return key
 
 
+def _failure(server: str, exc: MemKVError) -> str:
+    """What went wrong with `server`, worded by who is at fault: a node that answered but does
+    not share our key is not unreachable."""
+    if isinstance(exc, AuthError):
+        return f"authentication failed on server {server}: {exc}"
+    return f"server {server} unreachable: {exc}"
+
+
 def _unreachable(client, server: str) -> str | None:
     """Why `server` is marked down after a failed call, or None when it answered."""
     for h in client.health():
@@ -365,7 +381,9 @@ def fetch_status(host: str, admin_port: int, timeout_s: float = 2.0) -> dict:
         return json.load(resp)
 
 
-def _status_row(server: ServerAddress, offset: int, timeout_s: float) -> dict:
+def _status_row(server: ServerAddress, offset: int, timeout_s: float, node=None) -> dict:
+    """One server's admin status, then (with `node`, its NodeClient) an authenticated PING on
+    its data port: the admin port takes no key, so only the ping shows that ours is right."""
     row: dict = {"server": server.name, "admin": f"{_fmt(server.host)}:{server.port + offset}"}
     try:
         s = fetch_status(server.host, server.port + offset, timeout_s)
@@ -375,7 +393,8 @@ def _status_row(server: ServerAddress, offset: int, timeout_s: float) -> dict:
             "node_id": s["node_id"],
             "version": s.get("version"),
             "uptime_s": s.get("uptime_s"),
-            "used_bytes": s["allocated_bytes"],
+            "used_bytes": s["allocated_bytes"],  # kept for scripts written before allocated_bytes
+            "allocated_bytes": s["allocated_bytes"],
             "stored_bytes": s["stored_bytes"],
             "capacity_bytes": s["capacity_bytes"],
             "used_ratio": s["allocated_bytes"] / s["capacity_bytes"] if s["capacity_bytes"] else None,
@@ -395,6 +414,16 @@ def _status_row(server: ServerAddress, offset: int, timeout_s: float) -> dict:
         row.update({"health": "down", "error": f"admin port {row['admin']}: {getattr(exc, 'reason', exc)}"})
     except (OSError, ValueError, KeyError, TypeError) as exc:
         row.update({"health": "down", "error": f"admin port {row['admin']}: bad answer ({type(exc).__name__}: {exc})"})
+    if "error" in row or node is None:
+        row["auth"] = "not checked"
+        return row
+    try:
+        node.ping()
+        row["auth"] = "ok"
+    except AuthError as exc:
+        row.update({"health": "auth failed", "auth": "failed", "data_error": f"data port {server.name}: authentication failed: {exc}"})
+    except MemKVError as exc:
+        row.update({"health": "down", "auth": "not checked", "data_error": f"data port {server.name}: {exc}"})
     return row
 
 
@@ -407,6 +436,7 @@ def _cluster_totals(rows: list[dict]) -> dict:
         "servers": len(rows),
         "healthy": sum(1 for r in rows if r["health"] == "ok"),
         "used_bytes": used,
+        "allocated_bytes": used,
         "stored_bytes": sum(r["stored_bytes"] for r in up),
         "capacity_bytes": capacity,
         "used_ratio": used / capacity if capacity else None,
@@ -422,8 +452,11 @@ def _cluster_totals(rows: list[dict]) -> dict:
 def cmd_status(args) -> int:
     config = ClientConfig.from_env()
     servers = list(config.servers)
-    with concurrent.futures.ThreadPoolExecutor(min(16, len(servers))) as pool:  # a dead node costs one timeout, not N
-        rows = list(pool.map(lambda s: _status_row(s, args.admin_port_offset, args.timeout), servers))
+    from memkv.client.cluster import Client
+
+    with Client(config) as client, concurrent.futures.ThreadPoolExecutor(min(16, len(servers))) as pool:
+        nodes = {n.name: n for n in client._nodes}  # a dead node costs one timeout, not N
+        rows = list(pool.map(lambda s: _status_row(s, args.admin_port_offset, args.timeout, nodes.get(s.name)), servers))
     totals = _cluster_totals(rows)
     ok = totals["healthy"] == len(rows)
     if args.json:
@@ -434,7 +467,7 @@ def cmd_status(args) -> int:
 
     console = Console(width=None if sys.stdout.isatty() else 200)
     table = Table(title="MemKV cluster", show_footer=len(rows) > 1)
-    cols = ("server", "node", "health", "used / capacity", "values", "hit ratio", "evictions", "conns", "uptime")
+    cols = ("server", "node", "health", "stored / allocated / capacity", "values", "hit ratio", "evictions", "conns", "uptime")
     footer = ("total", "", f"{totals['healthy']}/{totals['servers']} ok", _used(totals), str(totals["values"]),
               _ratio(totals["hit_ratio"]), str(totals["evictions"]), str(totals["connections"]), "")
     for col, foot in zip(cols, footer):
@@ -443,7 +476,8 @@ def cmd_status(args) -> int:
         if "error" in r:
             table.add_row(r["server"], "", "[red]DOWN[/red]", r["error"], "", "", "", "", "")
             continue
-        health = "[green]ok[/green]" if r["health"] == "ok" else "[yellow]draining[/yellow]"
+        health = {"ok": "[green]ok[/green]", "draining": "[yellow]draining[/yellow]",
+                  "auth failed": "[red]AUTH FAILED[/red]"}.get(r["health"], "[red]DOWN[/red]")
         table.add_row(r["server"], str(r["node_id"]), health, _used(r), str(r["values"]), _ratio(r["hit_ratio"]),
                       str(r["evictions"]), str(r["connections"]), _duration(r.get("uptime_s")))
     console.print(table)
@@ -459,13 +493,15 @@ def cmd_status(args) -> int:
         console.print(lanes)
     for r in rows:
         if r["health"] != "ok":
-            print(f"memkv: {r['server']}: {r.get('error', 'not ready (shutting down)')}", file=sys.stderr)
+            print(f"memkv: {r['server']}: {r.get('error') or r.get('data_error') or 'not ready (shutting down)'}", file=sys.stderr)
     return EXIT_OK if ok else EXIT_FAILED
 
 
 def _used(r: dict) -> str:
-    pct = f" ({r['used_ratio']:.0%})" if r.get("used_ratio") is not None else ""
-    return f"{format_size(r['used_bytes'])} / {format_size(r['capacity_bytes'])}{pct}"
+    """Stored value bytes, then the buffer bytes allocated for them (stored values rounded up to
+    pages, buffers pooled for reuse, PUTs in flight), out of the capacity."""
+    pct = f" ({r['used_ratio']:.0%} allocated)" if r.get("used_ratio") is not None else ""
+    return f"{format_size(r['stored_bytes'])} / {format_size(r['used_bytes'])} / {format_size(r['capacity_bytes'])}{pct}"
 
 
 def _ratio(value: float | None) -> str:
@@ -498,10 +534,10 @@ def cmd_get(args) -> int:
             try:
                 present = client.exists_on(server, [key])[0]
             except MemKVError as exc:
-                down = str(exc)
+                down = _failure(server, exc)
     doc = {"ok": value is not None, "key": args.key, "server": server, "found": value is not None}
     if down:
-        doc["error"] = f"server {server} unreachable: {down}"
+        doc["error"] = down
     elif present:
         doc["error"] = "stored but not loaded (it failed its checksum, or changed while being read)"
     elif value is None:
@@ -542,7 +578,7 @@ def cmd_put(args) -> int:
             client.put(key, data)
             error = None
         except MemKVError as exc:
-            error = str(exc)
+            error = _failure(server, exc) if isinstance(exc, AuthError) else str(exc)
     doc = {"ok": error is None, "key": args.key, "server": server, "bytes": len(data)}
     if error:
         doc["error"] = error
@@ -638,7 +674,7 @@ def cmd_bench(args) -> int:
         if getattr(args, name) < 1:
             raise UsageError(f"--{name} must be at least 1")
     progress = not args.json
-    embedded = args.embedded or not (os.environ.get(ENV_SERVERS) or os.environ.get(ENV_CONFIG))
+    embedded = args.embedded or not (env_value(os.environ, ENV_SERVERS) or env_value(os.environ, ENV_CONFIG))
     try:
         if embedded:
             from memkv.local import LocalNode, new_key_hex
@@ -655,12 +691,17 @@ def cmd_bench(args) -> int:
         if isinstance(exc, ConfigError):
             raise
         return _fail(args, EXIT_FAILED, f"bench failed: {exc}")
-    result = {"ok": bool(result["verified"]), **result}
+    result = {"ok": True, **result}  # run_client_bench raises unless every value was stored, loaded and verified
     if args.json:
         _print_json(result)
     else:
-        print(f"values {format_size(value_bytes)} x {args.values}, {args.threads} threads, {args.rounds} rounds, servers {result['servers']}")
-        print(f"put  {result['put_gbps']:.2f} GB/s   (best round {result['put_gbps_best']:.2f})")
-        print(f"get  {result['get_gbps']:.2f} GB/s   (best round {result['get_gbps_best']:.2f})")
+        print(f"values {format_size(value_bytes)} x {args.values}, {_plural(args.threads, 'thread')}, "
+              f"{_plural(args.rounds, 'round')}, servers {result['servers']}")
+        print(f"put  {result['put_gbps']:.2f} GB/s median of {_plural(args.rounds, 'round')}   (best round {result['put_gbps_best']:.2f})")
+        print(f"get  {result['get_gbps']:.2f} GB/s median of {_plural(args.rounds, 'round')}   (best round {result['get_gbps_best']:.2f})")
         print(f"verified byte-exact: {result['verified']}")
-    return EXIT_OK if result["verified"] else EXIT_FAILED
+    return EXIT_OK
+
+
+def _plural(n: int, word: str) -> str:
+    return f"{n} {word}" if n == 1 else f"{n} {word}s"

@@ -80,3 +80,16 @@ def restart_empty(node: LocalNode, capacity: str = "256MiB", extra_args=()) -> L
     port = node.port
     node.kill()
     return start_on_port(node.auth_key_hex, port, capacity, extra_args)
+
+
+def open_fds(pid: int) -> int:
+    """Descriptors `pid` has open right now."""
+    return len(os.listdir(f"/proc/{pid}/fd"))
+
+
+def thread_count(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("Threads:"):
+                return int(line.split()[1])
+    raise AssertionError("no Threads line")

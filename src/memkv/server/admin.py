@@ -6,12 +6,26 @@
     GET /v1/metrics  Prometheus text format
 
 Nothing secret is served: no key material, no value bytes (keys are not listed either).
+
+Bounds: one request per connection (HTTP/1.0), and each connection is closed ADMIN_TIMEOUT_S after
+it was accepted, however its peer paces its bytes. At most ADMIN_MAX_CONNECTIONS
+(memkv/server/node.py) are served at once; at the cap a new connection sheds the oldest one that
+has not yet sent its request (so idle connections cannot lock a health check out), and when every
+connection is busy answering it is refused with a 503. Closes and refusals are counted in
+`memkv_node_admin_connections_refused_total{reason}`.
+
+A MemKV client pointed here by mistake sends a ClientHello: it is answered at once with an HTTP
+400 naming the data port, so the client can say what is wrong instead of timing out.
+
+Threading: the server's thread accepts; each connection gets a daemon thread; a reaper thread
+enforces the per-connection deadline. All connection bookkeeping is under `_lock`.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import socket
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -19,9 +33,17 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from memkv import __version__
-from memkv.server.node import Node
+from memkv.protocol import HELLO_MAGIC
+from memkv.server.node import ACCEPT_BACKOFF_S, ADMIN_MAX_CONNECTIONS, EXHAUSTED_ERRNOS, Node
 
 log = logging.getLogger("memkv.admin")
+
+ADMIN_TIMEOUT_S = 10.0  # a whole admin connection, accept to close: scrapes take milliseconds
+_REFUSAL = b"HTTP/1.0 503 Service Unavailable\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
+_NOT_THE_DATA_PORT = (
+    "this is a MemKV node's admin port (HTTP), not its data port: point MEMKV_SERVERS at the data port "
+    "(by default the admin port - 1)\n"
+).encode()
 
 
 def node_status(node: Node, admin_address: tuple[str, int]) -> dict:
@@ -35,6 +57,7 @@ def node_status(node: Node, admin_address: tuple[str, int]) -> dict:
         "ready": node.ready,
         "uptime_s": round(time.time() - node.started_at, 3),
         "connections": node.connection_count(),
+        "max_connections": node.max_connections,
         "max_value_bytes": node.limits.max_value_bytes,
         **stats,
         "hits": _counter(node, "memkv_node_keys_total", {"op": "get", "result": "ok"}),
@@ -47,12 +70,113 @@ def _counter(node: Node, name: str, labels: dict) -> float:
     return value or 0.0
 
 
+class _Conn:
+    __slots__ = ("deadline", "waiting", "closing")
+
+    def __init__(self, deadline: float) -> None:
+        self.deadline = deadline
+        self.waiting = True  # no request read yet: the first to go when the cap is reached
+        self.closing = False  # shut down by us; its thread is on its way out
+
+
+class BoundedHTTPServer(ThreadingHTTPServer):
+    """ThreadingHTTPServer with a connection cap, shedding and a per-connection deadline."""
+
+    daemon_threads = True
+    request_queue_size = 128  # a burst of scrapes waits in the backlog, not in SYN retries
+
+    def __init__(self, address, handler, metrics, max_connections: int = ADMIN_MAX_CONNECTIONS,
+                 timeout_s: float = ADMIN_TIMEOUT_S) -> None:
+        super().__init__(address, handler)
+        self.metrics = metrics
+        self.max_connections = max_connections
+        self.timeout_s = timeout_s
+        self._lock = threading.Lock()
+        self._conns: dict[socket.socket, _Conn] = {}
+        self._closed = threading.Event()
+        self._reaper = threading.Thread(target=self._reap, name="memkv-admin-reaper", daemon=True)
+        self._reaper.start()
+
+    def get_request(self):
+        try:
+            return super().get_request()
+        except OSError as exc:
+            if exc.errno in EXHAUSTED_ERRNOS:  # the listener stays readable: back off, do not spin
+                self.metrics.admin_refused.labels(EXHAUSTED_ERRNOS[exc.errno]).inc()
+                self._closed.wait(ACCEPT_BACKOFF_S)
+            raise  # socketserver drops this accept and polls again
+
+    def process_request(self, request, client_address) -> None:
+        with self._lock:
+            live = [(c.deadline, s) for s, c in self._conns.items() if not c.closing]
+            if len(live) >= self.max_connections:
+                idle = min(((d, s) for d, s in live if self._conns[s].waiting), default=None, key=lambda x: x[0])
+                if idle is None or len(self._conns) >= 2 * self.max_connections:
+                    self._refuse(request, "max_connections")
+                    return
+                self._close(idle[1], "idle_shed")
+            self._conns[request] = _Conn(time.monotonic() + self.timeout_s)
+            self.metrics.admin_connections.inc()
+        try:
+            super().process_request(request, client_address)
+        except RuntimeError:  # no thread to be had: refuse rather than stop the admin port
+            self._forget(request)
+            self._refuse(request, "no_thread")
+
+    def process_request_thread(self, request, client_address) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._forget(request)
+
+    def mark_busy(self, request) -> None:
+        with self._lock:
+            conn = self._conns.get(request)
+            if conn is not None:
+                conn.waiting = False
+
+    def _forget(self, request) -> None:
+        with self._lock:
+            if self._conns.pop(request, None) is not None:
+                self.metrics.admin_connections.dec()
+
+    def _refuse(self, request, reason: str) -> None:
+        self.metrics.admin_refused.labels(reason).inc()
+        try:
+            request.setblocking(False)  # never wait on a peer we refuse
+            request.send(_REFUSAL)
+        except OSError:
+            pass
+        self.shutdown_request(request)
+
+    def _close(self, request, reason: str) -> None:
+        """Shut a connection down (lock held); its own thread closes it and forgets it."""
+        self._conns[request].closing = True
+        self.metrics.admin_refused.labels(reason).inc()
+        try:
+            request.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+
+    def _reap(self) -> None:
+        while not self._closed.wait(0.25):
+            now = time.monotonic()
+            with self._lock:
+                for request, conn in list(self._conns.items()):
+                    if not conn.closing and now > conn.deadline:
+                        self._close(request, "timeout")
+
+    def server_close(self) -> None:
+        self._closed.set()
+        super().server_close()
+
+
 class AdminServer:
-    def __init__(self, node: Node, host: str, port: int) -> None:
+    def __init__(self, node: Node, host: str, port: int, max_connections: int = ADMIN_MAX_CONNECTIONS,
+                 timeout_s: float = ADMIN_TIMEOUT_S) -> None:
         self.node = node
         handler = _make_handler(self)
-        self.httpd = ThreadingHTTPServer((host, port), handler)
-        self.httpd.daemon_threads = True
+        self.httpd = BoundedHTTPServer((host, port), handler, node.metrics, max_connections, timeout_s)
         self.address = self.httpd.server_address[:2]
         self._thread = threading.Thread(target=self.httpd.serve_forever, kwargs={"poll_interval": 0.25}, name="memkv-admin", daemon=True)
 
@@ -67,6 +191,28 @@ class AdminServer:
 def _make_handler(admin: AdminServer):
     class Handler(BaseHTTPRequestHandler):
         server_version = f"memkv/{__version__}"
+        timeout = 2 * ADMIN_TIMEOUT_S  # each read and write: a backstop; the reaper bounds the whole connection
+
+        def handle_one_request(self) -> None:
+            try:
+                head = self.rfile.peek(len(HELLO_MAGIC))[: len(HELLO_MAGIC)]
+            except OSError:  # timed out, reset, or shut down by the reaper
+                self.close_connection = True
+                return
+            if head == HELLO_MAGIC:  # a MemKV client at the wrong port: say so at once
+                self.close_connection = True
+                try:
+                    self.wfile.write(b"HTTP/1.0 400 Bad Request\r\nContent-Type: text/plain\r\nContent-Length: "
+                                     + str(len(_NOT_THE_DATA_PORT)).encode() + b"\r\nConnection: close\r\n\r\n"
+                                     + _NOT_THE_DATA_PORT)
+                except OSError:
+                    pass
+                return
+            super().handle_one_request()
+
+        def parse_request(self) -> bool:
+            admin.httpd.mark_busy(self.request)  # a request line arrived: no longer idle
+            return super().parse_request()
 
         def do_GET(self) -> None:  # noqa: N802 (http.server naming)
             node = admin.node

@@ -26,6 +26,9 @@ class StoreCollector:
             "memkv_node_allocated_bytes", "Buffer bytes held: stored, pooled for reuse, and in flight", value=s["allocated_bytes"]
         )
         yield GaugeMetricFamily("memkv_node_values", "Number of stored values", value=s["values"])
+        yield GaugeMetricFamily(
+            "memkv_node_inflight_bytes", "Buffer bytes reserved for PUT values still being received", value=s["inflight_bytes"]
+        )
         lane_bytes = GaugeMetricFamily("memkv_node_lane_used_bytes", "Buffer bytes used per lane", labels=["lane"])
         lane_share = GaugeMetricFamily("memkv_node_lane_share_bytes", "Capacity share per lane", labels=["lane"])
         lane_values = GaugeMetricFamily("memkv_node_lane_values", "Values per lane", labels=["lane"])
@@ -62,5 +65,16 @@ class NodeMetrics:
         self.connections = Gauge("memkv_node_connections", "Open client connections", registry=r)
         self.connections_total = Counter("memkv_node_connections_accepted", "Client connections accepted", registry=r)
         self.refused_connections = Counter(
-            "memkv_node_connections_refused", "Connections refused (limit reached or shutting down)", registry=r
+            "memkv_node_connections_refused",
+            "Data-port connections refused or shed, by reason (max_connections, fd_limit, fd_limit_system, no_memory, no_thread)",
+            ["reason"], registry=r,
+        )
+        self.admin_connections = Gauge("memkv_node_admin_connections", "Open admin-port (HTTP) connections", registry=r)
+        self.admin_refused = Counter(
+            "memkv_node_admin_connections_refused",
+            "Admin-port connections refused or closed by the node, by reason (max_connections, idle_shed, timeout)",
+            ["reason"], registry=r,
+        )
+        self.puts_refused = Counter(
+            "memkv_node_puts_refused", "PUT items answered NO_SPACE, by reason (no_space, inflight_limit)", ["reason"], registry=r
         )
