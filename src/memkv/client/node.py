@@ -201,12 +201,14 @@ class NodeConnection:
             raise ServerError(f"{self.name}: node error {p.error_name(msg.code)}: {msg.message}", msg.code)
         return msg
 
-    def get_into(self, keys: Sequence[bytes], views: Sequence[memoryview], checksummer: Checksummer) -> list[bool]:
+    def get_into(self, keys: Sequence[bytes], views: Sequence[memoryview],
+                 checksummer: Checksummer) -> tuple[list[bool], int]:
         """GET values straight into `views` (each exactly the expected length).
 
-        True only for a value received whole whose checksum verified. On a checksum failure the
-        result is False and the connection stays usable. Raises on transport/protocol errors:
-        every value not yet verified counts as not loaded.
+        Returns (loaded, checksum_failures). `loaded[i]` is True only for a value received whole
+        whose checksum verified. On a checksum failure the item is False, counted in
+        `checksum_failures`, and the connection stays usable. Raises on transport/protocol
+        errors: every value not yet verified counts as not loaded.
         """
         frame = self.codec.encode(p.GetRequest(tuple(keys), tuple(len(v) for v in views)))
         with self._io("write"):
@@ -227,9 +229,7 @@ class NodeConnection:
             ok = self._recv_verified(view, item.algo, item.checksum, checksummer, deadline)
             bad_sums += not ok
             results.append(ok)
-        if bad_sums:
-            self.integrity_failures = getattr(self, "integrity_failures", 0) + bad_sums
-        return results
+        return results, bad_sums
 
     def _recv_verified(self, view: memoryview, algo: int, checksum: bytes, checksummer: Checksummer,
                        deadline: float) -> bool:

@@ -42,6 +42,7 @@ from typing import Callable, Sequence
 from memkv import protocol as p
 from memkv.client import metrics as m
 from memkv.client.node import NodeClient, NodeConnection
+from memkv.client.nodeset import NodeSet
 from memkv.errors import ConnectError, MemKVError, ReadTimeout, RemoteProtocolError
 
 OnAnswer = Callable[[list[int], list[bool]], None]
@@ -71,20 +72,19 @@ class _NodeState:
 
 
 class StatusPipeline:
-    """Pipelined status requests (`op` "exists" or "delete") over a client's nodes; see the
-    module docstring for the contract."""
+    """Pipelined status requests (`op` "exists" or "delete") over a client's nodes (placement,
+    connects on the executor, failure counting: the NodeSet); see the module docstring for the
+    contract."""
 
-    def __init__(self, nodes: Sequence[NodeClient], group: Callable[[list[bytes]], dict[int, list[int]]],
-                 executor: concurrent.futures.Executor, op: str, request: Callable[[tuple[bytes, ...]], p.Request],
-                 on_failure: Callable[[NodeClient, str, MemKVError], None], io_timeout_s: float,
+    def __init__(self, nodes: NodeSet, op: str, request: Callable[[tuple[bytes, ...]], p.Request],
                  check_keys: Callable[[Sequence[bytes]], list[bytes]] | None = None, wakeable: bool = False) -> None:
-        self._states = [_NodeState(n) for n in nodes]
-        self._group = group
-        self._executor = executor
+        self._states = [_NodeState(n) for n in nodes.nodes]
+        self._group = nodes.group
+        self._executor = nodes.executor
         self._op = op
         self._request = request
-        self._on_failure = on_failure
-        self._io_timeout_s = io_timeout_s
+        self._on_failure = nodes.count_failure
+        self._io_timeout_s = nodes.io_timeout_s
         self._check_keys = check_keys
         self._poller = select.poll()
         self._by_fd: dict[int, _NodeState] = {}

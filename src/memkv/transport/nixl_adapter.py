@@ -10,7 +10,7 @@ Install: `pip install --no-deps nixl-cu12==1.5.1 numpy` (the wheel's declared de
 a CUDA torch, 5.7 GB; without them it imports and moves DRAM fine). The meta package `nixl` and
 `nixl-cu13` work too: `_import_api` tries `nixl`, `nixl_cu12`, `nixl_cu13`.
 
-Traps handled here (measured on this project's machines, ../shared/ref/rdma.md):
+Traps handled here (measured on this project's machines; docs/rdma.md has the figures):
 
 * **Progress thread busy-poll.** `nixl_agent_config` hard-codes the progress thread's delay to
   0 us: every agent then spins one core even when idle (two agents starve a 2-core box). The
@@ -46,7 +46,7 @@ import uuid
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
-from memkv.transport.base import RdmaError
+from memkv.errors import RdmaError
 
 log = logging.getLogger("memkv.transport")
 
