@@ -50,7 +50,7 @@ from typing import Any
 
 from memkv import protocol as p
 from memkv.client import metrics as m
-from memkv.client.node import NodeClient
+from memkv.client.node import Connect, NodeClient, tcp_connect
 from memkv.client.nodeset import NodeSet, byte_chunks, chunks
 from memkv.client.pipeline import StatusPipeline
 from memkv.config import ClientConfig, ServerAddress
@@ -137,7 +137,9 @@ class Client:
     """A MemKV cluster client. See the module docstring for the failure semantics and the
     lifecycle; every method raises ClientClosed once the client is closed."""
 
-    def __init__(self, config: ClientConfig) -> None:
+    def __init__(self, config: ClientConfig, *, connect: Connect = tcp_connect) -> None:
+        """Build a client; nothing connects until the first call. `connect` is the socket seam
+        (`memkv.client.node.Connect`): how each connection's socket is made, TCP by default."""
         self.config = config
         self.checksummer = Checksummer(config.auth_key.raw, parse_integrity(config.integrity))
         nodes = [
@@ -150,6 +152,7 @@ class Client:
                 down_for_s=config.down_for_s,
                 checksummer=self.checksummer,
                 on_health=self._on_health,
+                connect=connect,
             )
             for addr in config.servers
         ]

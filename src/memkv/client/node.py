@@ -18,7 +18,7 @@ import os
 import socket
 import threading
 import time
-from typing import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 from memkv import protocol as p
 from memkv.config import ServerAddress
@@ -43,12 +43,28 @@ from memkv.sockio import PeerClosed, recv_exactly, recv_exactly_into, send_all, 
 # the GIL) 1 MiB pieces cut a 16-thread load from 8 to 2 GB/s on the GPU host (bench/gpu/xfer.py).
 _VERIFY_CHUNK = 16 << 20
 
+# The socket seam: how a connection's socket comes to be. `Client(config, connect=...)` hands
+# one down to every NodeConnection; tests pass an in-memory fake (tests/unit/fakenet.py), so
+# everything above the socket, handshake and codec included, runs unchanged.
+Connect = Callable[[ServerAddress, float], socket.socket]
+
+
+def tcp_connect(address: ServerAddress, timeout_s: float) -> socket.socket:
+    """A TCP connection to `address` with Nagle off (requests are single writes). Raises OSError."""
+    sock = socket.create_connection((address.host, address.port), timeout=timeout_s)
+    try:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
 
 class NodeConnection:
     """One authenticated connection. Raises MemKVError subclasses only."""
 
     def __init__(self, address: ServerAddress, auth_key: bytes, connect_timeout_s: float, io_timeout_s: float,
-                 version: int = p.PROTOCOL_VERSION) -> None:
+                 version: int = p.PROTOCOL_VERSION, connect: Connect = tcp_connect) -> None:
         self.address = address
         self.name = address.name
         self.io_timeout_s = io_timeout_s
@@ -56,11 +72,10 @@ class NodeConnection:
         self._rx = bytearray()  # the part of the next reply received by recv_ready so far
         self._rx_header: p.FrameHeader | None = None
         try:
-            self.sock = socket.create_connection((address.host, address.port), timeout=connect_timeout_s)
+            self.sock = connect(address, connect_timeout_s)
         except OSError as exc:
             raise map_os_error(exc, "connect", self.name) from exc
         try:
-            self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             handshake_s = max(connect_timeout_s, 1.0)
             set_timeouts(self.sock, handshake_s)
             self.codec, self.hello = self._handshake(auth_key, version, time.monotonic() + handshake_s)
@@ -273,7 +288,8 @@ class NodeClient:
     """A pool of connections to one node plus its health. Thread-safe."""
 
     def __init__(self, address: ServerAddress, auth_key: bytes, *, pool_size: int, connect_timeout_s: float,
-                 io_timeout_s: float, down_for_s: float, checksummer: Checksummer, on_health=None) -> None:
+                 io_timeout_s: float, down_for_s: float, checksummer: Checksummer,
+                 on_health: Callable[[str, bool], None] | None = None, connect: Connect = tcp_connect) -> None:
         self.address = address
         self.name = address.name
         self._auth_key = auth_key
@@ -290,6 +306,7 @@ class NodeClient:
         self.limits: p.Limits | None = None
         self.node_id: str | None = None
         self._on_health = on_health
+        self._connect = connect
         self._closed = False
 
     # -- health ---------------------------------------------------------------------------------
@@ -331,7 +348,8 @@ class NodeClient:
                 conn = self._idle.pop() if self._idle else None
             if conn is None:
                 try:
-                    conn = NodeConnection(self.address, self._auth_key, self._connect_timeout_s, self._io_timeout_s)
+                    conn = NodeConnection(self.address, self._auth_key, self._connect_timeout_s, self._io_timeout_s,
+                                          connect=self._connect)
                 except (TransportError, ProtocolError) as exc:
                     self.mark_down(exc)
                     raise
