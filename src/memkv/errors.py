@@ -146,8 +146,8 @@ def map_os_error(exc: OSError, op: str, server: str | None = None) -> TransportE
     """Translate a socket-level OSError raised during `op` ("connect", "read", "write")."""
     # BlockingIOError: a kernel timeout (SO_RCVTIMEO/SO_SNDTIMEO) expired on a blocking socket.
     if isinstance(exc, (socket.timeout, TimeoutError, BlockingIOError)):
-        cls = {"connect": ConnectTimeout, "read": ReadTimeout, "write": WriteTimeout}[op]
-        return cls(f"{op} timed out", server)
+        timeout: type[MemKVTimeout] = {"connect": ConnectTimeout, "read": ReadTimeout, "write": WriteTimeout}[op]
+        return timeout(f"{op} timed out", server)
     if op == "connect":
         hint = ""
         if exc.errno == errno.ECONNREFUSED:

@@ -45,7 +45,7 @@ import itertools
 import json
 import struct
 from collections.abc import Callable, Sequence
-from typing import Any, Union
+from typing import Any
 
 from memkv.errors import AuthError, LocalProtocolError, RemoteProtocolError
 
@@ -158,7 +158,7 @@ class Limits:
         if self.max_batch < 1 or self.max_meta_bytes < 64 or self.max_payload_bytes < self.max_value_bytes:
             raise ValueError(f"inconsistent limits: {self}")
 
-    def to_json(self) -> dict:
+    def to_json(self) -> dict[str, int]:
         return dataclasses.asdict(self)
 
     @property
@@ -320,11 +320,18 @@ class RdmaGetReply:
 
 
 # Every message a client sends, and every message a node sends (ERROR included).
-Request = Union[
-    PingRequest, PutRequest, GetRequest, ExistsRequest, DeleteRequest, ListRequest, RdmaAttachRequest, RdmaGetRequest
-]
-Reply = Union[PingReply, HelloOk, StatusReply, GetReply, ListReply, ErrorReply, RdmaAttachReply, RdmaGetReply]
-Message = Union[Request, Reply]
+Request = (
+    PingRequest
+    | PutRequest
+    | GetRequest
+    | ExistsRequest
+    | DeleteRequest
+    | ListRequest
+    | RdmaAttachRequest
+    | RdmaGetRequest
+)
+Reply = PingReply | HelloOk | StatusReply | GetReply | ListReply | ErrorReply | RdmaAttachReply | RdmaGetReply
+Message = Request | Reply
 
 
 def payload_length(msg: Message) -> int:
@@ -364,7 +371,9 @@ def _check_keys(keys: Sequence[bytes], limits: Limits, err: _ErrorClass) -> None
 
 def _check_value_length(length: int, limits: Limits, err: _ErrorClass) -> None:
     if length > limits.max_value_bytes:
-        raise err(f"value of {length} bytes exceeds max_value_bytes {limits.max_value_bytes}", ErrorCode.VALUE_TOO_LARGE)
+        raise err(
+            f"value of {length} bytes exceeds max_value_bytes {limits.max_value_bytes}", ErrorCode.VALUE_TOO_LARGE
+        )
 
 
 def _check_list_request(prefix: bytes, limit: int, limits: Limits, err: _ErrorClass) -> None:
@@ -518,7 +527,11 @@ def _encode_list_reply(msg: ListReply) -> _Encoded:
     if len(msg.lengths) != len(msg.keys):
         raise LocalProtocolError("a LIST reply needs one length per key", ErrorCode.MALFORMED)
     n = len(msg.keys)
-    return Opcode.LIST | Opcode.REPLY, 0, _pack_keys(msg.keys) + struct.pack(f">{n}I", *msg.lengths) + bytes([bool(msg.truncated)])
+    return (
+        Opcode.LIST | Opcode.REPLY,
+        0,
+        _pack_keys(msg.keys) + struct.pack(f">{n}I", *msg.lengths) + bytes([bool(msg.truncated)]),
+    )
 
 
 def _encode_error(msg: ErrorReply) -> _Encoded:
@@ -731,7 +744,7 @@ def _decode_list_reply(status: int, meta: memoryview, limits: Limits) -> _Decode
     truncated = meta[off]
     if truncated > 1:
         raise RemoteProtocolError(f"LIST reply truncated flag {truncated}: must be 0 or 1", ErrorCode.MALFORMED)
-    if any(a >= b for a, b in zip(keys, keys[1:])):
+    if any(a >= b for a, b in itertools.pairwise(keys)):
         raise RemoteProtocolError("LIST reply keys are not in strictly ascending byte order", ErrorCode.MALFORMED)
     return ListReply(keys, lengths, bool(truncated)), len(meta)
 
@@ -906,7 +919,9 @@ class FrameCodec:
         mac = bytes(prefix[FRAME_HEADER.size :])
         return FrameHeader(opcode, status, seq, meta_len, payload_len, mac)
 
-    def open(self, header: FrameHeader, prefix: bytes | bytearray | memoryview, meta: bytes | bytearray | memoryview) -> Message:
+    def open(
+        self, header: FrameHeader, prefix: bytes | bytearray | memoryview, meta: bytes | bytearray | memoryview
+    ) -> Message:
         """Verify MAC and sequence of a frame, then decode its meta into a message."""
         self._refuse_if_broken()
         try:
@@ -1100,7 +1115,7 @@ def auth_reject(code: int) -> bytes:
 def parse_auth_outcome_prefix(data: bytes) -> int | None:
     """After ClientAuth the node sends either a frame (b"MK"...) or AuthReject (b"MKVX" code)."""
     if data[:4] == REJECT_MAGIC:
-        return AUTH_REJECT.unpack(data[: AUTH_REJECT.size])[1]
+        return int(AUTH_REJECT.unpack(data[: AUTH_REJECT.size])[1])
     return None
 
 

@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
 import logging
 import threading
 import time
@@ -68,7 +69,7 @@ def _keys(keys: Sequence[KeyLike]) -> list[bytes]:
     if all(type(k) is bytes for k in keys):
         if keys and (min(map(len, keys)) == 0 or max(map(len, keys)) > p.DEFAULT_MAX_KEY_BYTES):
             return [_key(k) for k in keys]  # let _key name the bad one
-        return list(keys)
+        return list(keys)  # type: ignore[arg-type]  # all bytes: checked just above
     return [_key(k) for k in keys]
 
 
@@ -156,8 +157,9 @@ class Client:
             )
             for addr in config.servers
         ]
-        self._nodeset = NodeSet(nodes, [a.weight for a in config.servers], self.checksummer,
-                                config.io_timeout_s, config.pool_size)
+        self._nodeset = NodeSet(
+            nodes, [a.weight for a in config.servers], self.checksummer, config.io_timeout_s, config.pool_size
+        )
         self._nodes = self._nodeset.nodes  # in configuration order (the CLI and the tier iterate them)
         self._state = ClientState.UNOPENED
         self._state_lock = threading.Lock()
@@ -239,7 +241,13 @@ class Client:
     def health(self) -> list[dict[str, Any]]:
         self._use()
         return [
-            {"server": n.name, "up": not n.is_down, "failures": n.failures, "last_error": n.last_error, "node_id": n.node_id}
+            {
+                "server": n.name,
+                "up": not n.is_down,
+                "failures": n.failures,
+                "last_error": n.last_error,
+                "node_id": n.node_id,
+            }
             for n in self._nodes
         ]
 
@@ -281,8 +289,13 @@ class Client:
 
     # -- batches ----------------------------------------------------------------------------------
 
-    def exists(self, keys: Sequence[KeyLike], *, on_answer: Callable[[list[int], list[bool]], None] | None = None,
-               timeout_s: float | None = None) -> list[bool]:
+    def exists(
+        self,
+        keys: Sequence[KeyLike],
+        *,
+        on_answer: Callable[[list[int], list[bool]], None] | None = None,
+        timeout_s: float | None = None,
+    ) -> list[bool]:
         """Which keys are stored. An unreachable node's keys answer False.
 
         Partial results: `on_answer(indices, hits)` is called (on this thread, before `exists`
@@ -417,9 +430,14 @@ class Client:
         known = [n.limits.max_value_bytes for n in self._nodes if n.limits]
         return min(known) if known else p.DEFAULT_MAX_VALUE_BYTES
 
-    def _status_batch(self, op: str, keys: list[bytes], request: Callable[[tuple[bytes, ...]], p.Request],
-                      on_answer: Callable[[list[int], list[bool]], None] | None = None,
-                      timeout_s: float | None = None) -> list[bool]:
+    def _status_batch(
+        self,
+        op: str,
+        keys: list[bytes],
+        request: Callable[[tuple[bytes, ...]], p.Request],
+        on_answer: Callable[[list[int], list[bool]], None] | None = None,
+        timeout_s: float | None = None,
+    ) -> list[bool]:
         """EXISTS / DELETE over the keys' owners, pipelined on this thread: every node's
         requests are sent at once and replies are read in the order they arrive (poll over the
         connections), so a batch costs about one round trip of the slowest node, no thread
@@ -458,7 +476,9 @@ class Client:
                     p.PutItem(k, len(v), algo, self.checksummer.compute(v)) for k, v in zip(keys[lo:hi], views[lo:hi])
                 )
                 part = views[lo:hi]
-                statuses += self._nodeset.timed(node, "put", lambda: node.statuses(p.PutRequest(items), part))
+                statuses += self._nodeset.timed(
+                    node, "put", functools.partial(node.statuses, p.PutRequest(items), part)
+                )
                 m.BYTES.labels("out").inc(sum(len(v) for v in part))
         except MemKVError as exc:
             self._nodeset.count_failure(node, "put", exc)

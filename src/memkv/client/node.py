@@ -63,8 +63,15 @@ def tcp_connect(address: ServerAddress, timeout_s: float) -> socket.socket:
 class NodeConnection:
     """One authenticated connection. Raises MemKVError subclasses only."""
 
-    def __init__(self, address: ServerAddress, auth_key: bytes, connect_timeout_s: float, io_timeout_s: float,
-                 version: int = p.PROTOCOL_VERSION, connect: Connect = tcp_connect) -> None:
+    def __init__(
+        self,
+        address: ServerAddress,
+        auth_key: bytes,
+        connect_timeout_s: float,
+        io_timeout_s: float,
+        version: int = p.PROTOCOL_VERSION,
+        connect: Connect = tcp_connect,
+    ) -> None:
         self.address = address
         self.name = address.name
         self.io_timeout_s = io_timeout_s
@@ -94,7 +101,9 @@ class NodeConnection:
                 auth = hs.receive_server_hello(server_hello)
             except ProtocolError as exc:
                 if exc.code == p.ErrorCode.SERVER_BUSY:
-                    raise ServerError(f"{self.name}: node refused the connection: too many connections", exc.code) from None
+                    raise ServerError(
+                        f"{self.name}: node refused the connection: too many connections", exc.code
+                    ) from None
                 raise type(exc)(f"{self.name}: {exc}", exc.code) from None
             except AuthError as exc:
                 raise AuthError(f"{self.name}: {exc}") from None
@@ -102,7 +111,9 @@ class NodeConnection:
             first = bytes(recv_exactly(self.sock, p.AUTH_REJECT.size, deadline))
             code = p.parse_auth_outcome_prefix(first)
             if code is not None:
-                raise AuthError(f"{self.name}: node refused our auth key ({p.error_name(code)}): MEMKV_AUTH_KEY differs from the node's key")
+                raise AuthError(
+                    f"{self.name}: node refused our auth key ({p.error_name(code)}): MEMKV_AUTH_KEY differs from the node's key"
+                )
             rest = recv_exactly(self.sock, p.FRAME_PREFIX_BYTES - len(first), deadline)
         codec = hs.codec()
         msg = self._read_reply(codec, first + bytes(rest), deadline)
@@ -216,8 +227,9 @@ class NodeConnection:
             raise ServerError(f"{self.name}: node error {p.error_name(msg.code)}: {msg.message}", msg.code)
         return msg
 
-    def get_into(self, keys: Sequence[bytes], views: Sequence[memoryview],
-                 checksummer: Checksummer) -> tuple[list[bool], int]:
+    def get_into(
+        self, keys: Sequence[bytes], views: Sequence[memoryview], checksummer: Checksummer
+    ) -> tuple[list[bool], int]:
         """GET values straight into `views` (each exactly the expected length).
 
         Returns (loaded, checksum_failures). `loaded[i]` is True only for a value received whole
@@ -246,8 +258,9 @@ class NodeConnection:
             results.append(ok)
         return results, bad_sums
 
-    def _recv_verified(self, view: memoryview, algo: int, checksum: bytes, checksummer: Checksummer,
-                       deadline: float) -> bool:
+    def _recv_verified(
+        self, view: memoryview, algo: int, checksum: bytes, checksummer: Checksummer, deadline: float
+    ) -> bool:
         """Receive a value into `view` in chunks, hashing each chunk while it is still in cache
         (hashing 16 MiB afterwards would read it back from DRAM)."""
         try:
@@ -287,9 +300,19 @@ class NodeConnection:
 class NodeClient:
     """A pool of connections to one node plus its health. Thread-safe."""
 
-    def __init__(self, address: ServerAddress, auth_key: bytes, *, pool_size: int, connect_timeout_s: float,
-                 io_timeout_s: float, down_for_s: float, checksummer: Checksummer,
-                 on_health: Callable[[str, bool], None] | None = None, connect: Connect = tcp_connect) -> None:
+    def __init__(
+        self,
+        address: ServerAddress,
+        auth_key: bytes,
+        *,
+        pool_size: int,
+        connect_timeout_s: float,
+        io_timeout_s: float,
+        down_for_s: float,
+        checksummer: Checksummer,
+        on_health: Callable[[str, bool], None] | None = None,
+        connect: Connect = tcp_connect,
+    ) -> None:
         self.address = address
         self.name = address.name
         self._auth_key = auth_key
@@ -348,8 +371,9 @@ class NodeClient:
                 conn = self._idle.pop() if self._idle else None
             if conn is None:
                 try:
-                    conn = NodeConnection(self.address, self._auth_key, self._connect_timeout_s, self._io_timeout_s,
-                                          connect=self._connect)
+                    conn = NodeConnection(
+                        self.address, self._auth_key, self._connect_timeout_s, self._io_timeout_s, connect=self._connect
+                    )
                 except (TransportError, ProtocolError) as exc:
                     self.mark_down(exc)
                     raise

@@ -50,8 +50,14 @@ _MAX_WORKERS = 64
 class NodeSet:
     """The configured nodes of one client, their placement and the executor. Thread-safe."""
 
-    def __init__(self, nodes: Sequence[NodeClient], weights: Sequence[float], checksummer: Checksummer,
-                 io_timeout_s: float, pool_size: int) -> None:
+    def __init__(
+        self,
+        nodes: Sequence[NodeClient],
+        weights: Sequence[float],
+        checksummer: Checksummer,
+        io_timeout_s: float,
+        pool_size: int,
+    ) -> None:
         if not nodes:
             raise ValueError("a NodeSet needs at least one node")
         self.nodes: list[NodeClient] = list(nodes)

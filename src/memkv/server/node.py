@@ -29,9 +29,9 @@ from memkv import protocol as p
 from memkv.config import ServerConfig
 from memkv.errors import AuthError, LocalProtocolError, RemoteProtocolError
 from memkv.server.metrics import NodeMetrics
+from memkv.server.rdma import RdmaResponder, RequestContext
 from memkv.server.store import NoSpace, Store
 from memkv.sockio import PeerClosed, discard, recv_exactly, recv_exactly_into, send_all, set_recv_timeout, set_timeouts
-from memkv.server.rdma import RdmaResponder, RequestContext
 
 log = logging.getLogger("memkv.node")
 

@@ -124,8 +124,13 @@ class RdmaResponder:
         outcome, stuck = "none", None
         try:
             if pinned:
-                outcome, stuck = self._write(peer, pinned, [a for a, e in zip(msg.addresses, found) if not isinstance(e, int)],
-                                             msg.token, deadline)
+                outcome, stuck = self._write(
+                    peer,
+                    pinned,
+                    [a for a, e in zip(msg.addresses, found) if not isinstance(e, int)],
+                    msg.token,
+                    deadline,
+                )
         finally:
             if stuck is None:
                 self._store.release(pinned)
@@ -173,8 +178,9 @@ class RdmaResponder:
 
     # -- the write (a seam: tests/rdma/late_node.py delays `_write` and can stretch its window) ----
 
-    def _write(self, peer: str, entries: list[Entry], addresses: list[int], token: int,
-               deadline: float) -> tuple[str, Write | None]:
+    def _write(
+        self, peer: str, entries: list[Entry], addresses: list[int], token: int, deadline: float
+    ) -> tuple[str, Write | None]:
         """Post one WRITE of `entries` into `addresses`; wait until it completes or the window
         closes. Returns (outcome, a write that could not be cancelled or None)."""
         try:
@@ -196,8 +202,9 @@ class RdmaResponder:
         write.release()
         return state, None
 
-    def _post_write(self, peer: str, local: list[tuple[int, int]], remote: list[tuple[int, int]], notif: bytes,
-                    deadline: float) -> Write | None:
+    def _post_write(
+        self, peer: str, local: list[tuple[int, int]], remote: list[tuple[int, int]], notif: bytes, deadline: float
+    ) -> Write | None:
         if not self._window_open(deadline):
             return None
         assert self._engine is not None
@@ -280,8 +287,11 @@ class RdmaResponder:
                 log.warning("%s; clients use TCP", self._unavailable)
                 return None
             self._store.on_drop = self.on_drop
-            log.info("RDMA: NIXL agent %s ready (UCX_TLS=%s); clients may attach", self._engine.name,
-                        os.environ.get("UCX_TLS", "(default)"))
+            log.info(
+                "RDMA: NIXL agent %s ready (UCX_TLS=%s); clients may attach",
+                self._engine.name,
+                os.environ.get("UCX_TLS", "(default)"),
+            )
             return self._engine
 
     def _warn_once(self, key: str, message: str) -> None:

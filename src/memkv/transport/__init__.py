@@ -54,8 +54,10 @@ def select_transport(nodes: NodeSet, config: ClientConfig) -> Transport:
         log.warning("MemKV: RDMA device(s) %s present but %s; loads use TCP", present, why)
         return TcpTransport(nodes)
     if mode == "rdma" and missing:
-        raise ConfigError(f"MEMKV_RDMA_DEVICES: no RDMA device named {', '.join(missing)} on this host "
-                          f"(present: {', '.join(present) or 'none'})")
+        raise ConfigError(
+            f"MEMKV_RDMA_DEVICES: no RDMA device named {', '.join(missing)} on this host "
+            f"(present: {', '.join(present) or 'none'})"
+        )
     nixl_adapter.progress_delay_us()  # a bad MEMKV_NIXL_PROGRESS_DELAY_US fails here, at startup
     from memkv.transport.rdma import RdmaTransport
 

@@ -52,5 +52,5 @@ class Transport(abc.ABC):
     def load_into(self, keys: Sequence[bytes], views: Sequence[memoryview]) -> LoadResult:
         """Load each key into its view (already validated: bytes keys, writable flat views)."""
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 - optional: a transport that holds nothing keeps it
         """Release what the transport holds (idempotent)."""

@@ -145,11 +145,16 @@ class RdmaTransport(Transport):
             else:
                 self._agent, self._pool, self._metadata = agent, pool, metadata
                 self.register_ms = took_ms
-        if error is not None:
-            self._give_up(error)
+        if error is not None or agent is None:
+            self._give_up(error or "no NIXL agent")
             return False
-        log.info("MemKV: registered the pool for RDMA (%d bytes in %.1f ms, agent %s, metadata %d bytes)",
-                 len(view), took_ms, agent.name, len(metadata))
+        log.info(
+            "MemKV: registered the pool for RDMA (%d bytes in %.1f ms, agent %s, metadata %d bytes)",
+            len(view),
+            took_ms,
+            agent.name,
+            len(metadata),
+        )
         for node in self._nodes.nodes:  # attach now: a node without RDMA shows at startup
             try:
                 with node.connection(fail_fast=False) as conn:
@@ -190,7 +195,9 @@ class RdmaTransport(Transport):
         except ServerError as exc:
             if exc.code != p.ErrorCode.UNKNOWN_OPCODE:
                 raise
-            raise RdmaRefused(f"{conn.name} does not speak RDMA_ATTACH (an older node)", connection_closed=True) from exc
+            raise RdmaRefused(
+                f"{conn.name} does not speak RDMA_ATTACH (an older node)", connection_closed=True
+            ) from exc
         if not isinstance(reply, p.RdmaAttachReply):
             raise RemoteProtocolError(f"{conn.name}: unexpected reply to RDMA_ATTACH")
         if reply.status != p.RdmaAttachStatus.OK:
@@ -226,8 +233,9 @@ class RdmaTransport(Transport):
                 step = (node.limits or p.Limits()).max_batch
                 for lo in range(0, len(idx), step):
                     part = idx[lo : lo + step]
-                    out += self._load_chunk(node, [sub_k[i] for i in part], [sub_v[i] for i in part],
-                                            [sub_a[i] for i in part])
+                    out += self._load_chunk(
+                        node, [sub_k[i] for i in part], [sub_v[i] for i in part], [sub_a[i] for i in part]
+                    )
                 return out
 
             for i, (good, unsettled) in zip(rdma_idx, self._nodes.scatter(sub_k, run)):
@@ -235,8 +243,9 @@ class RdmaTransport(Transport):
                 late |= unsettled and not good
         return LoadResult(ok, late)
 
-    def _load_chunk(self, node: NodeClient, keys: list[bytes], views: list[memoryview],
-                    addrs: list[int]) -> list[tuple[bool, bool]]:
+    def _load_chunk(
+        self, node: NodeClient, keys: list[bytes], views: list[memoryview], addrs: list[int]
+    ) -> list[tuple[bool, bool]]:
         """One RDMA_GET on one node. Per item: (loaded and verified, a write may still land)."""
         nodes = self._nodes
         n = len(keys)
@@ -270,8 +279,12 @@ class RdmaTransport(Transport):
             node.give_back(conn, exc)
             nodes.count_failure(node, "get", exc)
             if sent:
-                log.warning("%s: RDMA load abandoned after the request was sent (%s); its slots stay "
-                            "reserved until no write can land", node.name, exc)
+                log.warning(
+                    "%s: RDMA load abandoned after the request was sent (%s); its slots stay "
+                    "reserved until no write can land",
+                    node.name,
+                    exc,
+                )
             return [(False, sent)] * n
         except BaseException as exc:
             node.give_back(conn, exc)
@@ -309,7 +322,9 @@ class RdmaTransport(Transport):
         m.BYTES.labels("in").inc(sum(len(v) for v, (good, _) in zip(views, out) if good))
         if bad_sums:
             m.INTEGRITY_FAILURES.labels(node.name).inc(bad_sums)
-            log.warning("%s: %d value(s) written by RDMA failed checksum verification; treated as misses", node.name, bad_sums)
+            log.warning(
+                "%s: %d value(s) written by RDMA failed checksum verification; treated as misses", node.name, bad_sums
+            )
         if problem:
             self._failed(f"{node.name}: {problem}")
         return out
@@ -325,7 +340,8 @@ class RdmaTransport(Transport):
                 return
         if self.mode == "rdma":
             (log.warning if first else log.debug)(
-                "MemKV: RDMA load failed (%s); MEMKV_TRANSPORT=rdma does not fall back to TCP", reason)
+                "MemKV: RDMA load failed (%s); MEMKV_TRANSPORT=rdma does not fall back to TCP", reason
+            )
 
     # -- shutdown ---------------------------------------------------------------------------------
 
@@ -341,7 +357,7 @@ class RdmaTransport(Transport):
         _release(agent, pool)
 
 
-def _release(agent, pool) -> None:
+def _release(agent: NixlAgent | None, pool: Registration | None) -> None:
     """Deregister the pool (if any) and close the agent (if any): a failure only logs."""
     if agent is None:
         return
