@@ -32,7 +32,13 @@ Theory of operation
    is the request's | 0x80.
 
 Bounds are enforced here (`Limits`) before any payload is read, so a peer cannot make the
-other side allocate or wait for more than the limits allow.
+other side allocate or wait for more than the limits allow. Each bound has one check
+function, used with LocalProtocolError before sending and RemoteProtocolError on receipt.
+
+Layout of this module: the message value objects (`Request` and `Reply` are the complete
+unions, RDMA control frames included), the bound checks, then the codec as two tables:
+`_ENCODERS` (message type -> its encoder) and `_DECODERS` (opcode -> its decoder), then the
+frame header and MAC (`FrameCodec`), then the handshake.
 """
 
 from __future__ import annotations

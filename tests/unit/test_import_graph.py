@@ -3,7 +3,8 @@
 Behaviour under test: the graph of every import statement between `memkv` / `memkv_vllm`
 modules (read from their source, so imports under `if TYPE_CHECKING:` and inside functions
 count too; the parent packages Python runs before a submodule are not edges) has no cycle,
-and the layering the docstrings promise holds:
+and the layering the docstrings promise holds in the modules' own imports (the top-level
+`memkv/__init__.py` re-exports the Client for users, and that is not a layer):
 * the client core (memkv.client.nodeset) and the transports never import the public Client;
 * the node (memkv.server) never imports the client package;
 * the sans-I/O codec (memkv.protocol) imports no socket, thread or clock.

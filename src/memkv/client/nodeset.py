@@ -99,10 +99,16 @@ class NodeSet:
             return run(self.nodes[0], list(range(len(keys))))
         parts = list(self.group(keys).items())
         out: list[T | None] = [None] * len(keys)
-        futures = [(idx, self.executor.submit(run, self.nodes[n], idx)) for n, idx in parts[1:]]
-        first_n, first_idx = parts[0]
-        for i, r in zip(first_idx, run(self.nodes[first_n], first_idx)):
-            out[i] = r
+        inline = [parts[0]]
+        futures = []
+        for n, idx in parts[1:]:
+            try:
+                futures.append((idx, self.executor.submit(run, self.nodes[n], idx)))
+            except RuntimeError:  # close() shut the executor meanwhile: here the closed node fails fast
+                inline.append((n, idx))
+        for n, idx in inline:
+            for i, r in zip(idx, run(self.nodes[n], idx)):
+                out[i] = r
         for idx, fut in futures:
             for i, r in zip(idx, fut.result()):
                 out[i] = r
