@@ -75,7 +75,7 @@ class Checksummer:
 
     @staticmethod
     def finish(hasher: Hasher) -> bytes:
-        digest = bytes(hasher.digest())
+        digest = hasher.digest()
         return digest + _PAD16 if len(digest) == 16 else digest
 
     def verify(self, value: Buffer, algo: int, checksum: bytes) -> bool:
