@@ -166,3 +166,13 @@ def tests(session: nox.Session) -> None:
     session.install("numpy>=1.26")
     session.run("pytest", "tests/unit", "tests/integration", "tests/ops", "tests/faults", "tests/security",
                 "tests/rdma", *session.posargs)
+
+
+@nox.session(name="lint", reuse_venv=True)
+def lint(session: nox.Session) -> None:
+    """ruff (lint and format check) and mypy --strict on src/memkv, at the versions pinned in
+    pyproject.toml's `lint` extra; the per-module exceptions are in pyproject.toml."""
+    session.install("-e", ".[lint]")
+    session.run("ruff", "check", "src/memkv")
+    session.run("ruff", "format", "--check", "src/memkv")
+    session.run("mypy", "--strict", "src/memkv")

@@ -498,6 +498,19 @@ def capacity_warning(capacity_bytes: int, cgroup_paths: Sequence[str | Path] = C
             "RAM or the container's limit, whichever is lower): the node will be killed for memory before it is full")
 
 
+def node_transport_from_env(env: Mapping[str, str] | None = None) -> str:
+    """A node's MEMKV_TRANSPORT: only "tcp" means something to a node (it refuses RDMA
+    attaches); anything else, unset included, lets clients attach when NIXL comes up."""
+    value = (os.environ if env is None else env).get(ENV_TRANSPORT, "").strip().lower()
+    return "tcp" if value == "tcp" else "auto"
+
+
+def node_rdma_devices_from_env(env: Mapping[str, str] | None = None) -> tuple[str, ...]:
+    """A node's MEMKV_RDMA_DEVICES: NIC names, comma- or space-separated."""
+    value = (os.environ if env is None else env).get(ENV_RDMA_DEVICES, "")
+    return tuple(d for d in re.split(r"[,\s]+", value) if d)
+
+
 @dataclasses.dataclass(frozen=True)
 class ServerConfig:
     host: str = DEFAULT_HOST
@@ -510,8 +523,13 @@ class ServerConfig:
     idle_timeout_s: float = 300.0
     io_timeout_s: float = 30.0
     node_id: str = ""
+    # RDMA (memkv/server/rdma.py, docs/rdma.md); by default from the node's environment.
+    transport: str = dataclasses.field(default_factory=node_transport_from_env)  # "tcp": refuse attaches
+    rdma_devices: tuple[str, ...] = dataclasses.field(default_factory=node_rdma_devices_from_env)
 
     def __post_init__(self) -> None:
+        if self.transport not in TRANSPORTS:
+            raise ConfigError(f"{ENV_TRANSPORT}: expected one of {', '.join(TRANSPORTS)}, got {self.transport!r}")
         if self.max_value_bytes > self.capacity_bytes:
             raise ConfigError(
                 f"--max-value-size ({format_size(self.max_value_bytes)}) exceeds --capacity "

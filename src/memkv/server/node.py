@@ -39,9 +39,9 @@ from memkv import protocol as p
 from memkv.config import ServerConfig
 from memkv.errors import AuthError, LocalProtocolError, RemoteProtocolError
 from memkv.server.metrics import NodeMetrics
+from memkv.server.rdma import RdmaResponder, RequestContext
 from memkv.server.store import NoSpace, Store
 from memkv.sockio import PeerClosed, discard, recv_exactly, recv_exactly_into, send_all, set_recv_timeout, set_timeouts
-from memkv.transport.responder import RdmaResponder
 
 log = logging.getLogger("memkv.node")
 
@@ -52,7 +52,7 @@ _OP_NAMES = {
     p.Opcode.EXISTS: "exists",
     p.Opcode.DELETE: "delete",
     p.Opcode.LIST: "list",
-    p.Opcode.RDMA_ATTACH: "rdma_attach",  # RDMA control messages: memkv/transport/responder.py
+    p.Opcode.RDMA_ATTACH: "rdma_attach",  # RDMA control messages: memkv/server/rdma.py
     p.Opcode.RDMA_GET: "rdma_get",
 }
 
@@ -116,7 +116,7 @@ class Node:
         inflight = max(2 * config.max_value_bytes, config.capacity_bytes // 4)
         self.store = Store(config.capacity_bytes, config.lanes, max_inflight_bytes=min(inflight, config.capacity_bytes))
         self.metrics = NodeMetrics(self.store)
-        self.rdma = RdmaResponder(self.store)  # imports NIXL only when a client attaches
+        self.rdma = RdmaResponder(self.store, config.transport, config.rdma_devices)  # NIXL loads on the first attach
         self.limits = p.Limits(max_value_bytes=config.max_value_bytes)
         self._listener = socket.create_server(
             (config.host, config.port),
@@ -381,8 +381,9 @@ class Connection:
             self._put(msg)
         elif isinstance(msg, p.GetRequest):
             self._get(msg)
-        elif isinstance(msg, (p.RdmaAttachRequest, p.RdmaGetRequest)):  # memkv/transport/responder.py
-            self._reply(self.node.rdma.handle(self, msg))
+        elif isinstance(msg, (p.RdmaAttachRequest, p.RdmaGetRequest)):  # memkv/server/rdma.py
+            ctx = RequestContext(self.sock, self.peer, cfg.io_timeout_s, self._count_rdma_get)
+            self._reply(self.node.rdma.handle(ctx, msg))
         seconds.observe(time.perf_counter() - started)
 
     def _put(self, msg: p.PutRequest) -> None:
@@ -444,6 +445,11 @@ class Connection:
         finally:
             store.release(pinned)
 
+    def _count_rdma_get(self, statuses: bytes, bytes_out: int) -> None:
+        self._count_keys("get", statuses)
+        if bytes_out:
+            self.metrics.bytes_out.inc(bytes_out)
+
     def _count_keys(self, op: str, statuses: bytes) -> None:
         hits = statuses.count(p.ItemStatus.OK)
         if hits:
@@ -460,8 +466,8 @@ class Connection:
         if self.codec is None:
             return
         try:
-            self.codec.broken = None  # the error frame itself must still go out
+            frame = self.codec.encode_error(code, message)  # goes out even after the codec broke
             set_timeouts(self.sock, 1.0)
-            self.sock.sendall(self.codec.encode(p.ErrorReply(code, message), validate=False))
+            self.sock.sendall(frame)
         except (OSError, LocalProtocolError):
             pass

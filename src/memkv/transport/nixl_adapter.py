@@ -10,7 +10,7 @@ Install: `pip install --no-deps nixl-cu12==1.5.1 numpy` (the wheel's declared de
 a CUDA torch, 5.7 GB; without them it imports and moves DRAM fine). The meta package `nixl` and
 `nixl-cu13` work too: `_import_api` tries `nixl`, `nixl_cu12`, `nixl_cu13`.
 
-Traps handled here (measured on this project's machines, ../shared/ref/rdma.md):
+Traps handled here (measured on this project's machines; docs/rdma.md has the figures):
 
 * **Progress thread busy-poll.** `nixl_agent_config` hard-codes the progress thread's delay to
   0 us: every agent then spins one core even when idle (two agents starve a 2-core box). The
@@ -45,8 +45,9 @@ import threading
 import uuid
 from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
-from memkv.transport.base import RdmaError
+from memkv.errors import RdmaError
 
 log = logging.getLogger("memkv.transport")
 
@@ -55,18 +56,20 @@ DEFAULT_PROGRESS_DELAY_US = 100
 _IB_SYSFS = Path("/sys/class/infiniband")
 INSTALL_HINT = "pip install --no-deps nixl-cu12==1.5.1 numpy"
 
-_api = None  # the imported nixl._api module, once
+# NIXL ships no type information: its objects are `Any` here, and this module is the boundary
+# where they become typed values (Registration, Write, str, bytes).
+_api: Any = None  # the imported nixl._api module, once
 _api_error: str | None = None
 _import_lock = threading.Lock()
 _build_lock = threading.Lock()  # `_tamed_agent` swaps a module global while an agent is built
 
 
-def _import_api():
+def _import_api() -> Any:
     """NIXL's `_api` module, or raise RdmaError saying how to install it."""
     global _api, _api_error
     with _import_lock:
         if _api is None and _api_error is None:
-            errors = []
+            errors: list[str] = []
             for name in ("nixl", "nixl_cu12", "nixl_cu13"):
                 try:
                     mod = __import__(f"{name}._api", fromlist=["nixl_agent"])
@@ -145,7 +148,7 @@ def _translate(what: str) -> Iterator[None]:
         raise RdmaError(f"NIXL: cannot {what}: {type(exc).__name__}: {exc}") from exc
 
 
-def _text(name) -> str:
+def _text(name: object) -> str:
     """Agent names come back as bytes from some NIXL calls and str from others."""
     return name.decode() if isinstance(name, (bytes, bytearray)) else str(name)
 
@@ -159,19 +162,20 @@ class _BindingsWithTamedConfig:
     """Stands in for `_api.nixlBind` while an agent is built: everything is the real bindings
     module except `nixlAgentConfig`, whose `pthrDelay` assignment is replaced."""
 
-    def __init__(self, real, config_cls) -> None:
+    def __init__(self, real: Any, config_cls: type) -> None:
         self._real = real
         self.nixlAgentConfig = config_cls
 
-    def __getattr__(self, name: str):
+    def __getattr__(self, name: str) -> Any:
         return getattr(self._real, name)
 
 
-def _tamed_agent(api, name: str, delay_us: int):
+def _tamed_agent(api: Any, name: str, delay_us: int) -> Any:
     real = api.nixlBind
+    base: Any = real.nixlAgentConfig
 
-    class TamedConfig(real.nixlAgentConfig):
-        def __setattr__(self, field: str, value) -> None:
+    class TamedConfig(base):  # type: ignore[misc]  # NIXL's config class is untyped
+        def __setattr__(self, field: str, value: object) -> None:
             if field == "pthrDelay":
                 value = delay_us
             super().__setattr__(field, value)
@@ -195,7 +199,7 @@ class Registration:
 
     __slots__ = ("_descs", "address", "length")
 
-    def __init__(self, address: int, length: int, descs) -> None:
+    def __init__(self, address: int, length: int, descs: Any) -> None:
         self.address = address
         self.length = length
         self._descs = descs
@@ -209,13 +213,13 @@ class Write:
 
     __slots__ = ("_agent", "_handle", "posted")
 
-    def __init__(self, agent, handle, posted: str) -> None:
+    def __init__(self, agent: Any, handle: Any, posted: str) -> None:
         self._agent = agent
         self._handle = handle
         self.posted = posted  # the state `transfer()` returned
 
     def state(self) -> str:
-        """"DONE", "PROC" (in flight) or "ERR". Never blocks."""
+        """ "DONE", "PROC" (in flight) or "ERR". Never blocks."""
         if self.posted != "PROC":
             return self.posted
         with _translate("check a write's state"):
@@ -250,8 +254,13 @@ class NixlAgent:
         if "UCX" not in self._agent.backends:
             raise RdmaError(f"NIXL: the UCX backend did not load (plugins: {self._agent.plugin_list})")
         self.progress_delay_us = delay_us
-        log.debug("NIXL agent %s up (UCX, progress delay %d us, UCX_TLS=%s, UCX_NET_DEVICES=%s)", self.name, delay_us,
-                  os.environ.get("UCX_TLS", "(default)"), os.environ.get("UCX_NET_DEVICES", "(all)"))
+        log.debug(
+            "NIXL agent %s up (UCX, progress delay %d us, UCX_TLS=%s, UCX_NET_DEVICES=%s)",
+            self.name,
+            delay_us,
+            os.environ.get("UCX_TLS", "(default)"),
+            os.environ.get("UCX_NET_DEVICES", "(all)"),
+        )
 
     # -- memory ---------------------------------------------------------------------------------
 
@@ -284,8 +293,9 @@ class NixlAgent:
 
     # -- transfers ------------------------------------------------------------------------------
 
-    def write(self, local: Sequence[tuple[int, int]], remote: Sequence[tuple[int, int]], peer: str,
-              notif: bytes) -> Write:
+    def write(
+        self, local: Sequence[tuple[int, int]], remote: Sequence[tuple[int, int]], peer: str, notif: bytes
+    ) -> Write:
         """Post one WRITE of the local (address, length) pieces into the peer's remote pieces,
         in order; the peer gets `notif` once the data is placed. Descriptors outside the peer's
         registered regions fail here (NIXL checks them against the peer's metadata)."""
