@@ -41,8 +41,15 @@ def fill_pattern(view: memoryview, seed: int) -> None:
     view[:8] = seed.to_bytes(8, "little")
 
 
-def run_client_bench(config: ClientConfig, value_bytes: int, n_values: int, rounds: int, threads: int,
-                     progress: bool = True, key_prefix: bytes = b"bench/") -> dict:
+def run_client_bench(
+    config: ClientConfig,
+    value_bytes: int,
+    n_values: int,
+    rounds: int,
+    threads: int,
+    progress: bool = True,
+    key_prefix: bytes = b"bench/",
+) -> dict:
     src = prefaulted_pool(value_bytes * n_values)
     dst = prefaulted_pool(value_bytes * n_values)
     sv, dv = memoryview(src), memoryview(dst)
@@ -55,10 +62,10 @@ def run_client_bench(config: ClientConfig, value_bytes: int, n_values: int, roun
     get_rates: list[float] = []
 
     def put_part(idx):
-        return all(client.batch_put_views([(keys[i], sv[slots[i][0]:slots[i][1]]) for i in idx]))
+        return all(client.batch_put_views([(keys[i], sv[slots[i][0] : slots[i][1]]) for i in idx]))
 
     def get_part(idx):
-        return all(client.batch_get_into([(keys[i], dv[slots[i][0]:slots[i][1]]) for i in idx]))
+        return all(client.batch_get_into([(keys[i], dv[slots[i][0] : slots[i][1]]) for i in idx]))
 
     bar = None
     if progress:

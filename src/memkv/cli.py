@@ -58,12 +58,12 @@ from memkv.config import (
     ENV_AUTH_KEY,
     ENV_CONFIG,
     ENV_SERVERS,
+    SIZE_UNITS_HELP,
     AuthKey,
     ClientConfig,
     LaneSpec,
     ServerAddress,
     ServerConfig,
-    SIZE_UNITS_HELP,
     capacity_warning,
     default_capacity_bytes,
     default_key_path,
@@ -85,7 +85,9 @@ class UsageError(Exception):
 def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)  # argparse itself exits 2 on bad usage
-    logging.basicConfig(level=getattr(logging, args.log_level.upper()), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=getattr(logging, args.log_level.upper()), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
     try:
         return args.func(args)
     except ConfigError as exc:
@@ -113,23 +115,46 @@ def _print_json(doc) -> None:
 
 
 def _parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="memkv", description="MemKV: in-memory KV-cache store for LLM inference",
-                                 epilog="exit codes: 0 success, 1 operation failed, 2 bad usage or configuration")
+    ap = argparse.ArgumentParser(
+        prog="memkv",
+        description="MemKV: in-memory KV-cache store for LLM inference",
+        epilog="exit codes: 0 success, 1 operation failed, 2 bad usage or configuration",
+    )
     ap.add_argument("--version", action="version", version=f"memkv {__version__}")
-    ap.add_argument("--log-level", default=os.environ.get(ENV_LOG_LEVEL, "warning"), choices=["debug", "info", "warning", "error"],
-                    help=f"log level (default: ${ENV_LOG_LEVEL} or warning)")
+    ap.add_argument(
+        "--log-level",
+        default=os.environ.get(ENV_LOG_LEVEL, "warning"),
+        choices=["debug", "info", "warning", "error"],
+        help=f"log level (default: ${ENV_LOG_LEVEL} or warning)",
+    )
     sub = ap.add_subparsers(dest="command", required=True)
 
     s = sub.add_parser("serve", help="run a node")
-    s.add_argument("--listen", default=f"{DEFAULT_HOST}:{DEFAULT_PORT}", help="HOST:PORT of the data port (port 0 picks a free one)")
-    s.add_argument("--admin-port", type=int, default=None, help="admin HTTP port (default: data port + 1; 0 picks a free one)")
+    s.add_argument(
+        "--listen",
+        default=f"{DEFAULT_HOST}:{DEFAULT_PORT}",
+        help="HOST:PORT of the data port (port 0 picks a free one)",
+    )
+    s.add_argument(
+        "--admin-port", type=int, default=None, help="admin HTTP port (default: data port + 1; 0 picks a free one)"
+    )
     s.add_argument("--admin-host", default=None, help="admin HTTP address (default: the data host)")
-    s.add_argument("--capacity", default=None,
-                   help=f"byte capacity, e.g. 512MiB, 8GiB; units: {SIZE_UNITS_HELP} "
-                        "(default: 1/4 of RAM, or of the cgroup memory limit when lower)")
-    s.add_argument("--lane", action="append", default=[], metavar="NAME:PREFIX:SHARE",
-                   help="an eviction lane: keys starting with PREFIX share SHARE of the capacity (repeatable)")
-    s.add_argument("--max-value-size", default="64MiB", help="largest value accepted, a size as for --capacity (default 64MiB)")
+    s.add_argument(
+        "--capacity",
+        default=None,
+        help=f"byte capacity, e.g. 512MiB, 8GiB; units: {SIZE_UNITS_HELP} "
+        "(default: 1/4 of RAM, or of the cgroup memory limit when lower)",
+    )
+    s.add_argument(
+        "--lane",
+        action="append",
+        default=[],
+        metavar="NAME:PREFIX:SHARE",
+        help="an eviction lane: keys starting with PREFIX share SHARE of the capacity (repeatable)",
+    )
+    s.add_argument(
+        "--max-value-size", default="64MiB", help="largest value accepted, a size as for --capacity (default 64MiB)"
+    )
     s.add_argument("--key-file", default=None, help="file holding the 64-hex auth key (MEMKV_AUTH_KEY wins when set)")
     s.add_argument("--max-connections", type=int, default=1024, help="concurrent client connections (default 1024)")
     s.add_argument("--idle-timeout", type=float, default=300.0, help="seconds an idle connection is kept (default 300)")
@@ -155,17 +180,31 @@ def _parser() -> argparse.ArgumentParser:
     b = sub.add_parser("bench", help="store and load values through the client (progress bar on stderr)")
     b.add_argument("--value-size", default="16MiB", help="bytes per value, e.g. 1MiB, 16MiB, 4MB (default 16MiB)")
     b.add_argument("--values", type=int, default=32, help="values per round (default 32)")
-    b.add_argument("--rounds", type=int, default=3,
-                   help="rounds of store-then-load; the figures printed are the median round (default 3)")
+    b.add_argument(
+        "--rounds",
+        type=int,
+        default=3,
+        help="rounds of store-then-load; the figures printed are the median round (default 3)",
+    )
     b.add_argument("--threads", type=int, default=2, help="client threads moving values in parallel (default 2)")
-    b.add_argument("--embedded", action="store_true", help="run against a local node started for the run (default when neither MEMKV_SERVERS nor MEMKV_CONFIG is set)")
-    b.add_argument("--json", action="store_true", help='print the result as one JSON object on stdout ({"ok", "put_gbps", ...})')
+    b.add_argument(
+        "--embedded",
+        action="store_true",
+        help="run against a local node started for the run (default when neither MEMKV_SERVERS nor MEMKV_CONFIG is set)",
+    )
+    b.add_argument(
+        "--json", action="store_true", help='print the result as one JSON object on stdout ({"ok", "put_gbps", ...})'
+    )
     b.set_defaults(func=cmd_bench)
 
     g = sub.add_parser("get", help="print or save one value (exit 1 on a miss)")
     g.add_argument("key")
     g.add_argument("-o", "--output", help="write the value to this file (default: stdout)")
-    g.add_argument("--json", action="store_true", help="print the value's metadata as JSON (the value itself only goes to --output)")
+    g.add_argument(
+        "--json",
+        action="store_true",
+        help="print the value's metadata as JSON (the value itself only goes to --output)",
+    )
     g.set_defaults(func=cmd_get)
     pu = sub.add_parser("put", help="store one value from a file or stdin")
     pu.add_argument("key")
@@ -176,7 +215,9 @@ def _parser() -> argparse.ArgumentParser:
     d.add_argument("keys", nargs="+")
     d.add_argument("--json", action="store_true")
     d.set_defaults(func=cmd_del)
-    ls = sub.add_parser("ls", help="list stored keys under a prefix, in byte order (exit 1 when none, or a server fails)")
+    ls = sub.add_parser(
+        "ls", help="list stored keys under a prefix, in byte order (exit 1 when none, or a server fails)"
+    )
     ls.add_argument("prefix", nargs="?", default="", help="list keys starting with this (default: every key)")
     ls.add_argument("--limit", type=int, default=1000, help="list at most this many keys (1..4096, default 1000)")
     ls.add_argument("--json", action="store_true", help="print the keys, their sizes and servers as JSON")
@@ -252,8 +293,11 @@ def cmd_serve(args) -> int:
     signal.signal(signal.SIGINT, on_signal)
     ah, ap = admin.address
     print(f"memkv node listening on {_fmt(node.address[0])}:{node.address[1]} (admin {_fmt(ah)}:{ap})", flush=True)
-    print(f"memkv: capacity {format_size(capacity)}, max value {format_size(config.max_value_bytes)}, "
-          f"lanes {[lane.name for lane in node.store.lanes]}", flush=True)
+    print(
+        f"memkv: capacity {format_size(capacity)}, max value {format_size(config.max_value_bytes)}, "
+        f"lanes {[lane.name for lane in node.store.lanes]}",
+        flush=True,
+    )
     try:
         node.serve_forever()
     finally:
@@ -356,8 +400,15 @@ def cmd_probe(args) -> int:
         for node in client._nodes:  # every server, in the configured order, ignoring down marks
             try:
                 rtt = node.ping()
-                results.append({"server": node.name, "ok": True, "node_id": node.node_id, "rtt_ms": round(rtt * 1000, 3),
-                                "max_value_bytes": node.limits.max_value_bytes if node.limits else None})
+                results.append(
+                    {
+                        "server": node.name,
+                        "ok": True,
+                        "node_id": node.node_id,
+                        "rtt_ms": round(rtt * 1000, 3),
+                        "max_value_bytes": node.limits.max_value_bytes if node.limits else None,
+                    }
+                )
             except MemKVError as exc:
                 results.append({"server": node.name, "ok": False, "error": str(exc)})
     ok = all(r["ok"] for r in results)
@@ -388,28 +439,34 @@ def _status_row(server: ServerAddress, offset: int, timeout_s: float, node=None)
     try:
         s = fetch_status(server.host, server.port + offset, timeout_s)
         hits, misses = int(s["hits"]), int(s["misses"])
-        row.update({
-            "health": "ok" if s["ready"] else "draining",
-            "node_id": s["node_id"],
-            "version": s.get("version"),
-            "uptime_s": s.get("uptime_s"),
-            "used_bytes": s["allocated_bytes"],  # kept for scripts written before allocated_bytes
-            "allocated_bytes": s["allocated_bytes"],
-            "stored_bytes": s["stored_bytes"],
-            "capacity_bytes": s["capacity_bytes"],
-            "used_ratio": s["allocated_bytes"] / s["capacity_bytes"] if s["capacity_bytes"] else None,
-            "values": s["values"],
-            "hits": hits,
-            "misses": misses,
-            "hit_ratio": hits / (hits + misses) if hits + misses else None,
-            "evictions": s["evictions"],
-            "connections": s["connections"],
-            "max_value_bytes": s.get("max_value_bytes"),
-            "lanes": [
-                {k: lane[k] for k in ("name", "prefix", "share", "share_bytes", "used_bytes", "values", "evictions") if k in lane}
-                for lane in s.get("lanes", [])
-            ],
-        })
+        row.update(
+            {
+                "health": "ok" if s["ready"] else "draining",
+                "node_id": s["node_id"],
+                "version": s.get("version"),
+                "uptime_s": s.get("uptime_s"),
+                "used_bytes": s["allocated_bytes"],  # kept for scripts written before allocated_bytes
+                "allocated_bytes": s["allocated_bytes"],
+                "stored_bytes": s["stored_bytes"],
+                "capacity_bytes": s["capacity_bytes"],
+                "used_ratio": s["allocated_bytes"] / s["capacity_bytes"] if s["capacity_bytes"] else None,
+                "values": s["values"],
+                "hits": hits,
+                "misses": misses,
+                "hit_ratio": hits / (hits + misses) if hits + misses else None,
+                "evictions": s["evictions"],
+                "connections": s["connections"],
+                "max_value_bytes": s.get("max_value_bytes"),
+                "lanes": [
+                    {
+                        k: lane[k]
+                        for k in ("name", "prefix", "share", "share_bytes", "used_bytes", "values", "evictions")
+                        if k in lane
+                    }
+                    for lane in s.get("lanes", [])
+                ],
+            }
+        )
     except urllib.error.URLError as exc:
         row.update({"health": "down", "error": f"admin port {row['admin']}: {getattr(exc, 'reason', exc)}"})
     except (OSError, ValueError, KeyError, TypeError) as exc:
@@ -421,7 +478,13 @@ def _status_row(server: ServerAddress, offset: int, timeout_s: float, node=None)
         node.ping()
         row["auth"] = "ok"
     except AuthError as exc:
-        row.update({"health": "auth failed", "auth": "failed", "data_error": f"data port {server.name}: authentication failed: {exc}"})
+        row.update(
+            {
+                "health": "auth failed",
+                "auth": "failed",
+                "data_error": f"data port {server.name}: authentication failed: {exc}",
+            }
+        )
     except MemKVError as exc:
         row.update({"health": "down", "auth": "not checked", "data_error": f"data port {server.name}: {exc}"})
     return row
@@ -456,7 +519,9 @@ def cmd_status(args) -> int:
 
     with Client(config) as client, concurrent.futures.ThreadPoolExecutor(min(16, len(servers))) as pool:
         nodes = {n.name: n for n in client._nodes}  # a dead node costs one timeout, not N
-        rows = list(pool.map(lambda s: _status_row(s, args.admin_port_offset, args.timeout, nodes.get(s.name)), servers))
+        rows = list(
+            pool.map(lambda s: _status_row(s, args.admin_port_offset, args.timeout, nodes.get(s.name)), servers)
+        )
     totals = _cluster_totals(rows)
     ok = totals["healthy"] == len(rows)
     if args.json:
@@ -467,19 +532,52 @@ def cmd_status(args) -> int:
 
     console = Console(width=None if sys.stdout.isatty() else 200)
     table = Table(title="MemKV cluster", show_footer=len(rows) > 1)
-    cols = ("server", "node", "health", "stored / allocated / capacity", "values", "hit ratio", "evictions", "conns", "uptime")
-    footer = ("total", "", f"{totals['healthy']}/{totals['servers']} ok", _used(totals), str(totals["values"]),
-              _ratio(totals["hit_ratio"]), str(totals["evictions"]), str(totals["connections"]), "")
+    cols = (
+        "server",
+        "node",
+        "health",
+        "stored / allocated / capacity",
+        "values",
+        "hit ratio",
+        "evictions",
+        "conns",
+        "uptime",
+    )
+    footer = (
+        "total",
+        "",
+        f"{totals['healthy']}/{totals['servers']} ok",
+        _used(totals),
+        str(totals["values"]),
+        _ratio(totals["hit_ratio"]),
+        str(totals["evictions"]),
+        str(totals["connections"]),
+        "",
+    )
     for col, foot in zip(cols, footer):
-        table.add_column(col, footer=foot, justify="right" if col in ("values", "evictions", "conns", "uptime") else "left")
+        table.add_column(
+            col, footer=foot, justify="right" if col in ("values", "evictions", "conns", "uptime") else "left"
+        )
     for r in rows:
         if "error" in r:
             table.add_row(r["server"], "", "[red]DOWN[/red]", r["error"], "", "", "", "", "")
             continue
-        health = {"ok": "[green]ok[/green]", "draining": "[yellow]draining[/yellow]",
-                  "auth failed": "[red]AUTH FAILED[/red]"}.get(r["health"], "[red]DOWN[/red]")
-        table.add_row(r["server"], str(r["node_id"]), health, _used(r), str(r["values"]), _ratio(r["hit_ratio"]),
-                      str(r["evictions"]), str(r["connections"]), _duration(r.get("uptime_s")))
+        health = {
+            "ok": "[green]ok[/green]",
+            "draining": "[yellow]draining[/yellow]",
+            "auth failed": "[red]AUTH FAILED[/red]",
+        }.get(r["health"], "[red]DOWN[/red]")
+        table.add_row(
+            r["server"],
+            str(r["node_id"]),
+            health,
+            _used(r),
+            str(r["values"]),
+            _ratio(r["hit_ratio"]),
+            str(r["evictions"]),
+            str(r["connections"]),
+            _duration(r.get("uptime_s")),
+        )
     console.print(table)
     if args.lanes:
         lanes = Table(title="lanes")
@@ -487,13 +585,21 @@ def cmd_status(args) -> int:
             lanes.add_column(col)
         for r in rows:
             for lane in r.get("lanes", []):
-                lanes.add_row(r["server"], lane["name"], repr(lane.get("prefix", "")),
-                              f"{format_size(lane['used_bytes'])} / {format_size(lane['share_bytes'])}",
-                              str(lane["values"]), str(lane["evictions"]))
+                lanes.add_row(
+                    r["server"],
+                    lane["name"],
+                    repr(lane.get("prefix", "")),
+                    f"{format_size(lane['used_bytes'])} / {format_size(lane['share_bytes'])}",
+                    str(lane["values"]),
+                    str(lane["evictions"]),
+                )
         console.print(lanes)
     for r in rows:
         if r["health"] != "ok":
-            print(f"memkv: {r['server']}: {r.get('error') or r.get('data_error') or 'not ready (shutting down)'}", file=sys.stderr)
+            print(
+                f"memkv: {r['server']}: {r.get('error') or r.get('data_error') or 'not ready (shutting down)'}",
+                file=sys.stderr,
+            )
     return EXIT_OK if ok else EXIT_FAILED
 
 
@@ -501,7 +607,9 @@ def _used(r: dict) -> str:
     """Stored value bytes, then the buffer bytes allocated for them (stored values rounded up to
     pages, buffers pooled for reuse, PUTs in flight), out of the capacity."""
     pct = f" ({r['used_ratio']:.0%} allocated)" if r.get("used_ratio") is not None else ""
-    return f"{format_size(r['stored_bytes'])} / {format_size(r['used_bytes'])} / {format_size(r['capacity_bytes'])}{pct}"
+    return (
+        f"{format_size(r['stored_bytes'])} / {format_size(r['used_bytes'])} / {format_size(r['capacity_bytes'])}{pct}"
+    )
 
 
 def _ratio(value: float | None) -> str:
@@ -640,7 +748,8 @@ def cmd_ls(args) -> int:
             "truncated": listing.truncated,
             "keys": [{"key": format_key(e.key), "bytes": e.length, "server": e.server} for e in listing.keys],
             "servers": [
-                {"server": name, "ok": False, "error": listing.failed[name]} if name in listing.failed
+                {"server": name, "ok": False, "error": listing.failed[name]}
+                if name in listing.failed
                 else {"server": name, "ok": True, "listed": listed.get(name, 0)}
                 for name in servers
             ],
@@ -655,11 +764,15 @@ def cmd_ls(args) -> int:
             print(f"{name:<{width}}  {e.length:>10}  {e.server}")
         sys.stdout.flush()
     if listing.truncated:
-        print(f"memkv: listing stops at --limit {args.limit}: more keys match (narrow the prefix or raise --limit)",
-              file=sys.stderr)
+        print(
+            f"memkv: listing stops at --limit {args.limit}: more keys match (narrow the prefix or raise --limit)",
+            file=sys.stderr,
+        )
     for error in errors:
-        print(f"memkv: {error}" + ("; its keys are missing from this listing" if "did not answer" in error else ""),
-              file=sys.stderr)
+        print(
+            f"memkv: {error}" + ("; its keys are missing from this listing" if "did not answer" in error else ""),
+            file=sys.stderr,
+        )
     return EXIT_FAILED if errors else EXIT_OK
 
 
@@ -683,10 +796,16 @@ def cmd_bench(args) -> int:
             capacity = max(256 << 20, int(value_bytes * args.values * 1.25))
             with LocalNode(key, capacity=str(capacity)) as node:
                 config = ClientConfig.from_env({ENV_SERVERS: node.address, ENV_AUTH_KEY: key})
-                print(f"memkv bench: embedded node at {node.address} (capacity {format_size(capacity)})", file=sys.stderr)
-                result = run_client_bench(config, value_bytes, args.values, args.rounds, args.threads, progress=progress)
+                print(
+                    f"memkv bench: embedded node at {node.address} (capacity {format_size(capacity)})", file=sys.stderr
+                )
+                result = run_client_bench(
+                    config, value_bytes, args.values, args.rounds, args.threads, progress=progress
+                )
         else:
-            result = run_client_bench(ClientConfig.from_env(), value_bytes, args.values, args.rounds, args.threads, progress=progress)
+            result = run_client_bench(
+                ClientConfig.from_env(), value_bytes, args.values, args.rounds, args.threads, progress=progress
+            )
     except (MemKVError, RuntimeError) as exc:
         if isinstance(exc, ConfigError):
             raise
@@ -695,10 +814,16 @@ def cmd_bench(args) -> int:
     if args.json:
         _print_json(result)
     else:
-        print(f"values {format_size(value_bytes)} x {args.values}, {_plural(args.threads, 'thread')}, "
-              f"{_plural(args.rounds, 'round')}, servers {result['servers']}")
-        print(f"put  {result['put_gbps']:.2f} GB/s median of {_plural(args.rounds, 'round')}   (best round {result['put_gbps_best']:.2f})")
-        print(f"get  {result['get_gbps']:.2f} GB/s median of {_plural(args.rounds, 'round')}   (best round {result['get_gbps_best']:.2f})")
+        print(
+            f"values {format_size(value_bytes)} x {args.values}, {_plural(args.threads, 'thread')}, "
+            f"{_plural(args.rounds, 'round')}, servers {result['servers']}"
+        )
+        print(
+            f"put  {result['put_gbps']:.2f} GB/s median of {_plural(args.rounds, 'round')}   (best round {result['put_gbps_best']:.2f})"
+        )
+        print(
+            f"get  {result['get_gbps']:.2f} GB/s median of {_plural(args.rounds, 'round')}   (best round {result['get_gbps_best']:.2f})"
+        )
         print(f"verified byte-exact: {result['verified']}")
     return EXIT_OK
 

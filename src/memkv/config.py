@@ -15,8 +15,9 @@ import dataclasses
 import ipaddress
 import os
 import re
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 import yaml
 
@@ -89,7 +90,9 @@ def parse_size(text: str | int, setting: str) -> int:
             hint = f"write {number}{prefix}iB (binary) or {number}{prefix}B (decimal)"
         else:
             raise ConfigError(f"{setting}: expected a size like 512MiB or 8GiB, got {text!r}")
-        raise ConfigError(f"{setting}: ambiguous or unknown unit {unit!r} in {text!r}: {hint} (units: {SIZE_UNITS_HELP})")
+        raise ConfigError(
+            f"{setting}: ambiguous or unknown unit {unit!r} in {text!r}: {hint} (units: {SIZE_UNITS_HELP})"
+        )
     value = int(float(number) * _SIZE_UNITS[unit])
     if value <= 0:
         raise ConfigError(f"{setting}: size must be positive, got {text!r}")
@@ -131,7 +134,9 @@ def parse_address(text: str, setting: str, default_port: int | None = None) -> t
     if "://" in text:
         raise ConfigError(f"{setting}: no scheme: write host:port (as in 127.0.0.1:9900), not {text!r}")
     if ";" in text:
-        raise ConfigError(f"{setting}: servers are separated by ',' (as in 10.0.0.17:9900,10.0.0.18:9900), not ';'; got {text!r}")
+        raise ConfigError(
+            f"{setting}: servers are separated by ',' (as in 10.0.0.17:9900,10.0.0.18:9900), not ';'; got {text!r}"
+        )
     if text.startswith("["):
         end = text.find("]")
         if end < 0:
@@ -223,7 +228,7 @@ class AuthKey:
         self.source = source
 
     @classmethod
-    def from_hex(cls, text: str, source: str) -> "AuthKey":
+    def from_hex(cls, text: str, source: str) -> AuthKey:
         text = text.strip()
         if len(text) != 2 * KEY_BYTES or not re.fullmatch(r"[0-9a-fA-F]+", text):
             # Never echo the value: it may be a real key with a typo.
@@ -234,7 +239,7 @@ class AuthKey:
         return cls(bytes.fromhex(text), source)
 
     @classmethod
-    def from_file(cls, path: str | os.PathLike, source: str) -> "AuthKey":
+    def from_file(cls, path: str | os.PathLike, source: str) -> AuthKey:
         try:
             text = Path(path).read_text()
         except OSError as exc:
@@ -319,7 +324,7 @@ class ClientConfig:
             raise ConfigError(f"pool_size: must be an integer in 1..1024, got {self.pool_size!r}")
 
     @classmethod
-    def from_env(cls, env: Mapping[str, str] | None = None) -> "ClientConfig":
+    def from_env(cls, env: Mapping[str, str] | None = None) -> ClientConfig:
         env = os.environ if env is None else env
         doc: dict[str, Any] = {}
         path = env.get(ENV_CONFIG)
@@ -419,7 +424,7 @@ class LaneSpec:
     share: float
 
     @classmethod
-    def parse(cls, text: str) -> "LaneSpec":
+    def parse(cls, text: str) -> LaneSpec:
         """'NAME:PREFIX:SHARE', e.g. 'fleet-a:llama/:0.5'."""
         parts = text.split(":")
         if len(parts) != 3:
@@ -494,8 +499,10 @@ def capacity_warning(capacity_bytes: int, cgroup_paths: Sequence[str | Path] = C
     limit = memory_limit_bytes(cgroup_paths)
     if capacity_bytes <= limit:
         return None
-    return (f"--capacity {format_size(capacity_bytes)} exceeds this machine's memory ({format_size(limit)}, "
-            "RAM or the container's limit, whichever is lower): the node will be killed for memory before it is full")
+    return (
+        f"--capacity {format_size(capacity_bytes)} exceeds this machine's memory ({format_size(limit)}, "
+        "RAM or the container's limit, whichever is lower): the node will be killed for memory before it is full"
+    )
 
 
 def node_transport_from_env(env: Mapping[str, str] | None = None) -> str:

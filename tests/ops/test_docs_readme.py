@@ -36,5 +36,5 @@ def test_readme_says_how_much_disk_the_test_command_needs() -> None:
 def test_readme_labels_the_bench_figure_as_a_median_and_keeps_its_setup_commands() -> None:
     assert "median of its rounds" in README
     assert "```\npython3 -m pip install . && python3 -m memkv bench\n```" in README
-    assert ("```\npython3 -m pip install nox==2026.10.20 && python3 -m nox -s tests conformance-0.25.0 "
+    assert ("```\npython3 -m pip install nox==2026.10.20 && python3 -m nox -s lint tests conformance-0.25.0 "
             "conformance-0.33.0 conformance-rdma\n```") in README

@@ -98,8 +98,11 @@ class NodeConnection:
             send_all(self.sock, [hs.hello()], deadline)
             server_hello = bytes(recv_exactly(self.sock, p.SERVER_HELLO.size, deadline))
             if server_hello.startswith(b"HTTP/"):  # a node's admin port answers a hello in HTTP
-                raise RemoteProtocolError(f"{self.name}: answered in HTTP: this is a MemKV node's admin port, not its data port "
-                                          "(the data port is the admin port - 1 by default)", p.ErrorCode.BAD_MAGIC)
+                raise RemoteProtocolError(
+                    f"{self.name}: answered in HTTP: this is a MemKV node's admin port, not its data port "
+                    "(the data port is the admin port - 1 by default)",
+                    p.ErrorCode.BAD_MAGIC,
+                )
             try:
                 auth = hs.receive_server_hello(server_hello)
             except ProtocolError as exc:

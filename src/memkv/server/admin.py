@@ -41,9 +41,9 @@ log = logging.getLogger("memkv.admin")
 ADMIN_TIMEOUT_S = 10.0  # a whole admin connection, accept to close: scrapes take milliseconds
 _REFUSAL = b"HTTP/1.0 503 Service Unavailable\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
 _NOT_THE_DATA_PORT = (
-    "this is a MemKV node's admin port (HTTP), not its data port: point MEMKV_SERVERS at the data port "
-    "(by default the admin port - 1)\n"
-).encode()
+    b"this is a MemKV node's admin port (HTTP), not its data port: point MEMKV_SERVERS at the data port "
+    b"(by default the admin port - 1)\n"
+)
 
 
 def node_status(node: Node, admin_address: tuple[str, int]) -> dict:
@@ -85,8 +85,14 @@ class BoundedHTTPServer(ThreadingHTTPServer):
     daemon_threads = True
     request_queue_size = 128  # a burst of scrapes waits in the backlog, not in SYN retries
 
-    def __init__(self, address, handler, metrics, max_connections: int = ADMIN_MAX_CONNECTIONS,
-                 timeout_s: float = ADMIN_TIMEOUT_S) -> None:
+    def __init__(
+        self,
+        address,
+        handler,
+        metrics,
+        max_connections: int = ADMIN_MAX_CONNECTIONS,
+        timeout_s: float = ADMIN_TIMEOUT_S,
+    ) -> None:
         super().__init__(address, handler)
         self.metrics = metrics
         self.max_connections = max_connections
@@ -172,13 +178,21 @@ class BoundedHTTPServer(ThreadingHTTPServer):
 
 
 class AdminServer:
-    def __init__(self, node: Node, host: str, port: int, max_connections: int = ADMIN_MAX_CONNECTIONS,
-                 timeout_s: float = ADMIN_TIMEOUT_S) -> None:
+    def __init__(
+        self,
+        node: Node,
+        host: str,
+        port: int,
+        max_connections: int = ADMIN_MAX_CONNECTIONS,
+        timeout_s: float = ADMIN_TIMEOUT_S,
+    ) -> None:
         self.node = node
         handler = _make_handler(self)
         self.httpd = BoundedHTTPServer((host, port), handler, node.metrics, max_connections, timeout_s)
         self.address = self.httpd.server_address[:2]
-        self._thread = threading.Thread(target=self.httpd.serve_forever, kwargs={"poll_interval": 0.25}, name="memkv-admin", daemon=True)
+        self._thread = threading.Thread(
+            target=self.httpd.serve_forever, kwargs={"poll_interval": 0.25}, name="memkv-admin", daemon=True
+        )
 
     def start(self) -> None:
         self._thread.start()
@@ -202,9 +216,12 @@ def _make_handler(admin: AdminServer):
             if head == HELLO_MAGIC:  # a MemKV client at the wrong port: say so at once
                 self.close_connection = True
                 try:
-                    self.wfile.write(b"HTTP/1.0 400 Bad Request\r\nContent-Type: text/plain\r\nContent-Length: "
-                                     + str(len(_NOT_THE_DATA_PORT)).encode() + b"\r\nConnection: close\r\n\r\n"
-                                     + _NOT_THE_DATA_PORT)
+                    self.wfile.write(
+                        b"HTTP/1.0 400 Bad Request\r\nContent-Type: text/plain\r\nContent-Length: "
+                        + str(len(_NOT_THE_DATA_PORT)).encode()
+                        + b"\r\nConnection: close\r\n\r\n"
+                        + _NOT_THE_DATA_PORT
+                    )
                 except OSError:
                     pass
                 return
@@ -214,7 +231,7 @@ def _make_handler(admin: AdminServer):
             admin.httpd.mark_busy(self.request)  # a request line arrived: no longer idle
             return super().parse_request()
 
-        def do_GET(self) -> None:  # noqa: N802 (http.server naming)
+        def do_GET(self) -> None:
             node = admin.node
             path = self.path.split("?", 1)[0]
             if path == "/v1/health":
@@ -227,7 +244,13 @@ def _make_handler(admin: AdminServer):
                 body = generate_latest(node.metrics.registry)
                 self._send(200, CONTENT_TYPE_LATEST, body)
             else:
-                self._json(404, {"error": f"no such endpoint {path}", "endpoints": ["/v1/health", "/v1/ready", "/v1/status", "/v1/metrics"]})
+                self._json(
+                    404,
+                    {
+                        "error": f"no such endpoint {path}",
+                        "endpoints": ["/v1/health", "/v1/ready", "/v1/status", "/v1/metrics"],
+                    },
+                )
 
         def _json(self, code: int, doc: dict) -> None:
             self._send(code, "application/json", json.dumps(doc).encode())

@@ -33,7 +33,9 @@ class StoreCollector:
         )
         yield GaugeMetricFamily("memkv_node_values", "Number of stored values", value=s["values"])
         yield GaugeMetricFamily(
-            "memkv_node_inflight_bytes", "Buffer bytes reserved for PUT values still being received", value=s["inflight_bytes"]
+            "memkv_node_inflight_bytes",
+            "Buffer bytes reserved for PUT values still being received",
+            value=s["inflight_bytes"],
         )
         lane_bytes = GaugeMetricFamily("memkv_node_lane_used_bytes", "Buffer bytes used per lane", labels=["lane"])
         lane_share = GaugeMetricFamily("memkv_node_lane_share_bytes", "Capacity share per lane", labels=["lane"])
@@ -81,14 +83,19 @@ class NodeMetrics:
         self.refused_connections = Counter(
             "memkv_node_connections_refused",
             "Data-port connections refused or shed, by reason (max_connections, fd_limit, fd_limit_system, no_memory, no_thread)",
-            ["reason"], registry=r,
+            ["reason"],
+            registry=r,
         )
         self.admin_connections = Gauge("memkv_node_admin_connections", "Open admin-port (HTTP) connections", registry=r)
         self.admin_refused = Counter(
             "memkv_node_admin_connections_refused",
             "Admin-port connections refused or closed by the node, by reason (max_connections, idle_shed, timeout)",
-            ["reason"], registry=r,
+            ["reason"],
+            registry=r,
         )
         self.puts_refused = Counter(
-            "memkv_node_puts_refused", "PUT items answered NO_SPACE, by reason (no_space, inflight_limit)", ["reason"], registry=r
+            "memkv_node_puts_refused",
+            "PUT items answered NO_SPACE, by reason (no_space, inflight_limit)",
+            ["reason"],
+            registry=r,
         )

@@ -75,7 +75,12 @@ HEAD_BYTES = 64 << 10
 # their reservation until --io-timeout.
 INFLIGHT_WAIT_S = 1.0
 # accept() errnos that mean "no resources right now", never "the listener is broken".
-EXHAUSTED_ERRNOS = {errno.EMFILE: "fd_limit", errno.ENFILE: "fd_limit_system", errno.ENOBUFS: "no_memory", errno.ENOMEM: "no_memory"}
+EXHAUSTED_ERRNOS = {
+    errno.EMFILE: "fd_limit",
+    errno.ENFILE: "fd_limit_system",
+    errno.ENOBUFS: "no_memory",
+    errno.ENOMEM: "no_memory",
+}
 
 
 def fit_connections_to_fd_limit(max_connections: int) -> int:
@@ -97,7 +102,12 @@ def fit_connections_to_fd_limit(max_connections: int) -> int:
     log.warning(
         "RLIMIT_NOFILE is %d (hard %d): --max-connections %d capped to %d (%d descriptors kept for the process, "
         "%d for the admin port); raise the limit (ulimit -n, systemd LimitNOFILE=) to allow more",
-        soft, hard, max_connections, capped, PROCESS_FDS, ADMIN_FDS,
+        soft,
+        hard,
+        max_connections,
+        capped,
+        PROCESS_FDS,
+        ADMIN_FDS,
     )
     return capped
 
@@ -147,7 +157,7 @@ class Node:
             while not self._stopping.is_set():
                 try:
                     sock, peer = self._listener.accept()
-                except socket.timeout:
+                except TimeoutError:
                     continue
                 except OSError as exc:
                     if self._stopping.is_set():
@@ -216,7 +226,9 @@ class Node:
         with self._conns_lock:
             self._conns.add(sock)
         try:
-            threading.Thread(target=self._run_connection, args=(sock, peer), name=f"memkv-conn-{peer[1]}", daemon=True).start()
+            threading.Thread(
+                target=self._run_connection, args=(sock, peer), name=f"memkv-conn-{peer[1]}", daemon=True
+            ).start()
         except RuntimeError:  # "can't start new thread": out of memory or of the task limit
             with self._conns_lock:
                 self._conns.discard(sock)
@@ -275,7 +287,7 @@ class Connection:
                 self._serve_one()
             except _CleanClose:
                 return
-            except (socket.timeout, TimeoutError):
+            except TimeoutError:
                 self.metrics.errors.labels("timeout").inc()
                 return
             except OSError:
@@ -284,7 +296,9 @@ class Connection:
             except AuthError as exc:
                 reason = "bad_sequence" if "sequence" in str(exc) else "bad_mac"
                 self.metrics.auth_failures.labels(reason).inc()
-                self._send_error(p.ErrorCode.BAD_SEQUENCE if reason == "bad_sequence" else p.ErrorCode.BAD_MAC, str(exc))
+                self._send_error(
+                    p.ErrorCode.BAD_SEQUENCE if reason == "bad_sequence" else p.ErrorCode.BAD_MAC, str(exc)
+                )
                 return
             except RemoteProtocolError as exc:
                 code = exc.code or p.ErrorCode.MALFORMED
@@ -342,7 +356,7 @@ class Connection:
         try:
             n = self.sock.recv_into(view)
         except BlockingIOError:  # SO_RCVTIMEO expired: idle past idle_timeout_s
-            raise socket.timeout("idle timeout") from None
+            raise TimeoutError("idle timeout") from None
         if n == 0:
             raise _CleanClose()
         # From its first byte, the whole frame (prefix, meta, values) must arrive within
@@ -399,8 +413,13 @@ class Connection:
             head = self._scratch[: min(item.length, HEAD_BYTES)]
             recv_exactly_into(self.sock, head, self._deadline)
             try:
-                ticket = store.begin_put(item.key, item.length, item.algo, item.checksum,
-                                         wait_s=max(0.0, min(INFLIGHT_WAIT_S, self._deadline - time.monotonic())))
+                ticket = store.begin_put(
+                    item.key,
+                    item.length,
+                    item.algo,
+                    item.checksum,
+                    wait_s=max(0.0, min(INFLIGHT_WAIT_S, self._deadline - time.monotonic())),
+                )
             except NoSpace as exc:
                 self.metrics.puts_refused.labels(exc.reason).inc()
                 discard(self.sock, item.length - len(head), self._scratch, self._deadline)
@@ -439,8 +458,11 @@ class Connection:
             self._count_keys("get", statuses)
             assert self.codec is not None
             # A reply too must be taken within io_timeout_s: a slow reader cannot pin these values.
-            send_all(self.sock, [self.codec.encode(p.GetReply(tuple(items)), validate=False), *values],
-                     time.monotonic() + self.node.config.io_timeout_s)
+            send_all(
+                self.sock,
+                [self.codec.encode(p.GetReply(tuple(items)), validate=False), *values],
+                time.monotonic() + self.node.config.io_timeout_s,
+            )
             self.metrics.bytes_out.inc(sum(len(v) for v in values))
         finally:
             store.release(pinned)

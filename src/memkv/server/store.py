@@ -37,7 +37,7 @@ import heapq
 import mmap
 import operator
 import threading
-from typing import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 from memkv.config import LaneSpec
 from memkv.protocol import ItemStatus
@@ -74,7 +74,7 @@ class ValueBuffer:
 @dataclasses.dataclass(eq=False)
 class Entry:
     key: bytes
-    lane: "Lane"
+    lane: Lane
     length: int
     algo: int
     checksum: bytes
@@ -126,8 +126,13 @@ class NoSpace(Exception):
 
 
 class Store:
-    def __init__(self, capacity_bytes: int, lanes: Sequence[LaneSpec] = (), pool_max_bytes: int | None = None,
-                 max_inflight_bytes: int | None = None) -> None:
+    def __init__(
+        self,
+        capacity_bytes: int,
+        lanes: Sequence[LaneSpec] = (),
+        pool_max_bytes: int | None = None,
+        max_inflight_bytes: int | None = None,
+    ) -> None:
         if capacity_bytes <= 0:
             raise ValueError("capacity_bytes must be positive")
         self.capacity_bytes = capacity_bytes
@@ -177,8 +182,10 @@ class Store:
                 # wait_for re-checks under the lock; a bound smaller than one value lets one in.
                 fits = lambda: self.inflight_bytes == 0 or self.inflight_bytes + size <= self.max_inflight_bytes  # noqa: E731
                 if not self._inflight_done.wait_for(fits, timeout=wait_s):
-                    raise NoSpace(f"{self.inflight_bytes} bytes of PUTs in flight (bound {self.max_inflight_bytes})",
-                                  "inflight_limit")
+                    raise NoSpace(
+                        f"{self.inflight_bytes} bytes of PUTs in flight (bound {self.max_inflight_bytes})",
+                        "inflight_limit",
+                    )
             self.inflight_bytes += size
             try:
                 buf = self._reserve(key, size, lane)
@@ -195,7 +202,7 @@ class Store:
                 raise
         return PutTicket(key, lane, length, algo, checksum, buf, size)
 
-    def _reserve(self, key: bytes, size: int, lane: "Lane") -> ValueBuffer | None:
+    def _reserve(self, key: bytes, size: int, lane: Lane) -> ValueBuffer | None:
         """A buffer of `size` (lock held), or None with `size` bytes reserved for the caller to
         allocate outside the lock. Raises NoSpace."""
         buf = self._take_pooled(size)
@@ -413,7 +420,7 @@ class Store:
             if ratio > best_ratio:
                 best, best_ratio = lane, ratio
         candidates = [best] if best is not None else []
-        candidates += [writer] + self.lanes
+        candidates += [writer, *self.lanes]
         for lane in candidates:
             for entry in lane.entries.values():
                 if entry.pins == 0:
