@@ -12,6 +12,7 @@ import concurrent.futures
 import mmap
 import os
 import time
+from typing import Any
 
 from memkv.client.cluster import Client
 from memkv.config import ClientConfig
@@ -49,7 +50,7 @@ def run_client_bench(
     threads: int,
     progress: bool = True,
     key_prefix: bytes = b"bench/",
-) -> dict:
+) -> dict[str, Any]:
     src = prefaulted_pool(value_bytes * n_values)
     dst = prefaulted_pool(value_bytes * n_values)
     sv, dv = memoryview(src), memoryview(dst)
@@ -60,12 +61,6 @@ def run_client_bench(
     per_thread = [list(range(t, n_values, threads)) for t in range(threads)]
     put_rates: list[float] = []
     get_rates: list[float] = []
-
-    def put_part(idx):
-        return all(client.batch_put_views([(keys[i], sv[slots[i][0] : slots[i][1]]) for i in idx]))
-
-    def get_part(idx):
-        return all(client.batch_get_into([(keys[i], dv[slots[i][0] : slots[i][1]]) for i in idx]))
 
     bar = None
     if progress:
@@ -78,6 +73,13 @@ def run_client_bench(
     try:
         with Client(config) as client, concurrent.futures.ThreadPoolExecutor(threads) as pool:
             client.probe()  # a stopped node or a wrong key fails here, naming the server and why
+
+            def put_part(idx: list[int]) -> bool:
+                return all(client.batch_put_views([(keys[i], sv[slots[i][0] : slots[i][1]]) for i in idx]))
+
+            def get_part(idx: list[int]) -> bool:
+                return all(client.batch_get_into([(keys[i], dv[slots[i][0] : slots[i][1]]) for i in idx]))
+
             for n in range(rounds):
                 t = time.perf_counter()
                 ok = all(pool.map(put_part, per_thread))

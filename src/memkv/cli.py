@@ -50,6 +50,7 @@ import sys
 import threading
 import urllib.error
 import urllib.request
+from typing import TYPE_CHECKING, Any
 
 from memkv import __version__
 from memkv.config import (
@@ -74,6 +75,10 @@ from memkv.config import (
 )
 from memkv.errors import AuthError, ConfigError, MemKVError
 
+if TYPE_CHECKING:  # the CLI imports the client lazily: `memkv serve` never loads it
+    from memkv.client.cluster import Client
+    from memkv.client.node import NodeClient
+
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 ENV_LOG_LEVEL = "MEMKV_LOG_LEVEL"
 
@@ -89,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
         level=getattr(logging, args.log_level.upper()), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     try:
-        return args.func(args)
+        return int(args.func(args))
     except ConfigError as exc:
         return _fail(args, EXIT_USAGE, f"configuration error: {exc}")
     except UsageError as exc:
@@ -103,14 +108,14 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_FAILED
 
 
-def _fail(args, code: int, message: str) -> int:
+def _fail(args: argparse.Namespace, code: int, message: str) -> int:
     print(f"memkv: {message}", file=sys.stderr)
     if getattr(args, "json", False):
         _print_json({"ok": False, "error": message, "exit_code": code})
     return code
 
 
-def _print_json(doc) -> None:
+def _print_json(doc: Any) -> None:
     print(json.dumps(doc, indent=2, sort_keys=False), flush=True)
 
 
@@ -228,7 +233,7 @@ def _parser() -> argparse.ArgumentParser:
 # -- serve ------------------------------------------------------------------------------------------
 
 
-def _server_key(args) -> AuthKey:
+def _server_key(args: argparse.Namespace) -> AuthKey:
     if env_value(os.environ, ENV_AUTH_KEY) is not None:
         return AuthKey.from_hex(os.environ[ENV_AUTH_KEY], ENV_AUTH_KEY)
     if args.key_file:
@@ -253,7 +258,7 @@ def _server_key(args) -> AuthKey:
     return AuthKey.from_hex(key_hex, str(path))
 
 
-def cmd_serve(args) -> int:
+def cmd_serve(args: argparse.Namespace) -> int:
     from memkv.server.admin import AdminServer
     from memkv.server.node import Node
 
@@ -286,7 +291,7 @@ def cmd_serve(args) -> int:
         return EXIT_FAILED
     admin.start()
 
-    def on_signal(signum, frame) -> None:
+    def on_signal(signum: int, frame: object) -> None:
         threading.Thread(target=node.shutdown, daemon=True).start()
 
     signal.signal(signal.SIGTERM, on_signal)
@@ -313,7 +318,7 @@ def _fmt(host: str) -> str:
 # -- client commands ----------------------------------------------------------------------------------
 
 
-def cmd_keygen(args) -> int:
+def cmd_keygen(args: argparse.Namespace) -> int:
     key_hex = secrets.token_hex(32)
     if args.json:
         _print_json({"ok": True, "auth_key": key_hex})
@@ -322,7 +327,7 @@ def cmd_keygen(args) -> int:
     return EXIT_OK
 
 
-def _client():
+def _client() -> Client:
     from memkv.client.cluster import Client
 
     return Client(ClientConfig.from_env())
@@ -383,7 +388,7 @@ def _failure(server: str, exc: MemKVError) -> str:
     return f"server {server} unreachable: {exc}"
 
 
-def _unreachable(client, server: str) -> str | None:
+def _unreachable(client: Client, server: str) -> str | None:
     """Why `server` is marked down after a failed call, or None when it answered."""
     for h in client.health():
         if h["server"] == server and not h["up"]:
@@ -391,7 +396,7 @@ def _unreachable(client, server: str) -> str | None:
     return None
 
 
-def cmd_probe(args) -> int:
+def cmd_probe(args: argparse.Namespace) -> int:
     config = ClientConfig.from_env()
     from memkv.client.cluster import Client
 
@@ -426,16 +431,17 @@ def cmd_probe(args) -> int:
 # -- status -----------------------------------------------------------------------------------------
 
 
-def fetch_status(host: str, admin_port: int, timeout_s: float = 2.0) -> dict:
+def fetch_status(host: str, admin_port: int, timeout_s: float = 2.0) -> dict[str, Any]:
     url = f"http://{_fmt(host)}:{admin_port}/v1/status"
     with urllib.request.urlopen(url, timeout=timeout_s) as resp:
-        return json.load(resp)
+        doc: dict[str, Any] = json.load(resp)
+        return doc
 
 
-def _status_row(server: ServerAddress, offset: int, timeout_s: float, node=None) -> dict:
+def _status_row(server: ServerAddress, offset: int, timeout_s: float, node: NodeClient | None = None) -> dict[str, Any]:
     """One server's admin status, then (with `node`, its NodeClient) an authenticated PING on
     its data port: the admin port takes no key, so only the ping shows that ours is right."""
-    row: dict = {"server": server.name, "admin": f"{_fmt(server.host)}:{server.port + offset}"}
+    row: dict[str, Any] = {"server": server.name, "admin": f"{_fmt(server.host)}:{server.port + offset}"}
     try:
         s = fetch_status(server.host, server.port + offset, timeout_s)
         hits, misses = int(s["hits"]), int(s["misses"])
@@ -490,7 +496,7 @@ def _status_row(server: ServerAddress, offset: int, timeout_s: float, node=None)
     return row
 
 
-def _cluster_totals(rows: list[dict]) -> dict:
+def _cluster_totals(rows: list[dict[str, Any]]) -> dict[str, Any]:
     up = [r for r in rows if "error" not in r]
     hits, misses = sum(r["hits"] for r in up), sum(r["misses"] for r in up)
     capacity = sum(r["capacity_bytes"] for r in up)
@@ -512,7 +518,7 @@ def _cluster_totals(rows: list[dict]) -> dict:
     }
 
 
-def cmd_status(args) -> int:
+def cmd_status(args: argparse.Namespace) -> int:
     config = ClientConfig.from_env()
     servers = list(config.servers)
     from memkv.client.cluster import Client
@@ -603,7 +609,7 @@ def cmd_status(args) -> int:
     return EXIT_OK if ok else EXIT_FAILED
 
 
-def _used(r: dict) -> str:
+def _used(r: dict[str, Any]) -> str:
     """Stored value bytes, then the buffer bytes allocated for them (stored values rounded up to
     pages, buffers pooled for reuse, PUTs in flight), out of the capacity."""
     pct = f" ({r['used_ratio']:.0%} allocated)" if r.get("used_ratio") is not None else ""
@@ -632,7 +638,7 @@ def _duration(seconds: float | None) -> str:
 # -- get / put / del --------------------------------------------------------------------------------
 
 
-def cmd_get(args) -> int:
+def cmd_get(args: argparse.Namespace) -> int:
     key = _key_arg(args.key)
     present = down = None
     with _client() as client:
@@ -668,7 +674,7 @@ def cmd_get(args) -> int:
     return EXIT_OK if value is not None else EXIT_FAILED
 
 
-def cmd_put(args) -> int:
+def cmd_put(args: argparse.Namespace) -> int:
     key = _key_arg(args.key)
     try:
         if args.file == "-":
@@ -698,7 +704,7 @@ def cmd_put(args) -> int:
     return EXIT_OK if error is None else EXIT_FAILED
 
 
-def cmd_del(args) -> int:
+def cmd_del(args: argparse.Namespace) -> int:
     keys = [_key_arg(k) for k in args.keys]
     with _client() as client:
         deleted = client.delete(keys)
@@ -720,7 +726,7 @@ def cmd_del(args) -> int:
     return EXIT_OK if ok else EXIT_FAILED
 
 
-def cmd_ls(args) -> int:
+def cmd_ls(args: argparse.Namespace) -> int:
     from memkv.protocol import DEFAULT_MAX_KEY_BYTES, Limits
 
     prefix = parse_key(args.prefix)
@@ -779,7 +785,7 @@ def cmd_ls(args) -> int:
 # -- bench ----------------------------------------------------------------------------------------------
 
 
-def cmd_bench(args) -> int:
+def cmd_bench(args: argparse.Namespace) -> int:
     from memkv.benchmark import run_client_bench
 
     value_bytes = parse_size(args.value_size, "--value-size")

@@ -239,7 +239,7 @@ class AuthKey:
         return cls(bytes.fromhex(text), source)
 
     @classmethod
-    def from_file(cls, path: str | os.PathLike, source: str) -> AuthKey:
+    def from_file(cls, path: str | os.PathLike[str], source: str) -> AuthKey:
         try:
             text = Path(path).read_text()
         except OSError as exc:

@@ -28,7 +28,7 @@ class LocalNode:
         port: int = 0,
         extra_args: Sequence[str] = (),
         ready_timeout_s: float = 30.0,
-        env: dict | None = None,
+        env: dict[str, str] | None = None,
         preexec_fn: Callable[[], None] | None = None,
     ) -> None:
         """`preexec_fn` runs in the child before `memkv serve` starts (tests set resource
@@ -109,7 +109,7 @@ class LocalNode:
     def __enter__(self) -> LocalNode:
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.stop()
 
 

@@ -29,11 +29,13 @@ import socket
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from memkv import __version__
 from memkv.protocol import HELLO_MAGIC
+from memkv.server.metrics import NodeMetrics
 from memkv.server.node import ACCEPT_BACKOFF_S, ADMIN_MAX_CONNECTIONS, EXHAUSTED_ERRNOS, Node
 
 log = logging.getLogger("memkv.admin")
@@ -46,7 +48,7 @@ _NOT_THE_DATA_PORT = (
 )
 
 
-def node_status(node: Node, admin_address: tuple[str, int]) -> dict:
+def node_status(node: Node, admin_address: tuple[str, int]) -> dict[str, Any]:
     stats = node.store.stats()
     return {
         "node_id": node.node_id,
@@ -65,7 +67,7 @@ def node_status(node: Node, admin_address: tuple[str, int]) -> dict:
     }
 
 
-def _counter(node: Node, name: str, labels: dict) -> float:
+def _counter(node: Node, name: str, labels: dict[str, str]) -> float:
     value = node.metrics.registry.get_sample_value(name, labels)
     return value or 0.0
 
@@ -87,9 +89,9 @@ class BoundedHTTPServer(ThreadingHTTPServer):
 
     def __init__(
         self,
-        address,
-        handler,
-        metrics,
+        address: tuple[str, int],
+        handler: type[BaseHTTPRequestHandler],
+        metrics: NodeMetrics,
         max_connections: int = ADMIN_MAX_CONNECTIONS,
         timeout_s: float = ADMIN_TIMEOUT_S,
     ) -> None:
@@ -103,7 +105,7 @@ class BoundedHTTPServer(ThreadingHTTPServer):
         self._reaper = threading.Thread(target=self._reap, name="memkv-admin-reaper", daemon=True)
         self._reaper.start()
 
-    def get_request(self):
+    def get_request(self) -> tuple[socket.socket, Any]:
         try:
             return super().get_request()
         except OSError as exc:
@@ -112,7 +114,7 @@ class BoundedHTTPServer(ThreadingHTTPServer):
                 self._closed.wait(ACCEPT_BACKOFF_S)
             raise  # socketserver drops this accept and polls again
 
-    def process_request(self, request, client_address) -> None:
+    def process_request(self, request: socket.socket, client_address: Any) -> None:  # type: ignore[override]
         with self._lock:
             live = [(c.deadline, s) for s, c in self._conns.items() if not c.closing]
             if len(live) >= self.max_connections:
@@ -129,24 +131,24 @@ class BoundedHTTPServer(ThreadingHTTPServer):
             self._forget(request)
             self._refuse(request, "no_thread")
 
-    def process_request_thread(self, request, client_address) -> None:
+    def process_request_thread(self, request: socket.socket, client_address: Any) -> None:  # type: ignore[override]
         try:
             super().process_request_thread(request, client_address)
         finally:
             self._forget(request)
 
-    def mark_busy(self, request) -> None:
+    def mark_busy(self, request: socket.socket) -> None:
         with self._lock:
             conn = self._conns.get(request)
             if conn is not None:
                 conn.waiting = False
 
-    def _forget(self, request) -> None:
+    def _forget(self, request: socket.socket) -> None:
         with self._lock:
             if self._conns.pop(request, None) is not None:
                 self.metrics.admin_connections.dec()
 
-    def _refuse(self, request, reason: str) -> None:
+    def _refuse(self, request: socket.socket, reason: str) -> None:
         self.metrics.admin_refused.labels(reason).inc()
         try:
             request.setblocking(False)  # never wait on a peer we refuse
@@ -155,7 +157,7 @@ class BoundedHTTPServer(ThreadingHTTPServer):
             pass
         self.shutdown_request(request)
 
-    def _close(self, request, reason: str) -> None:
+    def _close(self, request: socket.socket, reason: str) -> None:
         """Shut a connection down (lock held); its own thread closes it and forgets it."""
         self._conns[request].closing = True
         self.metrics.admin_refused.labels(reason).inc()
@@ -189,7 +191,8 @@ class AdminServer:
         self.node = node
         handler = _make_handler(self)
         self.httpd = BoundedHTTPServer((host, port), handler, node.metrics, max_connections, timeout_s)
-        self.address = self.httpd.server_address[:2]
+        host_bound, port_bound = self.httpd.server_address[:2]
+        self.address: tuple[str, int] = (str(host_bound), int(port_bound))
         self._thread = threading.Thread(
             target=self.httpd.serve_forever, kwargs={"poll_interval": 0.25}, name="memkv-admin", daemon=True
         )
@@ -202,14 +205,15 @@ class AdminServer:
         self.httpd.server_close()
 
 
-def _make_handler(admin: AdminServer):
+def _make_handler(admin: AdminServer) -> type[BaseHTTPRequestHandler]:
     class Handler(BaseHTTPRequestHandler):
         server_version = f"memkv/{__version__}"
         timeout = 2 * ADMIN_TIMEOUT_S  # each read and write: a backstop; the reaper bounds the whole connection
 
         def handle_one_request(self) -> None:
             try:
-                head = self.rfile.peek(len(HELLO_MAGIC))[: len(HELLO_MAGIC)]
+                # rfile is a BufferedReader (StreamRequestHandler's default rbufsize), which can peek
+                head = self.rfile.peek(len(HELLO_MAGIC))[: len(HELLO_MAGIC)]  # type: ignore[attr-defined]
             except OSError:  # timed out, reset, or shut down by the reaper
                 self.close_connection = True
                 return
@@ -252,7 +256,7 @@ def _make_handler(admin: AdminServer):
                     },
                 )
 
-        def _json(self, code: int, doc: dict) -> None:
+        def _json(self, code: int, doc: dict[str, Any]) -> None:
             self._send(code, "application/json", json.dumps(doc).encode())
 
         def _send(self, code: int, ctype: str, body: bytes) -> None:
@@ -262,7 +266,7 @@ def _make_handler(admin: AdminServer):
             self.end_headers()
             self.wfile.write(body)
 
-        def log_message(self, fmt: str, *args) -> None:
+        def log_message(self, fmt: str, *args: Any) -> None:
             log.debug("admin %s " + fmt, self.address_string(), *args)
 
     return Handler

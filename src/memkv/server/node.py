@@ -45,7 +45,7 @@ from memkv.sockio import PeerClosed, discard, recv_exactly, recv_exactly_into, s
 
 log = logging.getLogger("memkv.node")
 
-_OP_NAMES = {
+_OP_NAMES: dict[int, str] = {
     p.Opcode.PING: "ping",
     p.Opcode.PUT: "put",
     p.Opcode.GET: "get",
@@ -219,7 +219,7 @@ class Node:
         with self._conns_lock:
             return len(self._conns)
 
-    def _start_connection(self, sock: socket.socket, peer) -> None:
+    def _start_connection(self, sock: socket.socket, peer: tuple[str, int]) -> None:
         if not self._slots.acquire(blocking=False):
             self._refuse(sock, "max_connections")
             return
@@ -247,7 +247,7 @@ class Node:
             pass
         sock.close()
 
-    def _run_connection(self, sock: socket.socket, peer) -> None:
+    def _run_connection(self, sock: socket.socket, peer: tuple[str, int]) -> None:
         self.metrics.connections.inc()
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -270,7 +270,7 @@ class Node:
 class Connection:
     """One client connection: handshake, then a loop of request -> reply."""
 
-    def __init__(self, node: Node, sock: socket.socket, peer) -> None:
+    def __init__(self, node: Node, sock: socket.socket, peer: tuple[str, int]) -> None:
         self.node = node
         self.sock = sock
         self.peer = peer
@@ -472,7 +472,7 @@ class Connection:
         if bytes_out:
             self.metrics.bytes_out.inc(bytes_out)
 
-    def _count_keys(self, op: str, statuses: bytes) -> None:
+    def _count_keys(self, op: str, statuses: bytes | bytearray) -> None:
         hits = statuses.count(p.ItemStatus.OK)
         if hits:
             self.metrics.keys.labels(op, "ok").inc(hits)

@@ -38,6 +38,7 @@ import mmap
 import operator
 import threading
 from collections.abc import Callable, Iterable, Sequence
+from typing import Any
 
 from memkv.config import LaneSpec
 from memkv.protocol import ItemStatus
@@ -281,7 +282,7 @@ class Store:
 
     # -- introspection --------------------------------------------------------------------------
 
-    def stats(self) -> dict:
+    def stats(self) -> dict[str, Any]:
         with self._lock:
             return {
                 "capacity_bytes": self.capacity_bytes,
