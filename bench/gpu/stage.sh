@@ -21,7 +21,7 @@ stage=${STAGE_DIR:-/tmp/stage}
 case "${1:-}" in
   bundle)
     out="$here/.gpu-stage"
-    mb=${MAKE_BUNDLE:-$here/../shared/gpu/make_bundle.sh}
+    mb=${MAKE_BUNDLE:-$here/bench/gpu/make_bundle.sh}  # the team's GPU recipe, kept here so the repo stands alone
     [ -d "$out/bundle" ] || bash "$mb" "$out/bundle"
     rm -rf "$out/c1" "$out/c2"
     mkdir -p "$out/c1" "$out/c2/wheels"

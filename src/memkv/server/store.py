@@ -154,7 +154,7 @@ class Store:
         self.stored_bytes = 0  # value bytes of live entries
         self.evictions = 0
         # Called with each buffer the store frees, under its lock (quick, never re-entering the
-        # store): the RDMA responder deregisters buffers it registered (memkv/transport).
+        # store): the RDMA responder deregisters buffers it registered (memkv/server/rdma.py).
         self.on_drop: Callable[[ValueBuffer], None] | None = None
 
     # -- lanes --------------------------------------------------------------------------------
