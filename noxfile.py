@@ -25,6 +25,7 @@ Install recipe (see the vLLM tier API reference, section 9):
 from __future__ import annotations
 
 import glob
+import os
 
 import nox
 
@@ -153,8 +154,9 @@ for _release in VLLM_RELEASES:
 @nox.session(name="conformance-rdma", tags=["conformance"], reuse_venv=True)
 def conformance_rdma(session: nox.Session) -> None:
     """tests/conformance on the newest vLLM with loads over RDMA (NIXL, UCX cma on loopback)."""
-    conformance(session, VLLM_RELEASES[-1], env={"MEMKV_TEST_TRANSPORT": "rdma", "UCX_TLS": "cma,tcp,self",
-                                                 "UCX_NET_DEVICES": "lo"})
+    # On a host with NVIDIA GPUs NIXL's UCX backend refuses a UCX_TLS without cuda_copy (docs/rdma.md).
+    tls = "cma,tcp,self" + (",cuda_copy" if any(os.path.exists(p) for p in ("/dev/nvidia0", "/proc/driver/nvidia/gpus")) else "")
+    conformance(session, VLLM_RELEASES[-1], env={"MEMKV_TEST_TRANSPORT": "rdma", "UCX_TLS": tls, "UCX_NET_DEVICES": "lo"})
 
 
 @nox.session(name="tests", reuse_venv=True)

@@ -26,6 +26,12 @@ Traps handled here (measured on this project's machines; docs/rdma.md has the fi
   mlx5_1:1` unless UCX_NET_DEVICES is already set (an operator's UCX setting wins). Tests set
   `UCX_NET_DEVICES=lo` and `UCX_TLS=tcp` or `cma,tcp,self` themselves.
 * **Logging.** NIXL logs INFO lines to stdout; quieted to WARNING unless NIXL_LOG_LEVEL is set.
+* **Reasons in its own log.** When the UCX backend cannot come up, NIXL raises a bare
+  `NIXL_ERR_BACKEND` and writes the reason (UCX's and its own log lines) to the process's
+  stderr, where a vLLM deployment rarely looks. Agent creation therefore captures the native
+  stdout/stderr (`_native_output`) and puts those lines into the RdmaError (on success they are
+  passed on unchanged). On a host with NVIDIA GPUs NIXL refuses a `UCX_TLS` without `cuda_copy`
+  (measured on the H200 host); the error then says so too (`_ucx_tls_hint`).
 * **Exit-time SIGSEGV** when Debian's `ibverbs-providers` is installed next to the wheel's own
   libibverbs (the UCX `efa` module loads the system libefa). Not something code can fix here;
   docs/rdma.md has the workaround.
@@ -41,6 +47,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import sys
 import threading
 import uuid
 from collections.abc import Iterator, Sequence
@@ -135,6 +142,83 @@ def buffer_address(view: memoryview) -> int:
     import numpy
 
     return int(numpy.frombuffer(view, dtype=numpy.uint8).ctypes.data)
+
+
+_NATIVE_REASON_LINES = 6  # of NIXL's and UCX's own log, the last lines that say what went wrong
+_NATIVE_REASON_CHARS = 1200
+
+
+@contextlib.contextmanager
+def _native_output() -> Iterator[list[str]]:
+    """Capture what native code writes to fds 1 and 2 inside the block; yields a list that holds
+    the captured lines once the block is left. The bytes are written on to the real fds
+    afterwards, so nothing disappears from the process's logs (other threads' output of the same
+    moment is delayed, not lost)."""
+    import tempfile
+
+    lines: list[str] = []
+    for stream in (sys.stdout, sys.stderr):  # Python's own buffered text is not NIXL's
+        with contextlib.suppress(Exception):
+            stream.flush()
+    with contextlib.ExitStack() as stack:
+        saved: list[tuple[int, int, Any]] = []
+        try:
+            for fd in (1, 2):
+                tmp = stack.enter_context(tempfile.TemporaryFile())
+                saved.append((fd, os.dup(fd), tmp))
+                os.dup2(tmp.fileno(), fd)
+        except OSError:  # no fds to capture (closed stdio): run uncaptured
+            for fd, copy, _ in saved:
+                os.dup2(copy, fd)
+                os.close(copy)
+            saved = []
+        try:
+            yield lines
+        finally:
+            for fd, copy, tmp in saved:
+                os.dup2(copy, fd)
+                os.close(copy)
+                tmp.seek(0)
+                data = tmp.read()
+                if data:
+                    with contextlib.suppress(OSError):
+                        os.write(fd, data)
+                    lines.extend(line for line in data.decode(errors="replace").splitlines() if line.strip())
+
+
+def _reason(lines: Sequence[str]) -> str:
+    """The lines of NIXL's/UCX's own output that carry a reason, shortened for an error message."""
+    keep = [line.strip() for line in lines if any(w in line for w in ("ERROR", "WARN", "Invalid", "Failed", "failed"))]
+    keep = (keep or [line.strip() for line in lines])[-_NATIVE_REASON_LINES:]
+    text = " | ".join(keep)
+    return text if len(text) <= _NATIVE_REASON_CHARS else "..." + text[-_NATIVE_REASON_CHARS:]
+
+
+NVIDIA_DEVICE_PATHS = ("/dev/nvidia0", "/proc/driver/nvidia/gpus")
+
+
+def has_nvidia_gpu(paths: Sequence[str] = NVIDIA_DEVICE_PATHS) -> bool:
+    return any(os.path.exists(p) for p in paths)
+
+
+def ucx_tls_for_host(tls: str, paths: Sequence[str] = NVIDIA_DEVICE_PATHS) -> str:
+    """`tls` with cuda_copy added on a host with NVIDIA GPUs (NIXL refuses it otherwise)."""
+    if tls and not tls.startswith("^") and "cuda" not in tls and has_nvidia_gpu(paths):
+        return f"{tls},cuda_copy"
+    return tls
+
+
+def _ucx_tls_hint(nvidia_paths: Sequence[str] = NVIDIA_DEVICE_PATHS) -> str:
+    """What to change in UCX_TLS when NIXL would refuse it on an NVIDIA GPU host, else ''."""
+    tls = os.environ.get("UCX_TLS", "").strip()
+    if not tls or tls.startswith("^") or "all" in tls.split(",") or "cuda" in tls:
+        return ""
+    if not has_nvidia_gpu(nvidia_paths):
+        return ""
+    return (
+        f" -- this host has NVIDIA GPUs, where NIXL's UCX backend refuses UCX_TLS={tls} without CUDA memory "
+        f"support: add cuda_copy (e.g. UCX_TLS={tls},cuda_copy)"
+    )
 
 
 @contextlib.contextmanager
@@ -249,8 +333,12 @@ class NixlAgent:
         delay_us = progress_delay_us()
         _apply_devices(devices)
         self.name = f"memkv-{role}-{uuid.uuid4().hex[:16]}"
-        with _translate("create an agent with the UCX backend"):
-            self._agent = _tamed_agent(api, self.name, delay_us)
+        try:
+            with _native_output() as native, _translate("create an agent with the UCX backend"):
+                self._agent = _tamed_agent(api, self.name, delay_us)
+        except RdmaError as exc:
+            reason = _reason(native)
+            raise RdmaError(f"{exc}{' -- NIXL/UCX said: ' + reason if reason else ''}{_ucx_tls_hint()}") from exc
         if "UCX" not in self._agent.backends:
             raise RdmaError(f"NIXL: the UCX backend did not load (plugins: {self._agent.plugin_list})")
         self.progress_delay_us = delay_us
