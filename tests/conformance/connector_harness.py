@@ -211,10 +211,11 @@ class ConnectorEngine:
                                              self.kv_cache_config)
         self.scheduler = self.connector.connector_scheduler
         self.manager = self.scheduler.manager
-        view = h.primary_view(self.manager)
+        view = h.primary_view(self.manager)  # the pool's own view, shared with the tiers: keep it
         self.row_bytes = view.strides[0]
+        # A flat byte view for the simulated workers; released in shutdown() (a live export keeps
+        # the /dev/shm mmap from closing).
         self._flat: memoryview | None = view.cast("B")
-        view.release()
         if self.row_bytes != geometry.row_bytes:
             self.shutdown()
             raise AssertionError(f"row is {self.row_bytes} B, geometry says {geometry.row_bytes}")
