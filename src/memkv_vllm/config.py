@@ -23,7 +23,7 @@ class TierSettings:
     n_write_threads: int = 8  # store (cascade) priority threads
     blocks_per_op: int = 8  # blocks per batched request
     load_failure_grace_s: float = 60.0  # withhold a failed load's report while a transfer could land
-    max_store_backlog_mb: int = 2048  # stores queued or in flight above this are shed
+    max_store_backlog_mb: int | None = None  # store jobs queued or in flight above this are shed; None: half the CPU pool
     lookup_timeout_s: float = 5.0  # a lookup unresolved this long answers MISS; <= 0 disables
     step_yield_ms: float = 1.0  # per scheduler step, GIL given to the tier's threads while a promotion is in flight
     locality: str | None = None
@@ -49,6 +49,8 @@ class TierSettings:
         for key, lo, hi in (("n_read_threads", 1, 256), ("n_write_threads", 1, 256), ("blocks_per_op", 1, 4096),
                             ("max_store_backlog_mb", 1, 1 << 30)):
             v = getattr(self, key)
+            if key == "max_store_backlog_mb" and v is None:
+                continue
             if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
                 fail(key, f"an integer in {lo}..{hi}")
         for key in ("load_failure_grace_s", "lookup_timeout_s"):
@@ -63,9 +65,12 @@ class TierSettings:
         if self.locality not in (None, "LOCAL", "REMOTE"):
             fail("locality", '"LOCAL" or "REMOTE"')
 
-    @property
-    def max_store_backlog_bytes(self) -> int:
-        return self.max_store_backlog_mb << 20
+    def store_backlog_bytes(self, pool_bytes: int) -> int:
+        """The backlog bound: `max_store_backlog_mb`, or by default half of the CPU pool (the
+        seed's rule for the key: stores in flight pin pool rows, so they may hold at most half)."""
+        if self.max_store_backlog_mb is not None:
+            return self.max_store_backlog_mb << 20
+        return max(1, pool_bytes // 2)
 
     @property
     def lookup_deadline_s(self) -> float | None:

@@ -35,7 +35,10 @@ def metric_definitions() -> dict[str, Any]:
             buckets=JOB_SECONDS_BUCKETS,
         ),
         JOBS_FAILED: OffloadingCounterMetadata("memkv tier jobs that failed (wholly or partly), by op", labelnames=("op",)),
-        SHEDS: OffloadingCounterMetadata("Blocks not stored to MemKV because the store backlog was over max_store_backlog_mb"),
+        SHEDS: OffloadingCounterMetadata(
+            "Blocks not stored to MemKV: store jobs shed whole because the store backlog was over max_store_backlog_mb, "
+            "or because an earlier job of the same request was shed"
+        ),
         LOOKUPS: OffloadingCounterMetadata(
             "memkv tier lookup answers: hit, miss, retry (probe pending), timeout (unanswered past lookup_timeout_s: a miss)",
             labelnames=("result",),

@@ -7,6 +7,12 @@ destination rows (`Client.batch_load_into`; with the RDMA transport the nodes WR
 rows of the pool registered at startup, docs/rdma.md), full-length and checksum-verified or
 the block fails. Jobs are cut into tasks of `blocks_per_op` rows on priority threads (transfers.py).
 
+Store admission (admission.py): vLLM hands the tier each request's chunks as one job per prefill
+step, a *set* of keys in hash order, and its prefix lookup stops at the first missing chunk. So a
+job is stored or shed whole, and once a request has a shed job its later jobs are shed too: what
+the tier holds for a request is always a usable prefix. The backlog bound defaults to half of
+the CPU pool.
+
 Contracts with vLLM (base.py of the tiering framework):
   * every method below runs on the scheduler side and returns without waiting on the network;
   * every submitted job is reported exactly once by get_finished_jobs (empty jobs at once);
@@ -19,7 +25,7 @@ client's down mark, and this tier's lookup_timeout_s deadline on every vLLM rele
 other nodes' blocks keep answering at once (lookup.py: answers are taken per node as they
 arrive); a failed load purges
 its keys from MemKV and is remembered as a miss, so it recomputes and re-stores once rather
-than looping; stores over `max_store_backlog_mb` are shed; loads never are.
+than looping; store jobs over the backlog bound are shed whole (admission.py); loads never are.
 
 Threading: see the docstrings of LookupService and TransferPool. This class keeps no state of
 its own that worker threads write, except through those two and TierStats.
@@ -28,7 +34,6 @@ its own that worker threads write, except through those two and TierStats.
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from typing import Any
 
@@ -39,6 +44,7 @@ from memkv.errors import AuthError, ConnectError, MemKVError, MemKVTimeout, Prot
 from memkv.license import check_license
 from memkv_vllm import compat
 from memkv_vllm import metrics as tm
+from memkv_vllm.admission import StoreAdmission
 from memkv_vllm.config import TierSettings
 from memkv_vllm.keys import KeyNamespace
 from memkv_vllm.lookup import LookupService
@@ -81,6 +87,7 @@ class MemKVSecondaryTierManager(compat.SecondaryTierManager):
         self.locality = compat.parse_locality(self.settings.locality)
         assert primary_kv_view.strides is not None, "primary_kv_view.strides cannot be None"
         self.row_bytes = primary_kv_view.strides[0]
+        pool_bytes = primary_kv_view.nbytes
         client_config = ClientConfig.from_env()
         license_status = check_license(client_config.license, client_config.license_public_key)
         if license_status is not None:
@@ -96,8 +103,12 @@ class MemKVSecondaryTierManager(compat.SecondaryTierManager):
             raise
         self._rows = primary_kv_view.cast("B")  # flat bytes of the whole pool; rows are slices
         self.stats = tm.TierStats()
-        self._backlog_bytes = 0
-        self._backlog_lock = threading.Lock()
+        self._admission = StoreAdmission(self.settings.store_backlog_bytes(pool_bytes))
+        backlog_mb = self._admission.limit_bytes >> 20
+        if self.settings.max_store_backlog_mb is not None and self._admission.limit_bytes > pool_bytes // 2:
+            log.warning("MemKV tier: max_store_backlog_mb=%d is more than half of the CPU pool (%d MiB): stores in "
+                        "flight may pin most of the pool's rows; keep it below half of cpu_bytes_to_use",
+                        backlog_mb, pool_bytes >> 20)
         self._pool = TransferPool(self.settings.n_read_threads, self.settings.n_write_threads,
                                   self.settings.load_failure_grace_s)
         self._lookup = LookupService(self.client.exists_stream, self.settings.lookup_deadline_s,
@@ -112,9 +123,10 @@ class MemKVSecondaryTierManager(compat.SecondaryTierManager):
         s = self.settings
         log.info(
             "MemKV tier ready (servers=%s, rdma=%s, block_bytes=%d, namespace=%s, n_read_threads=%d, "
-            "n_write_threads=%d, blocks_per_op=%d, lookup_timeout_s=%s, max_store_backlog_mb=%d, memkv=%s)",
+            "n_write_threads=%d, blocks_per_op=%d, lookup_timeout_s=%s, max_store_backlog_mb=%d%s, memkv=%s)",
             [a.name for a in self.client.servers()], self.client.has_rdma(), self.row_bytes, self.namespace.namespace,
-            s.n_read_threads, s.n_write_threads, s.blocks_per_op, s.lookup_timeout_s, s.max_store_backlog_mb, memkv_version,
+            s.n_read_threads, s.n_write_threads, s.blocks_per_op, s.lookup_timeout_s, backlog_mb,
+            "" if s.max_store_backlog_mb is not None else " (half the CPU pool)", memkv_version,
         )
 
     # ---------------------------------------------------------------------------------------------
@@ -185,6 +197,7 @@ class MemKVSecondaryTierManager(compat.SecondaryTierManager):
 
     def on_request_finished(self, req_context) -> None:
         self._lookup.cleanup(req_context.req_id)
+        self._admission.forget(req_context.req_id)
 
     def on_new_request(self, req_context):
         return compat.RequestOffloadingContext()
@@ -197,37 +210,21 @@ class MemKVSecondaryTierManager(compat.SecondaryTierManager):
         start = int(slot) * self.row_bytes
         return self._rows[start : start + self.row_bytes]
 
-    def _tasks(self, keys: list[bytes], slots: list[int], run, admit=None) -> tuple[list, int]:
-        """Cut a job into tasks of `blocks_per_op` blocks; `admit(n_blocks)` may refuse a task
-        (store backpressure). Returns (tasks, blocks refused)."""
+    def _tasks(self, keys: list[bytes], slots: list[int], run) -> list:
+        """Cut a job into tasks of `blocks_per_op` blocks."""
         step = self.settings.blocks_per_op
-        tasks, refused = [], 0
-        for lo in range(0, len(keys), step):
-            k, s = keys[lo : lo + step], slots[lo : lo + step]
-            if admit is not None and not admit(len(k)):
-                refused += len(k)
-                continue
-            tasks.append((lo, len(k), lambda k=k, s=s: run(k, s)))
-        return tasks, refused
-
-    def _admit_store(self, n_blocks: int) -> bool:
-        """Backpressure: admit a store task while the backlog (queued + in flight) stays under
-        max_store_backlog_mb. An empty backlog always admits one task, so a single job larger
-        than the limit still stores its first blocks rather than never storing at all."""
-        nbytes = n_blocks * self.row_bytes
-        with self._backlog_lock:
-            if self._backlog_bytes and self._backlog_bytes + nbytes > self.settings.max_store_backlog_bytes:
-                return False
-            self._backlog_bytes += nbytes
-            return True
+        return [(lo, len(keys[lo : lo + step]), lambda k=keys[lo : lo + step], s=slots[lo : lo + step]: run(k, s))
+                for lo in range(0, len(keys), step)]
 
     def submit_store(self, job_metadata) -> None:
         keys = list(job_metadata.keys)
         slots = [int(s) for s in compat.job_slot_ids(job_metadata)]
-        tasks, shed = self._tasks(keys, slots, self._store_task, admit=self._admit_store)
-        if shed:
-            self.stats.count(tm.SHEDS, shed)
-        self._pool.submit(job_metadata.job_id, STORE, keys, tasks, shed=shed)
+        if keys and not self._admission.admit(job_metadata.req_context.req_id, len(keys), len(keys) * self.row_bytes):
+            # Shed whole (admission.py): reported at once, so its pool rows are unpinned at once.
+            self.stats.count(tm.SHEDS, len(keys))
+            self._pool.submit(job_metadata.job_id, STORE, keys, [], shed=len(keys))
+            return
+        self._pool.submit(job_metadata.job_id, STORE, keys, self._tasks(keys, slots, self._store_task))
 
     def _store_task(self, keys: list[bytes], slots: list[int]) -> TaskResult:
         try:
@@ -242,14 +239,12 @@ class MemKVSecondaryTierManager(compat.SecondaryTierManager):
                 self.stats.count(tm.STORE_BYTES, self.row_bytes * sum(stored))
             return TaskResult(ok)
         finally:
-            with self._backlog_lock:
-                self._backlog_bytes -= len(keys) * self.row_bytes
+            self._admission.release(len(keys) * self.row_bytes)
 
     def submit_load(self, job_metadata) -> None:
         keys = list(job_metadata.keys)
         slots = [int(s) for s in compat.job_slot_ids(job_metadata)]
-        tasks, _ = self._tasks(keys, slots, self._load_task)  # loads are never shed
-        self._pool.submit(job_metadata.job_id, LOAD, keys, tasks)
+        self._pool.submit(job_metadata.job_id, LOAD, keys, self._tasks(keys, slots, self._load_task))  # never shed
 
     def _load_task(self, keys: list[bytes], slots: list[int]) -> TaskResult:
         mk = self.namespace.keys(keys)

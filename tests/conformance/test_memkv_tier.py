@@ -5,7 +5,8 @@ chunks evicted from the CPU pool are looked up (RETRY, then HIT) and promoted by
 restarted engine hits its predecessor's blocks while another KV layout never collides; an
 outage or a stalled node degrades lookups to MISS within lookup_timeout_s; a value gone
 between lookup and load fails only that promotion, is purged and is not retried in a loop;
-store backpressure sheds and counts; metrics are declared with their label arity; bad tier
+store backpressure sheds whole jobs and counts them, a shed request keeps only the jobs before its
+first shed one (a usable prefix), and the default backlog keeps a prompt of half the pool whole; metrics are declared with their label arity; bad tier
 keys and bad servers fail at startup with a message naming them.
 """
 
@@ -296,17 +297,65 @@ def test_unloadable_value_is_purged_so_it_recomputes_once(memkv_env):
         assert trace.final[0] is LookupResult.MISS
 
 
-def test_store_backlog_over_limit_sheds_blocks_and_counts_them(memkv_env):
-    # Rows of ~600 KB and a 1 MiB backlog: the first task is admitted (empty backlog), the
-    # other three are shed because the first is still queued when they are cut.
-    geometry = h.Geometry(worker_kv_bytes_per_block=300_000, num_rows=8)
+def test_store_jobs_are_admitted_whole_and_a_shed_request_keeps_only_its_prefix(monkeypatch, private_cluster,
+                                                                                 auth_key_hex):
+    # Rows of ~600 KB and a 1 MiB backlog. The nodes are stopped while the first jobs are
+    # submitted, so request a's first job (1.8 MB, admitted whole: the backlog was empty) is
+    # still in flight when b's first job comes: b is shed whole, and stays cut afterwards even
+    # with an empty backlog, while a keeps storing: each request holds a prefix of its jobs.
+    import memkv_vllm
+
+    point_at(monkeypatch, private_cluster, auth_key_hex)
+    memkv_vllm.register()
+    geometry = h.Geometry(worker_kv_bytes_per_block=300_000, num_rows=16)
+    keys = h.make_keys(8)
     with h.HeadlessEngine([memkv({"max_store_backlog_mb": 1, "blocks_per_op": 1})], geometry) as engine:
-        keys = h.make_keys(4)
-        store_and_settle(engine, keys)
-        assert in_memkv(engine, keys) == [True, False, False, False]
+        a, b = engine.new_request(), engine.new_request()
+        for node in private_cluster:
+            node.signal(signal.SIGSTOP)
+        try:
+            engine.store_chunks(a, keys[0:3])
+            engine.store_chunks(b, keys[3:5])
+            engine.step()  # 0.29+ submits the cascades of the step here
+        finally:
+            for node in private_cluster:
+                node.signal(signal.SIGCONT)
+        engine.run_until_idle(timeout_s=20)
+        engine.store_chunks(b, keys[5:6])
+        engine.store_chunks(a, keys[6:8])
+        engine.step()
+        engine.run_until_idle(timeout_s=20)
+        assert in_memkv(engine, keys) == [True] * 3 + [False] * 3 + [True] * 2
         totals = memkv_stats(engine, {})
         assert totals[("vllm:kv_offload_memkv_sheds", ())] == 3
         assert ("vllm:kv_offload_memkv_jobs_failed", ("store",)) not in totals
+
+
+def test_with_the_default_backlog_a_prompt_of_half_the_pool_is_stored_whole_while_nothing_drains(
+        monkeypatch, private_cluster, auth_key_hex):
+    # No max_store_backlog_mb: the bound is half the CPU pool (16 rows -> 8). The nodes are
+    # stopped, so nothing drains while the prompt's four jobs of two rows arrive.
+    import memkv_vllm
+
+    point_at(monkeypatch, private_cluster, auth_key_hex)
+    memkv_vllm.register()
+    geometry = h.Geometry(worker_kv_bytes_per_block=300_000, num_rows=16)
+    keys = h.make_keys(10)
+    with h.HeadlessEngine([memkv({"blocks_per_op": 1})], geometry) as engine:
+        req = engine.new_request()
+        for node in private_cluster:
+            node.signal(signal.SIGSTOP)
+        try:
+            for lo in range(0, 10, 2):
+                engine.store_chunks(req, keys[lo : lo + 2])
+            engine.step()
+        finally:
+            for node in private_cluster:
+                node.signal(signal.SIGCONT)
+        engine.run_until_idle(timeout_s=20)
+        # 8 rows = half the pool are kept; the fifth job would take the backlog past it.
+        assert in_memkv(engine, keys) == [True] * 8 + [False] * 2
+        assert memkv_stats(engine, {})[("vllm:kv_offload_memkv_sheds", ())] == 2
 
 
 def test_promotions_are_never_shed(memkv_env):
