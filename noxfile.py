@@ -25,6 +25,7 @@ Install recipe (see the vLLM tier API reference, section 9):
 from __future__ import annotations
 
 import glob
+import os
 
 import nox
 
@@ -44,8 +45,9 @@ VLLM_RELEASES = [
 
 # What each release needs to import its tiering code on a CPU box, beyond torch and vLLM:
 # "deps" go to one pip call, "no_deps" to a second one with --no-deps. Requirement strings
-# follow the wheel's own Requires-Dist. 0.27-0.29 import less than the others (nothing on
-# their import path reaches vllm.v1.core.kv_cache_utils), hence the shorter lists.
+# follow the wheel's own Requires-Dist. 0.27-0.29's tiering code imports less than the others,
+# but the offloading connector (tests/conformance/connector_harness.py) needs the engine and
+# structured-output set on every release (vllm-connector-api.md section 1), hence one list.
 # fmt: off
 _COMMON = [
     "numpy", "packaging", "regex", "psutil", "pyzmq>=25.0.0", "urllib3", "cbor2",
@@ -62,19 +64,18 @@ _DEPS_0_25 = {
     + _ENGINE + _STRUCTURED_OUTPUT,
     "no_deps": ["xgrammar<1.0.0,>=0.2.1"],
 }
-_DEPS_0_27 = {"deps": _COMMON + _HTTP_OLD + _HARMONY_OLD + ["transformers>=5.5.3"], "no_deps": []}
 
 VLLM_IMPORT_DEPS: dict[str, dict[str, list[str]]] = {
     "0.25.0": _DEPS_0_25,
     "0.25.1": _DEPS_0_25,
     "0.26.0": _DEPS_0_25,
-    "0.27.0": _DEPS_0_27,
-    "0.27.1": _DEPS_0_27,
-    "0.28.0": _DEPS_0_27,
+    "0.27.0": _DEPS_0_25,
+    "0.27.1": _DEPS_0_25,
+    "0.28.0": _DEPS_0_25,
     "0.29.0": {
-        "deps": _COMMON + _HTTP_OLD + _HARMONY_OLD + ["transformers>=5.10.4"]
-        + ["pillow", "pybase64", "cachetools"],
-        "no_deps": [],
+        "deps": _COMMON + _HTTP_OLD + _HARMONY_OLD + ["transformers>=5.10.4", "pillow"]
+        + _ENGINE + _STRUCTURED_OUTPUT,
+        "no_deps": ["xgrammar<1.0.0,>=0.2.1"],
     },
     "0.30.0": {
         "deps": _COMMON + _HTTP_OLD + ["openai-harmony>=0.0.3", "openai>=2.25.0"]
@@ -153,8 +154,9 @@ for _release in VLLM_RELEASES:
 @nox.session(name="conformance-rdma", tags=["conformance"], reuse_venv=True)
 def conformance_rdma(session: nox.Session) -> None:
     """tests/conformance on the newest vLLM with loads over RDMA (NIXL, UCX cma on loopback)."""
-    conformance(session, VLLM_RELEASES[-1], env={"MEMKV_TEST_TRANSPORT": "rdma", "UCX_TLS": "cma,tcp,self",
-                                                 "UCX_NET_DEVICES": "lo"})
+    # On a host with NVIDIA GPUs NIXL's UCX backend refuses a UCX_TLS without cuda_copy (docs/rdma.md).
+    tls = "cma,tcp,self" + (",cuda_copy" if any(os.path.exists(p) for p in ("/dev/nvidia0", "/proc/driver/nvidia/gpus")) else "")
+    conformance(session, VLLM_RELEASES[-1], env={"MEMKV_TEST_TRANSPORT": "rdma", "UCX_TLS": tls, "UCX_NET_DEVICES": "lo"})
 
 
 @nox.session(name="tests", reuse_venv=True)
@@ -166,3 +168,13 @@ def tests(session: nox.Session) -> None:
     session.install("numpy>=1.26")
     session.run("pytest", "tests/unit", "tests/integration", "tests/ops", "tests/faults", "tests/security",
                 "tests/rdma", *session.posargs)
+
+
+@nox.session(name="lint", reuse_venv=True)
+def lint(session: nox.Session) -> None:
+    """ruff (lint and format check) and mypy --strict on src/memkv, at the versions pinned in
+    pyproject.toml's `lint` extra; the per-module exceptions are in pyproject.toml."""
+    session.install("-e", ".[lint]")
+    session.run("ruff", "check", "src/memkv")
+    session.run("ruff", "format", "--check", "src/memkv")
+    session.run("mypy", "--strict", "src/memkv")

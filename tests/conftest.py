@@ -45,6 +45,7 @@ class NodeFactory:
         extra_args: Sequence[str] = (),
         auth_key_hex: str | None = None,
         env: dict | None = None,
+        preexec_fn: Callable[[], None] | None = None,
     ) -> LocalNode:
         node = LocalNode(
             self.auth_key_hex if auth_key_hex is None else auth_key_hex,
@@ -52,6 +53,7 @@ class NodeFactory:
             extra_args=extra_args,
             ready_timeout_s=30.0,
             env=env,
+            preexec_fn=preexec_fn,
         )
         self.nodes.append(node)
         return node

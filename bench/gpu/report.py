@@ -1,13 +1,15 @@
 #!/usr/bin/env python3
-"""Tables (markdown) and the plot of docs/performance.md "GPU end to end", from the JSON files
-that bench/gpu/ttft.py and bench/gpu/xfer.py wrote on the GPU host (copied to
+"""Tables (markdown) and the plots of docs/performance.md "GPU end to end", from the JSON files
+that bench/gpu/ttft.py, bench/gpu/serve.py and bench/gpu/xfer.py wrote on the GPU host (copied to
 bench/gpu/results/). Runs anywhere (matplotlib only).
 
-  python3 bench/gpu/report.py [--results bench/gpu/results]             # current: runs 6-12
+  python3 bench/gpu/report.py --defaults                                  # 2026-12-01: runs 13-15
+  python3 bench/gpu/report.py [--results bench/gpu/results]             # tuned: runs 6-12
   python3 bench/gpu/report.py --history                                   # morning: runs 1-5
 
-Which file plays which role is fixed below (RUNS, CURRENT); the markdown goes to stdout, the
-plots to docs/img/gpu-ttft.png (current) and docs/img/gpu-ttft-history.png (--history).
+Which file plays which role is fixed below (DEFAULTS, CURRENT, RUNS); the markdown goes to
+stdout, the plots to docs/img/gpu-ttft-defaults.png (--defaults), docs/img/gpu-ttft.png (tuned)
+and docs/img/gpu-ttft-history.png (--history).
 """
 
 from __future__ import annotations
@@ -39,6 +41,18 @@ CURRENT = {
     "run10-tp2-fs-restart.json": "TP=2, same host: fs tier engine + a second restart on run 9's nodes",
     "run11-x2host-tp1-main.json": "TP=1 on the 2-GPU host (one GPU), step_yield_ms 1, 32k only",
     "run12-x2host-tp1-noyield-main.json": "TP=1 on the 2-GPU host, step_yield_ms 0, 32k only (prompt already in MemKV)",
+}
+
+
+# 2026-12-01: README's tier config, no tuned keys, engine core in its own process (vLLM's default
+# layout); commit d2b5392. No tier object in the benchmark's process in that layout, so origin
+# comes from the nodes' memkv_node_sent_bytes_total and there is no stage breakdown.
+DEFAULTS = {
+    "run13-defaults-mp-main-restart.json":
+        "TP=1, 1x H200 (16 vCPUs): README's tier config, main (8k/32k/64k x 2) + restart",
+    "run14-serve-readme.json":
+        "same host: `vllm serve` with README's --kv-transfer-config verbatim, restarted on the same nodes",
+    "run15-notier.json": "same host: TieringOffloadingSpec without a secondary tier, cold runs only (x 3)",
 }
 
 
@@ -104,17 +118,29 @@ STAGES = [("lookup", "lookup", "#999999"), ("transfer", "tier -> CPU pool", "#2a
           ("notice", "job noticed", "#f0c040"), ("to_gpu", "CPU pool -> GPU, last block, token", "#5aa55a")]
 
 
-def plot_phases(ax, series: dict, kvpt: int, title: str) -> None:
-    """Grouped bars: median TTFT per phase and prompt length (log scale)."""
-    w = 0.16
-    for i, (key, label, color) in enumerate(PHASE_BARS):
-        vals = [med(series[L][key]) or 0 for L in LENGTHS]
-        xs = [j + (i - 2) * w for j in range(len(LENGTHS))]
+def plot_phases(ax, series: dict, kvpt: int, title: str, bars_spec=None, lengths=None, ranges: bool = False,
+                tick_extra=None, width: float = 0.16) -> None:
+    """Grouped bars: median TTFT per phase and prompt length (log scale); `ranges`: min-max
+    whiskers over the repetitions, `tick_extra`: a further line under each length's label."""
+    bars_spec = bars_spec or PHASE_BARS
+    lengths = lengths or LENGTHS
+    w = width
+    for i, (key, label, color) in enumerate(bars_spec):
+        vals = [med(series[L][key]) or 0 for L in lengths]
+        xs = [j + (i - (len(bars_spec) - 1) / 2) * w for j in range(len(lengths))]
         bars = ax.bar(xs, vals, w, label=label, color=color)
-        for b, v in zip(bars, vals):
+        tops = vals
+        if ranges:
+            lo = [v - min(series[L][key]) if series[L][key] else 0 for v, L in zip(vals, lengths)]
+            hi = [max(series[L][key]) - v if series[L][key] else 0 for v, L in zip(vals, lengths)]
+            ax.errorbar(xs, vals, yerr=[lo, hi], fmt="none", ecolor="#333333", elinewidth=0.8, capsize=2)
+            tops = [v + h for v, h in zip(vals, hi)]
+        for b, v, t in zip(bars, vals, tops):
             if v:
-                ax.text(b.get_x() + b.get_width() / 2, v * 1.04, f"{v:.2f}", ha="center", va="bottom", fontsize=6.5)
-    ax.set_xticks(range(len(LENGTHS)), [f"{L // 1024}k tokens\n({L * kvpt / 2**30:g} GiB KV)" for L in LENGTHS])
+                ax.text(b.get_x() + b.get_width() / 2, t * 1.04, f"{v:.2f}", ha="center", va="bottom", fontsize=6.5)
+    ax.set_xticks(range(len(lengths)), [f"{L // 1024}k tokens\n({L * kvpt / 2**30:g} GiB KV)"
+                                        + (f"\n{tick_extra[L]}" if tick_extra and L in tick_extra else "")
+                                        for L in lengths])
     ax.set_yscale("log")
     ax.set_ylabel("time to first token, s (median, log scale)")
     ax.set_title(title)
@@ -156,8 +182,13 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--results", default=os.path.join(HERE, "results"))
     ap.add_argument("--history", action="store_true", help="the morning runs 1-5 (before the client fix)")
+    ap.add_argument("--defaults", action="store_true",
+                    help="the runs of 2026-12-01 (13-15): README's tier config, engine core in its own process")
     ap.add_argument("--img", default=None)
     args = ap.parse_args()
+    if args.defaults:
+        args.img = args.img or os.path.join(REPO, "docs", "img", "gpu-ttft-defaults.png")
+        return defaults(args)
     if args.history:
         args.img = args.img or os.path.join(REPO, "docs", "img", "gpu-ttft-history.png")
         return history(args)
@@ -384,6 +415,150 @@ def history(args) -> int:
     plot_phases(ax, series, kvpt, "Revisited prompt on vLLM 0.25.0, H200, Qwen2.5-32B shape")
     cpu_row = {"lookup": 0, "transfer": 0, "notice": 0, "to_gpu": med(cpu32), "total": med(cpu32)}
     plot_stages(bx, {**bd_plot, "CPU-pool hit": cpu_row})
+    save(fig, args.img)
+    return 0
+
+
+# ---- 2026-12-01: the defaults (runs 13-15) ------------------------------------------------------------
+
+DEFAULT_BARS = [("recompute", "recompute (cold, first sight)", "#b0b0b0"),
+                ("restart", "MemKV after engine restart", "#7aa6d6"),
+                ("memkv", "MemKV promotion", "#2a6db5"),
+                ("cpu_hit", "CPU-pool hit", "#5aa55a")]
+SERVE_BARS = [("cold", "cold (recompute)", "#b0b0b0"), ("after_restart", "after server restart (MemKV)", "#7aa6d6")]
+GIB = 2**30
+
+
+def served(rr: list) -> str:
+    """The nodes' sent bytes of promotion runs against each run's KV bytes."""
+    if not rr:
+        return "-"
+    whole = sum(1 for r in rr if r.get("memkv_sent_bytes", 0) >= r["prompt_kv_bytes"])
+    vals = sorted({round(r.get("memkv_sent_bytes", 0) / GIB, 2) for r in rr})
+    amount = " / ".join(f"{v:g}" for v in vals)
+    return f"{amount} GiB per run, {whole} of {len(rr)} runs whole"
+
+
+def defaults_table(doc: dict) -> dict:
+    kvpt = doc["meta"]["kv_bytes_per_token"]
+    print("| prompt tokens | KV bytes | recompute | CPU-pool hit | MemKV promotion | MemKV after restart "
+          "| recompute / MemKV | bytes served by the nodes (promotion + restart) |")
+    print("|---:|---:|---|---|---|---|---:|---|")
+    series = {}
+    for L in LENGTHS:
+        rec = [r["seconds"] for r in runs_of(doc, "main", "recompute", L)]
+        cpu = [r["seconds"] for r in runs_of(doc, "main", "cpu_hit", L)]
+        mk_runs = runs_of(doc, "main", "memkv", L)
+        rs_runs = runs_of(doc, "restart", "restart_memkv", L)
+        mk = [r["seconds"] for r in mk_runs]
+        rs = [r["seconds"] for r in rs_runs]
+        series[L] = {"recompute": rec, "cpu_hit": cpu, "memkv": mk, "restart": rs, "memkv_all": mk + rs}
+        ratio = f"{med(rec) / med(mk + rs):.1f}x" if rec and mk + rs else "-"
+        print(f"| {L:,} | {L * kvpt / GIB:g} GiB | {fmt(rec)} s | {fmt(cpu)} s | {fmt(mk)} s | {fmt(rs)} s "
+              f"| {ratio} | {served(mk_runs + rs_runs)} |")
+    return series
+
+
+def serve_table(doc: dict) -> dict:
+    """vllm serve, cold vs after a restart of the server on the same nodes (run 14)."""
+    prompts = doc["prompts"]
+    lengths = sorted({p["tokens"] for p in prompts})
+    print("| prompt tokens | KV bytes | cold TTFT | TTFT after restart | MemKV bytes served by the nodes "
+          "| `vllm:kv_offload_memkv_load_bytes` (server /metrics) | cached tokens (usage, cold / after) | output |")
+    print("|---:|---:|---|---|---|---|---|---|")
+    series = {}
+    for L in lengths:
+        pp = [p for p in prompts if p["tokens"] == L]
+        cold = [p for p in pp if p["phase"] == "cold"]
+        rest = [p for p in pp if p["phase"] == "after_restart"]
+        series[L] = {"cold": [p["ttft_s"] for p in cold], "after_restart": [p["ttft_s"] for p in rest]}
+        kv = pp[0]["prompt_kv_bytes"]
+        sent = " / ".join(f"{p['memkv_sent_bytes'] / GIB:g}" for p in rest)
+        metric = " / ".join(f"{(p.get('server_memkv_load_bytes') or 0) / GIB:g}" for p in rest)
+        cached = " / ".join(str(p["usage"]["prompt_tokens_details"]["cached_tokens"]) for p in cold + rest)
+        outs = {(tuple(p["token_ids"]), json.dumps(p["top5"])) for p in pp}
+        same = "identical (token and top-5)" if len(outs) == 1 else f"DIFFERS ({len(outs)} variants)"
+        print(f"| {L:,} | {kv / GIB:g} GiB | {fmt(series[L]['cold'])} s | {fmt(series[L]['after_restart'])} s "
+              f"| {sent} GiB | {metric} GiB | {cached} | {same} |")
+    print()
+    for s in doc["servers"]:
+        fm = s.get("final_metrics", {})
+        keys = [k for k in fm if k.startswith("vllm:kv_offload_memkv_") and "bucket" not in k and "created" not in k
+                and "job_seconds" not in k]
+        print(f"- server `{s['role']}` (healthy after {s['start_s']:.0f} s), /metrics at its end: "
+              + ", ".join(f"`{k}` {fm[k] / GIB:.3f} GiB" if "bytes" in k else f"`{k}` {fm[k]:g}" for k in keys)
+              + ("" if any("sheds" in k or "jobs_failed" in k for k in keys) else
+                 " (no `..._sheds` or `..._jobs_failed` series: a series appears with its first count, so nothing "
+                 "was shed and no job failed)"))
+    return series
+
+
+def cold_table(with_tier: dict, without: dict) -> None:
+    """Issue 16 item 3: the first (recompute) run with the MemKV tier vs the same engine shape
+    without a secondary tier. Repetitions 0 and 1 are the same prompts in both runs."""
+    print("| prompt tokens | with the MemKV tier (run 13) | without a secondary tier (run 15) "
+          "| with / without (medians) | same prompt, with / without |")
+    print("|---:|---|---|---:|---|")
+    for L in LENGTHS:
+        a = {r["rep"]: r["seconds"] for r in runs_of(with_tier, "main", "recompute", L)}
+        b = {r["rep"]: r["seconds"] for r in runs_of(without, "notier", "recompute_notier", L)}
+        if not a or not b:
+            continue
+        pair = " / ".join(f"{a[k] / b[k]:.3f}" for k in sorted(a) if k in b)
+        print(f"| {L:,} | {fmt(list(a.values()))} s | {fmt(list(b.values()))} s "
+              f"| {med(list(a.values())) / med(list(b.values())):.3f} | {pair} |")
+
+
+def defaults(args) -> int:
+    docs = load(args.results, DEFAULTS)
+    d13 = docs["run13-defaults-mp-main-restart.json"]
+    d14 = docs.get("run14-serve-readme.json")
+    d15 = docs.get("run15-notier.json")
+    m = d13["meta"]
+    print(f"### Defaults: {m['host']['date_utc']}, {m['host']['gpu']}, {m['host']['cpus']} vCPUs, tier "
+          f"`{json.dumps(m['memkv_tier'])}`, {m['process_layout']} (run 13)\n")
+    s13 = defaults_table(d13)
+    bad = d13.get("output_mismatches") or []
+    orig = d13.get("origin_errors") or []
+    print(f"\noutput mismatches: {len(bad)}, origin errors: {len(orig)}")
+    s14 = None
+    if d14:
+        print("\n### `vllm serve` with README's --kv-transfer-config, restarted on the same nodes (run 14)\n")
+        s14 = serve_table(d14)
+        print(f"\nfailures: {len(d14.get('failures') or [])}, README config verbatim: {d14['meta']['readme_verbatim']}")
+    if d15:
+        print("\n### Cold runs: with the tier vs without a secondary tier (runs 13 + 15)\n")
+        cold_table(d13, d15)
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    kvpt = m["kv_bytes_per_token"]
+    ratios = {L: f"recompute / MemKV {med(s13[L]['recompute']) / med(s13[L]['memkv_all']):.1f}x" for L in LENGTHS}
+    if s14:
+        fig, (ax, bx) = plt.subplots(1, 2, figsize=(14, 5.4), gridspec_kw={"width_ratios": [1.45, 1]})
+    else:
+        fig, ax = plt.subplots(1, 1, figsize=(8.5, 5.4))
+    plot_phases(ax, s13, kvpt, "Defaults: README's tier config, engine core in its own process\n"
+                "(1x H200, 16 vCPUs, vLLM 0.25.0, Qwen2.5-32B shape, 4 MemKV nodes on loopback)",
+                bars_spec=DEFAULT_BARS, ranges=True, tick_extra=ratios, width=0.2)
+    if s14:
+        lengths = sorted(s14)
+        r14 = {L: f"{med(s14[L]['cold']) / med(s14[L]['after_restart']):.1f}x faster" for L in lengths}
+        plot_phases(bx, s14, kvpt, "`vllm serve`, README's --kv-transfer-config verbatim\n"
+                    "(streamed completions; server restarted on the same nodes)",
+                    bars_spec=SERVE_BARS, lengths=lengths, tick_extra=r14, width=0.3)
+    from matplotlib.ticker import FixedLocator, NullFormatter, NullLocator
+
+    ax.set_ylabel("time to first token, s (median, whiskers min-max; log scale)")
+    for a in (ax, bx) if s14 else (ax,):  # one scale for both panels, plain seconds on it
+        a.set_ylim(0.07, 16)
+        a.yaxis.set_major_locator(FixedLocator([0.1, 0.2, 0.5, 1, 2, 5, 10]))
+        a.yaxis.set_major_formatter(lambda v, _: f"{v:g}")
+        a.yaxis.set_minor_locator(NullLocator())
+        a.yaxis.set_minor_formatter(NullFormatter())
     save(fig, args.img)
     return 0
 

@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
-# Stage vLLM 0.25.0 (+ its missing dependencies and PyJWT) onto the offline GPU host, in two
-# transfers of < 64 MiB each. See bench/gpu/stage.md for the whole procedure and timings.
+# Stage vLLM 0.25.0 (+ its missing dependencies, PyJWT, and what `vllm serve` needs beyond the
+# offline engine: uvicorn & co) onto the offline GPU host, in two transfers of < 64 MiB each.
+# See bench/gpu/stage.md for the whole procedure and timings.
 #
-#   here:  bash bench/gpu/stage.sh bundle          # -> .gpu-stage/c1 (60 MiB), .gpu-stage/c2 (~57 MB)
+#   here:  bash bench/gpu/stage.sh bundle          # -> .gpu-stage/c1 (59 MiB), .gpu-stage/c2 (58.2 MiB)
 #   host:  bash bench/gpu/stage.sh recv c1         # copy a carried part to /tmp/stage
+#   host:  bash bench/gpu/stage.sh probe           # which of the API server's imports the host lacks (no vLLM needed)
 #   host:  bash bench/gpu/stage.sh recv c2
-#   host:  bash bench/gpu/stage.sh install         # /tmp/site (vllm), /tmp/site2 (wheels)
+#   host:  bash bench/gpu/stage.sh install         # /tmp/site (vllm), /tmp/site2 (wheels); checks the API server imports
 #   host:  eval "$(bash bench/gpu/stage.sh env)"   # PYTHONPATH and vLLM variables
-#   here:  bash bench/gpu/stage.sh src             # HEAD's src/ + bench/ -> .gpu-stage/src (carry it; the
+#   here:  bash bench/gpu/stage.sh src             # HEAD's src/ bench/ README.md -> .gpu-stage/src (carry it; the
 #                                                  # env line then puts .gpu-stage/src/src first on PYTHONPATH)
 # Optional, for the RDMA transport over UCX cma (same-host nodes; no NIC on the lent host):
 #   here:  bash bench/gpu/stage.sh nixl            # -> .gpu-stage/c3 (nixl-cu12 for cp312, 30 MB)
@@ -19,24 +21,53 @@ stage=${STAGE_DIR:-/tmp/stage}
 case "${1:-}" in
   bundle)
     out="$here/.gpu-stage"
-    mb=${MAKE_BUNDLE:-$here/../shared/gpu/make_bundle.sh}
+    mb=${MAKE_BUNDLE:-$here/bench/gpu/make_bundle.sh}  # the team's GPU recipe, kept here so the repo stands alone
     [ -d "$out/bundle" ] || bash "$mb" "$out/bundle"
     rm -rf "$out/c1" "$out/c2"
     mkdir -p "$out/c1" "$out/c2/wheels"
-    # Re-split the vLLM tree (tar.gz) into one 60 MiB part and a rest that fits with the wheels.
-    cat "$out"/bundle/vllm.part.* | split -b 60m - "$out/c1/vllm.part."
+    # Re-split the vLLM tree (tar.gz) into one 59 MiB part and a rest that fits with the wheels
+    # (c1 59.0 MiB, c2 58.2 MiB: each call keeps ~4 MB for the working tree under the 64 MiB).
+    cat "$out"/bundle/vllm.part.* | split -b 59m - "$out/c1/vllm.part."
     mv "$out/c1/vllm.part.ab" "$out/c2/"
     cp "$out"/bundle/wheels/*.whl "$out/c2/wheels/"
     # memkv's own runtime dependency missing from the host image (license.py imports jwt).
     python3 -m pip download -q --no-deps --only-binary=:all: -d "$out/c2/wheels" PyJWT==2.15.1
-    du -b "$out"/c1 "$out"/c2
+    # `vllm serve`: the imports of vllm.entrypoints.openai.api_server (build_app, the completions
+    # route, uvicorn's runtime protocol) that the offline LLM path never needed, found by importing
+    # them against vLLM 0.25.0 (stage.md). Installed on the host only where it lacks the module
+    # (install: never shadows a package of the host image).
+    mkdir -p "$out/c2/serve-wheels"
+    plat="--platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64
+          --platform manylinux_2_31_x86_64 --platform manylinux_2_34_x86_64 --platform any"
+    for pkg in uvicorn==0.54.0 h11==0.16.0 click==8.5.1 watchfiles==1.3.0 anyio==4.16.0 \
+        prometheus-fastapi-instrumentator==8.1.0 model-hosting-container-standards==0.1.16 jmespath==1.1.0; do
+      python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp $plat \
+        -d "$out/c2/serve-wheels" "$pkg"
+    done
+    # What c2 will bring, by import name (for `probe` in the call that carries c1).
+    python3 - "$out/c2" "$out/c1/MANIFEST.json" <<'PY'
+import glob, json, os, sys, zipfile
+c2, dst = sys.argv[1], sys.argv[2]
+man = {}
+for whl in sorted(glob.glob(os.path.join(c2, "*wheels", "*.whl"))):
+    tops = set()
+    with zipfile.ZipFile(whl) as z:
+        for n in z.namelist():
+            first = n.split("/")[0]
+            if first.endswith((".dist-info", ".data")) or first.startswith("_"):
+                continue
+            tops.add(first[:-3] if first.endswith(".py") else first.split(".")[0])
+    man[os.path.relpath(whl, c2)] = sorted(tops)
+json.dump(man, open(dst, "w"), indent=1)
+PY
+    du -b "$out"/c1 "$out"/c2; du -cb "$out"/c1/* | tail -1; du -cb "$out"/c2/*.part.* "$out"/c2/*wheels/* | tail -1
     ;;
   src)
     # The committed src/ and bench/ (git archive HEAD), for `carry`: a run then measures exactly
     # a commit, whatever is being edited in the working tree meanwhile.
     out="$here/.gpu-stage/src"
     rm -rf "$out" && mkdir -p "$out"
-    git -C "$here" archive HEAD src bench | tar -x -C "$out"
+    git -C "$here" archive HEAD src bench README.md | tar -x -C "$out"  # README.md: serve.py --readme
     git -C "$here" rev-parse --short HEAD > "$out/COMMIT"
     echo "$out: $(cat "$out/COMMIT")"
     ;;
@@ -74,21 +105,47 @@ PY
     cp -r "$here/.gpu-stage/$part/." "$stage/"
     ls -la "$stage"
     ;;
+  probe)
+    # Host dependency probe (needs neither vLLM nor c2): which modules of the `vllm serve` import
+    # path the host image lacks, and whether c2 brings them.
+    python3 "$here/bench/gpu/hostprobe.py" "$stage/MANIFEST.json"
+    ;;
   install)
     mkdir -p /tmp/site /tmp/site2
     cat "$stage"/vllm.part.* | tar -xzf - -C /tmp/site
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
       --target /tmp/site2 "$stage"/wheels/*.whl
+    # Serve wheels: only those whose module the host (with /tmp/site*) lacks.
+    need=()
+    for whl in "$stage"/serve-wheels/*.whl; do
+      mod=$(basename "$whl" | cut -d- -f1 | tr 'A-Z-' 'a-z_')
+      PYTHONPATH=/tmp/site:/tmp/site2 python3 -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('$mod') is not None)" \
+        && need+=("$whl")
+    done
+    if [ ${#need[@]} -gt 0 ]; then
+      echo "serve wheels installed (missing on the host): $(for w in "${need[@]}"; do basename "$w" | cut -d- -f1-2; done | tr '\n' ' ')"
+      python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site2 "${need[@]}"
+    fi
     PYTHONPATH=/tmp/site:/tmp/site2 python3 -c "import vllm, jwt; print('vllm', vllm.__version__, 'jwt', jwt.__version__)"
+    # What `vllm serve` imports at startup: fails the install (rc != 0) with the missing module named.
+    if ! out=$(PYTHONPATH=/tmp/site:/tmp/site2 python3 -c "import vllm.entrypoints.openai.api_server, vllm.entrypoints.cli.main, uvicorn, h11
+print('api_server ok; uvicorn', uvicorn.__version__)" 2>&1); then
+      echo "$out" | grep -v "^INFO\|^DEBUG" | tail -15
+      echo "stage.sh install: vllm serve's imports FAIL on this host (above)" >&2
+      exit 1
+    fi
+    echo "$out" | tail -1
     ;;
   env)
     src="$here/src"
     [ -d "$here/.gpu-stage/src/src" ] && src="$here/.gpu-stage/src/src"
+    # No VLLM_ENABLE_V1_MULTIPROCESSING: ttft.py sets it per engine (default: vLLM's own layout,
+    # --inproc: 0) and serve.py leaves it unset, as a user's shell would.
     echo "export PYTHONPATH=$src:/tmp/site:/tmp/site2:/tmp/site3 PYTHONHASHSEED=0 VLLM_USE_FLASHINFER_SAMPLER=0" \
-         "VLLM_NO_USAGE_STATS=1 VLLM_ENABLE_V1_MULTIPROCESSING=0 PYTHONUNBUFFERED=1"
+         "VLLM_NO_USAGE_STATS=1 PYTHONUNBUFFERED=1; unset VLLM_ENABLE_V1_MULTIPROCESSING"
     ;;
   *)
-    echo "usage: stage.sh bundle | src | nixl | recv c1|c2|c3 | install | install-nixl | env" >&2
+    echo "usage: stage.sh bundle | src | nixl | recv c1|c2|c3 | probe | install | install-nixl | env" >&2
     exit 2
     ;;
 esac

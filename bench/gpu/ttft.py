@@ -10,19 +10,34 @@ runs each engine in its own child process (so the "restart" engine is a real new
              cpu_hit    after llm.reset_prefix_cache()                      (GPU cache emptied)
              memkv      after llm.reset_prefix_cache(reset_connector=True)  (CPU pool emptied too;
                         the secondary tiers are not reset by vLLM: blocks come back from MemKV)
-           first a sweep of tier settings (read threads x blocks_per_op [x GIL switch interval]
-           [x client receive/verify chunk: an experiment that patches the client]) on its own
-           32k prompt; the best setting is used for every later measurement and the restart.
+           optionally first (--sweep, needs --inproc) a sweep of tier settings on its own 32k
+           prompt; the best setting is then used for every later measurement and the restart.
   restart  a second engine process, same MemKV nodes, same settings: each prompt once (its
            GPU cache and CPU pool start empty, so every hit comes from MemKV).
   fs       a third engine process with vLLM's own `fs` tier instead of memkv (O_DIRECT files
            under --fs-root), same prompts, same three phases: recompute, cpu_hit, fs.
+  notier   the same engine shape with TieringOffloadingSpec and no secondary tier (the CPU
+           pool alone): cold runs only, to compare a cold run's TTFT with and without the tier.
 
-Every engine runs in-process (VLLM_ENABLE_V1_MULTIPROCESSING=0) so the tier object is
-reachable: its counters (`tier.stats.totals`, the values behind vllm:kv_offload_memkv_*) are
-read back around every run, and so are vLLM's Prometheus metrics (llm.get_metrics()). Greedy
-output (max_tokens=1, top-5 logprobs) must be identical in every phase of a prompt, across
-engines too; a mismatch is reported and makes the exit status 1.
+Defaults are what a user gets: the tier config README.md shows, {"type": "memkv",
+"n_read_threads": 8, "n_write_threads": 8} (no tuned keys; --tier-json or the tuning flags add
+them, recorded), and vLLM's own process layout, the engine core in its own process as `vllm
+serve` runs it. The plugin is loaded there through its `vllm.general_plugins` entry point (a
+dist-info written to the state dir and put on PYTHONPATH, as `pip install memkv` leaves it).
+The tier object is out of reach in that layout, so origin is proven from the nodes' own
+counters: memkv_node_sent_bytes_total (and received), summed over the nodes' admin
+/v1/metrics, read before and after every timed run; every promotion run (memkv, restart_memkv)
+must have been served at least the prompt's KV bytes (full 64-token blocks x 16 MiB), or it is
+an ORIGIN error (exit status 1), like an output mismatch. After each cold run the script
+waits (bounded, --store-wait-s) until the nodes received the prompt's blocks, since the engine
+core finishes the cascade on its own time.
+
+--inproc runs the engine core in the engine's process (VLLM_ENABLE_V1_MULTIPROCESSING=0) so the
+tier object is reachable: its counters (`tier.stats.totals`, the values behind
+vllm:kv_offload_memkv_*) and the stage breakdown of each promotion (TierProbe) are recorded,
+and --sweep can swap settings on the live tier. vLLM's Prometheus metrics (llm.get_metrics())
+are recorded in both layouts. Greedy output (max_tokens=1, top-5 logprobs) must be identical in
+every phase of a prompt, across engines too; a mismatch is reported and makes the exit status 1.
 
 The model is a Qwen2.5-32B-shaped dummy (64 layers, hidden 5120, 40 heads, 8 KV heads,
 intermediate 27648; load_format="dummy", no tokenizer, token-id prompts): 256 KiB of KV per
@@ -30,8 +45,10 @@ token, 16 MiB per 64-token offload block.
 
 Usage (on the GPU host, from the repository root):
   eval "$(bash bench/gpu/stage.sh env)"; python3 bench/gpu/ttft.py --out-dir $OUT
-  ... --phases fs                       # only the fs engine
+  ... --phases fs --inproc              # only the fs engine
   ... --phases main,restart --keep-nodes   # leave the nodes running for a later invocation
+  ... --phases notier --reps 3          # cold runs without a secondary tier
+  ... --inproc --store-backlog-mb 12288 --read-threads 16 --sweep 16x2,16x8   # tuned, with breakdown
 Output: a table on stdout and <out-dir>/ttft-<phases>.json. bench/gpu/report.py turns one or
 more of those JSON files into the docs table and plot.
 """
@@ -53,6 +70,7 @@ import sys
 import threading
 import time
 import traceback
+import urllib.request
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(os.path.dirname(HERE))
@@ -142,6 +160,127 @@ def node_status(state: dict) -> list:
         except Exception as exc:
             out.append({"address": node["address"], "error": str(exc)})
     return out
+
+
+# The tier configuration README.md shows (and users copy): no tuned keys. The default of every
+# engine here; --tier-json / the tuning flags replace or extend it explicitly.
+README_TIER = {"type": "memkv", "n_read_threads": 8, "n_write_threads": 8}
+
+_PROM_LINE = re.compile(r'^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+(\S+)')
+
+
+def parse_prom(text: str, keep=lambda name: True) -> dict:
+    """Prometheus text exposition -> {"name{labels}": value} for the series `keep` accepts."""
+    out = {}
+    for line in text.splitlines():
+        if not line or line[0] == "#":
+            continue
+        m = _PROM_LINE.match(line)
+        if not m or not keep(m.group(1)):
+            continue
+        try:
+            out[m.group(1) + (m.group(2) or "")] = float(m.group(3))
+        except ValueError:
+            pass
+    return out
+
+
+NODE_SERIES = ("memkv_node_sent_bytes_total", "memkv_node_received_bytes_total", "memkv_node_keys_total",
+               "memkv_node_stored_bytes", "memkv_node_values")
+
+
+def node_counters(admin_ports: list, host: str = "127.0.0.1", timeout_s: float = 3.0) -> dict:
+    """The nodes' own counters from each admin /v1/metrics, summed: sent (GET value bytes),
+    received (PUT value bytes), get_ok / get_miss keys, stored bytes. `errors` lists the nodes
+    that did not answer (then the sums are incomplete and an origin check must fail)."""
+    tot = {"sent": 0.0, "received": 0.0, "get_ok": 0.0, "get_miss": 0.0, "stored": 0.0, "values": 0.0,
+           "per_node_sent": [], "errors": []}
+    for port in admin_ports:
+        try:
+            with urllib.request.urlopen(f"http://{host}:{port}/v1/metrics", timeout=timeout_s) as r:
+                v = parse_prom(r.read().decode(), lambda n: n in NODE_SERIES)
+        except Exception as exc:
+            tot["errors"].append(f"admin port {port}: {exc!r}")
+            tot["per_node_sent"].append(None)
+            continue
+        sent = v.get("memkv_node_sent_bytes_total", 0.0)
+        tot["sent"] += sent
+        tot["per_node_sent"].append(sent)
+        tot["received"] += v.get("memkv_node_received_bytes_total", 0.0)
+        tot["get_ok"] += v.get('memkv_node_keys_total{op="get",result="ok"}', 0.0)
+        tot["get_miss"] += v.get('memkv_node_keys_total{op="get",result="miss"}', 0.0)
+        tot["stored"] += v.get("memkv_node_stored_bytes", 0.0)
+        tot["values"] += v.get("memkv_node_values", 0.0)
+    return tot
+
+
+def node_delta(after: dict, before: dict) -> dict:
+    d = {k: after[k] - before.get(k, 0.0) for k in ("sent", "received", "get_ok", "get_miss")}
+    d["stored_after"] = after["stored"]
+    d["per_node_sent"] = [None if a is None or b is None else a - b
+                          for a, b in zip(after["per_node_sent"], before["per_node_sent"])]
+    d["errors"] = before["errors"] + after["errors"]
+    return d
+
+
+def wait_nodes(admin_ports: list, before: dict, key: str, expected: float, timeout_s: float,
+               quiet_s: float = 3.0) -> tuple[dict, float, bool]:
+    """Poll the nodes until counter `key` grew by >= expected since `before`, or stopped growing
+    for quiet_s, or timeout_s passed. Returns (delta, seconds, reached)."""
+    t0 = time.monotonic()
+    last, last_change = None, t0
+    while True:
+        d = node_delta(node_counters(admin_ports), before)
+        now = time.monotonic()
+        if d[key] >= expected:
+            return d, now - t0, True
+        if last is None or d[key] != last:
+            last, last_change = d[key], now
+        if now - last_change >= quiet_s or now - t0 >= timeout_s:
+            return d, now - t0, False
+        time.sleep(0.05)
+
+
+def write_entry_point(root: str) -> str:
+    """A `memkv` distribution's metadata with the `vllm.general_plugins` entry point (what
+    `pip install memkv` leaves in site-packages), under `root`: on PYTHONPATH it makes vLLM load
+    the plugin in every process it starts (API server, engine core, workers), as for a user.
+    The packages themselves come from src/ on PYTHONPATH. Returns root."""
+    version = "0.1.0"
+    try:
+        with open(os.path.join(REPO, "pyproject.toml")) as f:
+            m = re.search(r'^version\s*=\s*"([^"]+)"', f.read(), re.M)
+            version = m.group(1) if m else version
+    except OSError:
+        pass
+    d = os.path.join(root, f"memkv-{version}.dist-info")
+    os.makedirs(d, exist_ok=True)
+    with open(os.path.join(d, "METADATA"), "w") as f:
+        f.write(f"Metadata-Version: 2.1\nName: memkv\nVersion: {version}\n")
+    with open(os.path.join(d, "entry_points.txt"), "w") as f:
+        f.write("[vllm.general_plugins]\nmemkv_tier = memkv_vllm:register\n\n[console_scripts]\nmemkv = memkv.cli:main\n")
+    return root
+
+
+def write_model_dir(shape_name: str, model_dir: str) -> str:
+    """A model directory holding only config.json (Qwen2 architecture, `shape_name` dims):
+    with load_format=dummy and no tokenizer nothing is downloaded."""
+    os.makedirs(model_dir, exist_ok=True)
+    cfg = {
+        "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", **SHAPES[shape_name],
+        "max_position_embeddings": 131072, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
+        "torch_dtype": "bfloat16", "tie_word_embeddings": False, "bos_token_id": 151643,
+        "eos_token_id": 151643, "hidden_act": "silu", "max_window_layers": 64, "use_sliding_window": False,
+        "sliding_window": None, "attention_dropout": 0.0, "initializer_range": 0.02, "use_cache": True,
+    }
+    with open(os.path.join(model_dir, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    return model_dir
+
+
+def kv_bytes_per_token(shape_name: str) -> int:
+    shape = SHAPES[shape_name]
+    return 2 * shape["num_hidden_layers"] * shape["num_key_value_heads"] * 128 * 2  # K+V, head_dim 128, bf16
 
 
 # =================================================================================================
@@ -376,19 +515,12 @@ def engine_child(spec: dict) -> int:
     shape = SHAPES[spec["shape"]]
     vocab = shape["vocab_size"]
     max_tokens_prompt = max(spec["tokens"] + ([spec["sweep_tokens"]] if spec.get("sweep") else []))
-    model_dir = f"/tmp/ttft_model_{spec['shape']}"
-    os.makedirs(model_dir, exist_ok=True)
-    cfg = {
-        "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", **shape,
-        "max_position_embeddings": 131072, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
-        "torch_dtype": "bfloat16", "tie_word_embeddings": False, "bos_token_id": 151643,
-        "eos_token_id": 151643, "hidden_act": "silu", "max_window_layers": 64, "use_sliding_window": False,
-        "sliding_window": None, "attention_dropout": 0.0, "initializer_range": 0.02, "use_cache": True,
-    }
-    with open(os.path.join(model_dir, "config.json"), "w") as f:
-        json.dump(cfg, f)
+    model_dir = write_model_dir(spec["shape"], f"/tmp/ttft_model_{spec['shape']}")
+    inproc = bool(spec.get("inproc"))
+    admin_ports = spec.get("admin_ports") or []
+    result["process_layout"] = "in-process engine core" if inproc else "engine core in its own process"
 
-    tier_kind = spec["tier"]["type"]
+    tier_kind = spec["tier"]["type"] if spec.get("tier") else "none"
     if tier_kind == "memkv":
         import memkv_vllm  # registers tier type `memkv` (what the vllm.general_plugins entry point does)
 
@@ -409,10 +541,6 @@ def engine_child(spec: dict) -> int:
     from vllm.inputs import TokensPrompt
 
     result["versions"] = {"vllm": vllm.__version__, "torch": torch.__version__, "python": platform.python_version()}
-    try:
-        result["gpu"] = torch.cuda.get_device_name(0)
-    except Exception:
-        result["gpu"] = None
 
     ktc = {
         "kv_connector": "OffloadingConnector", "kv_role": "kv_both",
@@ -420,7 +548,7 @@ def engine_child(spec: dict) -> int:
             "spec_name": "TieringOffloadingSpec",
             "cpu_bytes_to_use": int(spec["cpu_gib"] * 2**30),
             "block_size": BLOCK_TOKENS,
-            "secondary_tiers": [spec["tier"]],
+            "secondary_tiers": [spec["tier"]] if spec.get("tier") else [],
         },
     }
     kw = dict(model=model_dir, load_format="dummy", skip_tokenizer_init=True, kv_transfer_config=ktc,
@@ -435,6 +563,10 @@ def engine_child(spec: dict) -> int:
     t = time.perf_counter()
     llm = LLM(**kw)
     result["engine_init_s"] = time.perf_counter() - t
+    try:  # after the engine: CUDA initialised earlier would make vLLM spawn its engine core instead of forking
+        result["gpu"] = torch.cuda.get_device_name(0)
+    except Exception:
+        result["gpu"] = None
     try:
         result["instance_id"] = llm.llm_engine.vllm_config.instance_id
     except Exception:
@@ -450,20 +582,29 @@ def engine_child(spec: dict) -> int:
     except Exception as exc:
         result["errors"].append(f"config read: {exc!r}")
 
-    mgr, sched, conn = find_manager(llm)
-    tier = mgr.secondary_tiers[0]
-    result["tier_class"] = type(tier).__name__
-    if tier_kind == "memkv":  # which transport the loads took (MEMKV_TRANSPORT, UCX_TLS from the environment)
+    block_bytes = int(getattr(llm, "ttft_block_bytes", 0) or kv_bytes_per_token(spec["shape"]) * BLOCK_TOKENS)
+    result["block_bytes"] = block_bytes
+    mgr = sched = conn = tier = probe = None
+    if not inproc:
+        log(f"[{spec['role']}] engine core in its own process: no tier object here; origin from the nodes' counters")
+    elif tier_kind == "none":
+        mgr, sched, conn = find_manager(llm)
+    else:
+        mgr, sched, conn = find_manager(llm)
+        tier = mgr.secondary_tiers[0]
+        result["tier_class"] = type(tier).__name__
+    if tier is not None and tier_kind == "memkv":  # which transport the loads took (MEMKV_TRANSPORT, UCX_TLS from the environment)
         result["transport"] = {"MEMKV_TRANSPORT": os.environ.get("MEMKV_TRANSPORT", "auto"),
                                "UCX_TLS": os.environ.get("UCX_TLS"), "has_rdma": tier.client.has_rdma()}
         log(f"memkv transport: {result['transport']}")
     try:
-        result["primary_blocks"] = mgr.primary_tier.get_kv_memoryview().shape[0]
+        result["primary_blocks"] = mgr.primary_tier.get_kv_memoryview().shape[0] if mgr else None
     except Exception:
         result["primary_blocks"] = None
-    probe = TierProbe(tier, tier_kind)
-    result["probe_installed"] = probe.installed
-    log(f"[{spec['role']}] tier {type(tier).__name__}; instrumented: {probe.installed}")
+    if tier is not None:
+        probe = TierProbe(tier, tier_kind)
+        result["probe_installed"] = probe.installed
+        log(f"[{spec['role']}] tier {type(tier).__name__}; instrumented: {probe.installed}")
 
     sp = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False, logprobs=5)
     sp_plain = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
@@ -491,7 +632,11 @@ def engine_child(spec: dict) -> int:
 
     def settle() -> float:
         """Step the engine until no GPU<->CPU job and no tier job is pending (in-process, the
-        engine only steps while something drives it). Returns the seconds it took."""
+        engine only steps while something drives it). Returns the seconds it took. With the
+        engine core in its own process it steps by itself while the connector has push work
+        (Scheduler.has_requests): there this is a no-op; reset() retries and wait_stored() waits."""
+        if not inproc:
+            return 0.0
         t = time.perf_counter()
         n = 0
         limit_s = settle_limit[0]
@@ -508,43 +653,98 @@ def engine_child(spec: dict) -> int:
             settle_limit[0] = 3.0  # something never settles: do not let it eat the budget
         return time.perf_counter() - t
 
+    # Runs whose blocks must all come from MemKV: the nodes must have sent at least the prompt's
+    # KV bytes (full 64-token blocks x block bytes) during the timed span.
+    from_memkv = {"memkv", "restart_memkv", "sweep_memkv"}
+
+    def nodes_now() -> dict | None:
+        return node_counters(admin_ports) if admin_ports else None
+
     def one_run(phase: str, tokens: int, rep: int, ids: list[int], extra: dict | None = None) -> dict:
-        before_t = tier_totals(tier)
+        before_t = tier_totals(tier) if tier is not None else {}
         before_m = metrics_snapshot(llm)
-        probe.reset()
+        before_n = nodes_now()
+        if probe:
+            probe.reset()
         t0 = time.perf_counter()
         out = generate(ids)
         t1 = time.perf_counter()
         comp = out.outputs[0]
         rec = {"phase": phase, "tokens": tokens, "rep": rep, "seconds": t1 - t0, "token_ids": list(comp.token_ids),
-               "num_cached_tokens": getattr(out, "num_cached_tokens", None)}
+               "num_cached_tokens": getattr(out, "num_cached_tokens", None),
+               "prompt_kv_bytes": (tokens // BLOCK_TOKENS) * block_bytes}
         try:
             if comp.logprobs:
                 lp = comp.logprobs[0]
                 rec["top5"] = [[int(k), float(v.logprob)] for k, v in sorted(lp.items(), key=lambda kv: -kv[1].logprob)]
         except Exception as exc:
             rec["top5_error"] = repr(exc)
-        rec["timeline"] = probe.timeline(t0, t1)
-        rec["tier_counters"] = diff(tier_totals(tier), before_t)
+        rec["timeline"] = probe.timeline(t0, t1) if probe else {"total_s": t1 - t0}
+        rec["tier_counters"] = diff(tier_totals(tier), before_t) if tier is not None else {}
         rec["prom"] = diff(metrics_snapshot(llm), before_m)
+        if before_n is not None:
+            nd = node_delta(nodes_now(), before_n)
+            if phase in from_memkv and nd["sent"] < rec["prompt_kv_bytes"] and not nd["errors"]:
+                # The node counts a GET's bytes right after its reply went out: give a late count a moment.
+                nd, waited, _ = wait_nodes(admin_ports, before_n, "sent", rec["prompt_kv_bytes"], 2.0, quiet_s=1.0)
+                rec["node_recheck_s"] = waited
+            rec["nodes"] = nd
+            rec["memkv_sent_bytes"] = nd["sent"]
+            if phase in from_memkv:
+                ok = nd["sent"] >= rec["prompt_kv_bytes"] and not nd["errors"]
+                rec["origin_ok"] = ok
+                if not ok:
+                    msg = (f"ORIGIN {phase} {tokens} tok rep{rep}: nodes sent {nd['sent'] / 2**30:.3f} GiB, prompt KV is "
+                           f"{rec['prompt_kv_bytes'] / 2**30:.3f} GiB ({tokens // BLOCK_TOKENS} blocks); node errors {nd['errors']}")
+                    result.setdefault("origin_errors", []).append(msg)
+                    log(msg)
         if extra:
             rec.update(extra)
         result["runs"].append(rec)
         tl = rec["timeline"]
         lb = sum(v for k, v in rec["tier_counters"].items() if "load_bytes" in k)
+        sent = rec.get("memkv_sent_bytes")
         log(f"[{spec['role']}] {phase:<14} {tokens:>6} tok rep{rep}: {rec['seconds']:.3f} s  tok={rec['token_ids']} "
-            f"cached={rec['num_cached_tokens']} memkv_load={lb / 2**30:.2f} GiB  "
-            f"submit@{tl.get('first_submit_load_s', float('nan')):.3f} job={tl.get('load_job_s')} "
-            f"taken@{tl.get('last_job_taken_s', float('nan')):.3f}")
+            f"cached={rec['num_cached_tokens']} nodes_sent={'-' if sent is None else f'{sent / 2**30:.2f}'} GiB "
+            f"of {rec['prompt_kv_bytes'] / 2**30:.2f} "
+            + (f"tier_load={lb / 2**30:.2f} GiB submit@{tl.get('first_submit_load_s', float('nan')):.3f} "
+               f"job={tl.get('load_job_s')} taken@{tl.get('last_job_taken_s', float('nan')):.3f}" if probe else ""))
         save()
         return rec
 
     def reset(connector: bool) -> float:
+        """reset_prefix_cache; with the engine core in its own process a reset right after a run
+        can find the GPU blocks still pinned by stores in flight (returns False): retry, bounded."""
         t = time.perf_counter()
-        ok = llm.reset_prefix_cache(reset_connector=True) if connector else llm.reset_prefix_cache()
+        tries = 0
+        while True:
+            tries += 1
+            ok = llm.reset_prefix_cache(reset_connector=True) if connector else llm.reset_prefix_cache()
+            if ok is not False or inproc or time.perf_counter() - t > 30.0:
+                break
+            time.sleep(0.05)
         if ok is False:
-            result["errors"].append(f"reset_prefix_cache(reset_connector={connector}) returned False")
+            result["errors"].append(f"reset_prefix_cache(reset_connector={connector}) returned False ({tries} tries)")
+        if tries > 1:
+            result.setdefault("reset_retries", []).append(tries)
         return time.perf_counter() - t
+
+    def wait_stored(before_n: dict | None, tokens: int, what: str) -> dict | None:
+        """Engine core in its own process: wait until the nodes received the prompt's blocks (the
+        cascade GPU -> CPU pool -> MemKV runs after the request), bounded; inproc: settle() did."""
+        if before_n is None or tier_kind != "memkv":
+            return None
+        expected = (tokens // BLOCK_TOKENS) * block_bytes
+        d, waited, reached = wait_nodes(admin_ports, before_n, "received", expected, spec.get("store_wait_s", 60.0))
+        info = {"what": what, "received": d["received"], "expected": expected, "seconds": round(waited, 3),
+                "reached": reached}
+        result.setdefault("store_waits", []).append(info)
+        if not reached:
+            msg = (f"STORE {what}: the nodes received {d['received'] / 2**30:.3f} GiB of the prompt's "
+                   f"{expected / 2**30:.3f} GiB within {waited:.1f} s")
+            result["errors"].append(msg)
+            log(msg)
+        return info
 
     def apply_setting(threads: int, bpo: int, si_ms: float | None, chunk_mib: int | None = None) -> None:
         import dataclasses
@@ -564,16 +764,19 @@ def engine_child(spec: dict) -> int:
 
     try:
         # Warm-up: kernels, allocator, the tier's connections (not measured).
+        before_n = nodes_now()
         for n in (512, 4096):
             generate(prompt_ids(n, 424242 + n, vocab))
         settle()
+        if not inproc and spec["phases"] != ["restart"]:
+            wait_stored(before_n, 512 + 4096, "warm-up")
         if spec.get("switch_interval_ms"):
             sys.setswitchinterval(spec["switch_interval_ms"] / 1000.0)
         if tier_kind == "memkv" and spec.get("verify_chunk_mib"):
             result["verify_chunk_bytes"] = [set_verify_chunk(spec["verify_chunk_mib"])]
 
         # ---- sweep of tier settings (main engine, memkv) -----------------------------------------
-        if spec.get("sweep") and tier_kind == "memkv":
+        if spec.get("sweep") and tier_kind == "memkv" and tier is not None:
             L = spec["sweep_tokens"]
             ids = prompt_ids(L, sweep_seed(L), vocab)
             one_run("sweep_recompute", L, 0, ids)
@@ -616,8 +819,14 @@ def engine_child(spec: dict) -> int:
                     one_run("restart_" + tier_kind, L, rep, ids)
                     settle()
                     continue
-                one_run("recompute", L, rep, ids)
+                before_n = nodes_now()
+                one_run("recompute" if tier_kind != "none" else "recompute_notier", L, rep, ids)
                 result.setdefault("settle_after_recompute_s", []).append(settle())
+                if "cold_only" in phases:  # notier: the cold run alone, nothing to revisit
+                    reset(False)
+                    continue
+                if not inproc:  # the cascade to MemKV done before the next timed run
+                    wait_stored(before_n, L, f"{L} tok rep{rep}")
                 if "cpu_hit" in phases:
                     reset(False)
                     one_run("cpu_hit", L, rep, ids)
@@ -634,10 +843,12 @@ def engine_child(spec: dict) -> int:
     except Exception:
         result["errors"].append(traceback.format_exc())
         log(traceback.format_exc())
-    result["tier_totals"] = tier_totals(tier)
+    result["tier_totals"] = tier_totals(tier) if tier is not None else {}
     result["prom_final"] = metrics_snapshot(llm)
     save()
     log(f"[{spec['role']}] done; errors: {len(result['errors'])}")
+    if not inproc:
+        shutdown_engine_core(llm)
     # The CPU pool is a /dev/shm file that vLLM unlinks only on a clean shutdown.
     try:
         iid = result.get("instance_id")
@@ -698,16 +909,65 @@ def host_info() -> dict:
     return info
 
 
+def shutdown_engine_core(llm, timeout_s: float = 20.0) -> None:
+    """Engine core in its own process: stop it (and its workers) before this process exits, or it
+    would keep the GPU from the next engine. vLLM's shutdown first, bounded; then SIGTERM/SIGKILL
+    to whatever of our descendants is left, by pid."""
+    try:
+        import psutil
+
+        kids = psutil.Process().children(recursive=True)
+    except Exception:
+        kids = []
+    th = threading.Thread(target=lambda: llm.llm_engine.engine_core.shutdown(), daemon=True)
+    th.start()
+    th.join(timeout_s)
+    if th.is_alive():
+        log(f"engine core shutdown still running after {timeout_s} s: terminating its processes")
+    for sig, wait_s in ((signal.SIGTERM, 5.0), (signal.SIGKILL, 2.0)):
+        alive = [k for k in kids if k.is_running()]
+        if not alive:
+            break
+        for k in alive:
+            try:
+                k.send_signal(sig)
+            except Exception:
+                pass
+        end = time.monotonic() + wait_s
+        while time.monotonic() < end and any(k.is_running() and k.status() != "zombie" for k in alive):
+            time.sleep(0.1)
+
+
+def kill_group(pgid: int) -> None:
+    """What is left of an engine child's process group (it runs in its own session), by id."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(pgid, sig)
+        except (ProcessLookupError, PermissionError):
+            return
+        time.sleep(2.0 if sig == signal.SIGTERM else 0.5)
+
+
 def run_child(spec: dict, env: dict, timeout_s: float) -> dict | None:
     spec_path = spec["out"] + ".spec"
     with open(spec_path, "w") as f:
         json.dump(spec, f)
     t = time.perf_counter()
+    # Own session: on a timeout the whole group goes (engine core and workers included), so a
+    # hung engine cannot hold the GPU into the next phase or call.
+    p = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--engine-child", spec_path], env=env,
+                         start_new_session=True)
     try:
-        rc = subprocess.run([sys.executable, os.path.abspath(__file__), "--engine-child", spec_path], env=env,
-                            timeout=timeout_s).returncode
+        rc = p.wait(timeout=timeout_s)
     except subprocess.TimeoutExpired:
         rc = "timeout"
+        log(f"engine {spec['role']}: past its {timeout_s:.0f} s; killing its process group")
+    kill_group(p.pid)
+    if rc == "timeout":
+        try:
+            p.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            pass
     wall = time.perf_counter() - t
     log(f"engine {spec['role']}: exit {rc} after {wall:.1f} s")
     try:
@@ -767,26 +1027,42 @@ def fmt_times(v) -> str:
 def print_table(rows: list) -> None:
     cols = [("recompute", "recompute"), ("cpu_hit", "CPU-pool hit"), ("memkv", "MemKV promotion"),
             ("restart_memkv", "MemKV after restart"), ("fs", "fs tier promotion")]
-    head = "| tokens | " + " | ".join(c[1] for c in cols) + " | recompute/MemKV | fs/MemKV |"
+    notier = any(r.get("recompute_notier") for r in rows)
+    if notier:
+        cols.append(("recompute_notier", "recompute, no secondary tier"))
+    head = "| tokens | " + " | ".join(c[1] for c in cols) + " | recompute/MemKV | fs/MemKV |" + \
+        (" recompute with/without tier |" if notier else "")
     print(head)
-    print("|" + "---|" * (len(cols) + 3))
+    print("|" + "---|" * (len(cols) + 3 + notier))
     for r in rows:
         mk = r.get("memkv") or r.get("restart_memkv")
         rc = r.get("recompute")
         fs = r.get("fs")
         s1 = f"{statistics.median(rc) / statistics.median(mk):.1f}x" if rc and mk else "-"
         s2 = f"{statistics.median(fs) / statistics.median(mk):.1f}x" if fs and mk else "-"
-        print(f"| {r['tokens']:,} | " + " | ".join(fmt_times(r.get(c[0])) for c in cols) + f" | {s1} | {s2} |")
+        nt = r.get("recompute_notier")
+        s3 = f" {statistics.median(rc) / statistics.median(nt):.3f} |" if rc and nt else (" - |" if notier else "")
+        print(f"| {r['tokens']:,} | " + " | ".join(fmt_times(r.get(c[0])) for c in cols) + f" | {s1} | {s2} |" + s3)
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--engine-child", help=argparse.SUPPRESS)
-    ap.add_argument("--phases", default="main,restart,fs", help="engines to run, in order: main,restart,fs")
+    ap.add_argument("--phases", default="main,restart",
+                    help="engines to run, in order, from main,restart,fs,notier (notier: TieringOffloadingSpec with "
+                         "no secondary tier, cold runs only)")
     ap.add_argument("--tokens", default="8192,32768,65536")
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--fs-tokens", default=None, help="prompt lengths for the fs engine (default: --tokens)")
     ap.add_argument("--fs-reps", type=int, default=None)
+    ap.add_argument("--notier-tokens", default=None, help="prompt lengths for the notier engine (default: --tokens)")
+    ap.add_argument("--notier-reps", type=int, default=None, help="cold runs per length in notier (default: --reps)")
+    ap.add_argument("--inproc", action="store_true",
+                    help="engine core in the engine's process (VLLM_ENABLE_V1_MULTIPROCESSING=0): the tier object is "
+                         "reachable (stage breakdown, tier counters, --sweep). Default: vLLM's own layout, engine core "
+                         "in its own process, as `vllm serve` runs it")
+    ap.add_argument("--tier-json", default=None,
+                    help=f"the memkv tier config (JSON object); default README's {json.dumps(README_TIER)}")
     ap.add_argument("--shape", default="32b", choices=sorted(SHAPES))
     ap.add_argument("--tp", type=int, default=1, help="tensor_parallel_size of every engine (needs that many GPUs)")
     ap.add_argument("--nodes", type=int, default=4)
@@ -794,16 +1070,18 @@ def main() -> int:
     ap.add_argument("--max-value-size", default="64MiB")
     ap.add_argument("--node-args", default="", help="extra `memkv serve` arguments")
     ap.add_argument("--pool-size", type=int, default=16, help="client connections per node (MEMKV_CONFIG pool_size)")
-    ap.add_argument("--read-threads", type=int, default=16)
-    ap.add_argument("--write-threads", type=int, default=8)
-    ap.add_argument("--blocks-per-op", type=int, default=2)
-    ap.add_argument("--store-backlog-mb", type=int, default=12288)
-    ap.add_argument("--step-yield-ms", type=float, default=None, help="tier key step_yield_ms (default: the tier's)")
+    # Tuning keys: none by default (README's config); each one given is added to the tier config.
+    ap.add_argument("--read-threads", type=int, default=None, help="tier key n_read_threads")
+    ap.add_argument("--write-threads", type=int, default=None, help="tier key n_write_threads")
+    ap.add_argument("--blocks-per-op", type=int, default=None, help="tier key blocks_per_op")
+    ap.add_argument("--store-backlog-mb", type=int, default=None, help="tier key max_store_backlog_mb")
+    ap.add_argument("--step-yield-ms", type=float, default=None, help="tier key step_yield_ms")
     ap.add_argument("--switch-interval-ms", type=float, default=None, help="sys.setswitchinterval in the engine process")
     ap.add_argument("--verify-chunk-mib", type=int, default=None,
                     help="EXPERIMENT: patch the client's receive/verify chunk (default: the client's 1 MiB)")
-    ap.add_argument("--sweep", default="16x1,16x2,16x4,16x8,8x2,32x2,16x1s0.5,16x2s0.5",
-                    help="main engine: read threads x blocks_per_op [s switch interval ms]; '' skips the sweep")
+    ap.add_argument("--sweep", default="",
+                    help="main engine (needs --inproc): read threads x blocks_per_op [s switch interval ms], e.g. "
+                         "16x1,16x2,16x4,16x8,8x2,32x2,16x1s0.5,16x2s0.5; the best is applied for the rest. Default: none")
     ap.add_argument("--sweep-tokens", type=int, default=32768)
     ap.add_argument("--sweep-reps", type=int, default=2)
     ap.add_argument("--cpu-gib", type=float, default=24.0)
@@ -812,6 +1090,8 @@ def main() -> int:
     ap.add_argument("--no-eager", action="store_true")
     ap.add_argument("--fs-root", default="/tmp/ttft-fs")
     ap.add_argument("--fs-threads", type=int, default=16)
+    ap.add_argument("--store-wait-s", type=float, default=60.0,
+                    help="engine core in its own process: bound on waiting for a prompt's cascade to reach the nodes")
     ap.add_argument("--state-dir", default="/tmp/ttft-state")
     ap.add_argument("--keep-nodes", action="store_true", help="leave the nodes running (detached) for a later invocation")
     ap.add_argument("--reuse-nodes", action="store_true", help="use the nodes recorded in --state-dir")
@@ -828,16 +1108,19 @@ def main() -> int:
     phases = [p for p in args.phases.split(",") if p]
     tokens = [int(x) for x in args.tokens.split(",") if x]
     fs_tokens = [int(x) for x in args.fs_tokens.split(",")] if args.fs_tokens else tokens
+    notier_tokens = [int(x) for x in args.notier_tokens.split(",")] if args.notier_tokens else tokens
+    if args.sweep and not args.inproc:
+        raise SystemExit("--sweep swaps settings on the live tier object: it needs --inproc")
     os.makedirs(args.out_dir, exist_ok=True)
     os.makedirs(args.state_dir, exist_ok=True)
     tag = "-".join(phases) + (f"-tp{args.tp}" if args.tp > 1 else "")
     shape = SHAPES[args.shape]
-    kv_per_token = 2 * shape["num_hidden_layers"] * shape["num_key_value_heads"] * 128 * 2  # K+V, head_dim 128, bf16
+    kv_per_token = kv_bytes_per_token(args.shape)
     meta = {"host": host_info(), "args": vars(args), "block_tokens": BLOCK_TOKENS, "kv_bytes_per_token": kv_per_token}
     log(f"host: {meta['host']}")
 
     state = None
-    need_nodes = any(p in ("main", "restart") for p in phases)
+    need_nodes = any(p in ("main", "restart", "notier") for p in phases)
     if need_nodes:
         if args.reuse_nodes:
             with open(os.path.join(args.state_dir, "nodes.json")) as f:
@@ -846,9 +1129,14 @@ def main() -> int:
         else:
             state = start_nodes(args.nodes, args.node_capacity, args.max_value_size, args.state_dir,
                                 args.node_args.split())
-    env = {**os.environ, "PYTHONHASHSEED": "0", "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+    # The plugin's entry point, as an installed memkv has it: vLLM then registers the tier in the
+    # engine core process too (that process is not ours to call register() in).
+    ep_dir = write_entry_point(os.path.join(args.state_dir, "entry-point"))
+    env = {**os.environ, "PYTHONHASHSEED": "0", "VLLM_ENABLE_V1_MULTIPROCESSING": "0" if args.inproc else "1",
            "VLLM_USE_FLASHINFER_SAMPLER": "0", "VLLM_NO_USAGE_STATS": "1", "PYTHONUNBUFFERED": "1",
-           "TOKENIZERS_PARALLELISM": "false"}
+           "TOKENIZERS_PARALLELISM": "false",
+           "PYTHONPATH": os.pathsep.join(filter(None, [ep_dir, os.environ.get("PYTHONPATH")]))}
+    meta["process_layout"] = "in-process engine core" if args.inproc else "engine core in its own process (vLLM default)"
     if state:
         cfg_path = os.path.join(args.state_dir, "client.yaml")
         with open(cfg_path, "w") as f:
@@ -857,26 +1145,34 @@ def main() -> int:
                    MEMKV_CONFIG=cfg_path)
         meta["memkv_nodes"] = [n["address"] for n in state["nodes"]]
 
-    memkv_tier = {"type": "memkv", "n_read_threads": args.read_threads, "n_write_threads": args.write_threads,
-                  "blocks_per_op": args.blocks_per_op, "max_store_backlog_mb": args.store_backlog_mb}
-    if args.step_yield_ms is not None:
-        memkv_tier["step_yield_ms"] = args.step_yield_ms
+    memkv_tier = json.loads(args.tier_json) if args.tier_json else dict(README_TIER)
+    for key, v in (("n_read_threads", args.read_threads), ("n_write_threads", args.write_threads),
+                   ("blocks_per_op", args.blocks_per_op), ("max_store_backlog_mb", args.store_backlog_mb),
+                   ("step_yield_ms", args.step_yield_ms)):
+        if v is not None:
+            memkv_tier[key] = v
+    meta["memkv_tier"] = memkv_tier
+    meta["readme_tier"] = memkv_tier == README_TIER
+    log(f"memkv tier config: {json.dumps(memkv_tier)}{' (README.md, no tuned keys)' if meta['readme_tier'] else ''}; "
+        f"{meta['process_layout']}")
     common = dict(shape=args.shape, tp=args.tp, cpu_gib=args.cpu_gib, gpu_util=args.gpu_util, eager=not args.no_eager,
                   max_num_batched_tokens=args.max_num_batched_tokens, switch_interval_ms=args.switch_interval_ms,
-                  verify_chunk_mib=args.verify_chunk_mib)
+                  verify_chunk_mib=args.verify_chunk_mib, inproc=args.inproc, store_wait_s=args.store_wait_s,
+                  admin_ports=[n["admin"] for n in state["nodes"]] if state else [])
     engines: dict = {}
     out_json = os.path.join(args.out_dir, f"ttft-{tag}.json")
 
     def save():
         rows, problems, top5 = summarize(engines)
         doc = {"meta": meta, "engines": engines, "rows": rows, "output_mismatches": problems,
+               "origin_errors": [e for res in engines.values() for e in res.get("origin_errors", [])],
                "top5_agreement": top5, "elapsed_s": time.time() - t_start}
         with open(out_json, "w") as f:
             json.dump(doc, f, indent=1)
         return rows, problems
 
     # Each engine leaves time for the ones after it (engine start included).
-    need = {"main": 250.0, "restart": 100.0, "fs": 170.0}
+    need = {"main": 250.0, "restart": 100.0, "fs": 170.0, "notier": 90.0}
     reserve = {role: sum(need.get(r, 0.0) for r in phases[i + 1:]) for i, role in enumerate(phases)}
     try:
         for role in phases:
@@ -892,7 +1188,7 @@ def main() -> int:
             elif role == "restart":
                 tier = dict(memkv_tier)
                 best = engines.get("main", {}).get("best")
-                if best is None:
+                if best is None and args.reuse_nodes:
                     try:  # a previous invocation's main engine, same state dir
                         with open(os.path.join(args.state_dir, "best.json")) as f:
                             best = json.load(f)
@@ -910,6 +1206,9 @@ def main() -> int:
                 spec = dict(common, role="fs", tier={"type": "fs", "root_dir": args.fs_root,
                                                     "n_read_threads": args.fs_threads, "n_write_threads": args.fs_threads},
                             tokens=fs_tokens, reps=args.fs_reps or args.reps, phases=["cpu_hit"])
+            elif role == "notier":
+                spec = dict(common, role="notier", tier=None, tokens=notier_tokens,
+                            reps=args.notier_reps or args.reps, phases=["cold_only"])
             else:
                 raise SystemExit(f"unknown phase {role}")
             spec["out"] = os.path.join(args.state_dir, f"engine-{role}.json")
@@ -942,8 +1241,27 @@ def main() -> int:
             print("  ", p)
     else:
         print("\ngreedy output identical in every phase of every prompt")
+    # Origin: MemKV bytes the nodes served in each promotion run vs the prompt's KV bytes.
+    origin = [(role, r) for role, res in engines.items() for r in res.get("runs", []) if "origin_ok" in r]
+    if origin:
+        print("\nMemKV bytes served by the nodes (memkv_node_sent_bytes_total, summed over nodes) per promotion run:")
+        for role, r in origin:
+            bb = engines[role].get("block_bytes") or 1
+            print(f"  {role:<8} {r['phase']:<14} {r['tokens']:>6} tok rep{r['rep']}: {r['memkv_sent_bytes'] / 2**30:7.3f} GiB "
+                  f"of {r['prompt_kv_bytes'] / 2**30:7.3f} GiB ({r['memkv_sent_bytes'] / bb:.0f} of "
+                  f"{r['prompt_kv_bytes'] // bb} blocks)  {'ok' if r['origin_ok'] else 'SHORT'}  ({r['seconds']:.3f} s)")
+    origin_errors = [e for res in engines.values() for e in res.get("origin_errors", [])]
+    if origin_errors:
+        print("\nORIGIN MISMATCH (a promotion run was not served whole by MemKV):")
+        for e in origin_errors:
+            print("  ", e)
+    elif origin:
+        print("every promotion run was served whole by MemKV")
+    no_run = [role for role, res in engines.items() if not res.get("runs")]
+    if no_run:
+        print(f"\nENGINES WITHOUT RUNS: {no_run}")
     print(f"wrote {out_json}")
-    return 1 if problems else 0
+    return 1 if problems or origin_errors or no_run else 0
 
 
 if __name__ == "__main__":

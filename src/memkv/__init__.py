@@ -1,17 +1,19 @@
 """MemKV: an in-memory KV-cache block store for LLM inference.
 
 Public surface (pinned by tests/unit/test_exported_members.py):
-    Client, ClientConfig, ServerAddress  -- the cluster client and its configuration
-    ProbeResult, KeyListing, ListedKey   -- what probe() and list_keys() return
-    the exception classes of memkv.errors
+    Client, ClientState, ClientConfig, ServerAddress  -- the cluster client, its lifecycle, its configuration
+    ProbeResult, KeyListing, ListedKey                -- what probe() and list_keys() return
+    LoadResult                                        -- what batch_load_into() returns
+    the exception classes of memkv.errors (the tree is drawn in its docstring)
 """
 
 __version__ = "0.1.0"
 
-from memkv.client.cluster import Client, KeyListing, ListedKey, ProbeResult
+from memkv.client.cluster import Client, ClientState, KeyListing, ListedKey, ProbeResult
 from memkv.config import ClientConfig, ServerAddress
 from memkv.errors import (
     AuthError,
+    ClientClosed,
     ConfigError,
     ConnectError,
     ConnectTimeout,
@@ -22,6 +24,7 @@ from memkv.errors import (
     NodeUnavailable,
     PoolTimeout,
     ProtocolError,
+    RdmaError,
     ReadError,
     ReadTimeout,
     RemoteProtocolError,
@@ -30,15 +33,18 @@ from memkv.errors import (
     WriteError,
     WriteTimeout,
 )
+from memkv.transport.base import LoadResult
 
 __all__ = [
     "__version__",
     "Client",
+    "ClientState",
     "ClientConfig",
     "ServerAddress",
     "ProbeResult",
     "KeyListing",
     "ListedKey",
+    "LoadResult",
     "MemKVError",
     "ConfigError",
     "ProtocolError",
@@ -57,4 +63,6 @@ __all__ = [
     "NodeUnavailable",
     "ServerError",
     "IntegrityError",
+    "RdmaError",
+    "ClientClosed",
 ]

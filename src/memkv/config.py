@@ -5,6 +5,7 @@ Client settings come from, in order of precedence:
   2. the client.yaml named by `MEMKV_CONFIG`,
   3. the defaults below.
 Every bad value raises ConfigError naming the variable (or yaml key) and never echoing a secret.
+A variable that is empty or only whitespace counts as unset (`env_value`).
 docs/configuration.md lists every setting; tests/ops/test_docs_options.py keeps the two in step.
 """
 
@@ -14,8 +15,9 @@ import dataclasses
 import ipaddress
 import os
 import re
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 import yaml
 
@@ -47,23 +49,24 @@ CLIENT_ENV_VARS = (
     ENV_INTEGRITY,
 )
 
+# Units are case-sensitive and spelled out, so that none is ambiguous: KiB/MiB/GiB/TiB are binary
+# (1024), KB/MB/GB/TB decimal (1000; kB too). "512mb", "8g" or "10k" are refused: it cannot be
+# told whether 2^20 or 10^6 was meant (docs/configuration.md, "Sizes").
 _SIZE_UNITS = {
     "": 1,
-    "b": 1,
-    "k": 1000,
-    "kb": 1000,
-    "kib": 1 << 10,
-    "m": 1000**2,
-    "mb": 1000**2,
-    "mib": 1 << 20,
-    "g": 1000**3,
-    "gb": 1000**3,
-    "gib": 1 << 30,
-    "t": 1000**4,
-    "tb": 1000**4,
-    "tib": 1 << 40,
+    "B": 1,
+    "KB": 1000,
+    "kB": 1000,
+    "MB": 1000**2,
+    "GB": 1000**3,
+    "TB": 1000**4,
+    "KiB": 1 << 10,
+    "MiB": 1 << 20,
+    "GiB": 1 << 30,
+    "TiB": 1 << 40,
 }
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
+SIZE_UNITS_HELP = "KiB, MiB, GiB, TiB (binary: 1024) or KB, MB, GB, TB (decimal: 1000); case-sensitive"
 
 
 def parse_size(text: str | int, setting: str) -> int:
@@ -75,9 +78,22 @@ def parse_size(text: str | int, setting: str) -> int:
             raise ConfigError(f"{setting}: size must be positive, got {text}")
         return text
     m = _SIZE_RE.match(str(text))
-    if not m or m.group(2).lower() not in _SIZE_UNITS:
+    if not m:
         raise ConfigError(f"{setting}: expected a size like 512MiB or 8GiB, got {text!r}")
-    value = int(float(m.group(1)) * _SIZE_UNITS[m.group(2).lower()])
+    number, unit = m.groups()
+    if unit not in _SIZE_UNITS:
+        binary = {u.lower(): u for u in _SIZE_UNITS if "i" in u}.get(unit.lower())
+        if binary:
+            hint = f"write {number}{binary}"
+        elif unit.lower().rstrip("b") in ("k", "m", "g", "t"):
+            prefix = unit[0].upper()
+            hint = f"write {number}{prefix}iB (binary) or {number}{prefix}B (decimal)"
+        else:
+            raise ConfigError(f"{setting}: expected a size like 512MiB or 8GiB, got {text!r}")
+        raise ConfigError(
+            f"{setting}: ambiguous or unknown unit {unit!r} in {text!r}: {hint} (units: {SIZE_UNITS_HELP})"
+        )
+    value = int(float(number) * _SIZE_UNITS[unit])
     if value <= 0:
         raise ConfigError(f"{setting}: size must be positive, got {text!r}")
     return value
@@ -115,6 +131,12 @@ class ServerAddress:
 def parse_address(text: str, setting: str, default_port: int | None = None) -> tuple[str, int]:
     """'host:port' or '[v6]:port' -> (host, port)."""
     text = text.strip()
+    if "://" in text:
+        raise ConfigError(f"{setting}: no scheme: write host:port (as in 127.0.0.1:9900), not {text!r}")
+    if ";" in text:
+        raise ConfigError(
+            f"{setting}: servers are separated by ',' (as in 10.0.0.17:9900,10.0.0.18:9900), not ';'; got {text!r}"
+        )
     if text.startswith("["):
         end = text.find("]")
         if end < 0:
@@ -206,7 +228,7 @@ class AuthKey:
         self.source = source
 
     @classmethod
-    def from_hex(cls, text: str, source: str) -> "AuthKey":
+    def from_hex(cls, text: str, source: str) -> AuthKey:
         text = text.strip()
         if len(text) != 2 * KEY_BYTES or not re.fullmatch(r"[0-9a-fA-F]+", text):
             # Never echo the value: it may be a real key with a typo.
@@ -217,7 +239,7 @@ class AuthKey:
         return cls(bytes.fromhex(text), source)
 
     @classmethod
-    def from_file(cls, path: str | os.PathLike, source: str) -> "AuthKey":
+    def from_file(cls, path: str | os.PathLike[str], source: str) -> AuthKey:
         try:
             text = Path(path).read_text()
         except OSError as exc:
@@ -302,7 +324,7 @@ class ClientConfig:
             raise ConfigError(f"pool_size: must be an integer in 1..1024, got {self.pool_size!r}")
 
     @classmethod
-    def from_env(cls, env: Mapping[str, str] | None = None) -> "ClientConfig":
+    def from_env(cls, env: Mapping[str, str] | None = None) -> ClientConfig:
         env = os.environ if env is None else env
         doc: dict[str, Any] = {}
         path = env.get(ENV_CONFIG)
@@ -311,7 +333,7 @@ class ClientConfig:
         fields: dict[str, Any] = {}
 
         def pick(env_name: str | None, key: str) -> tuple[Any, str] | None:
-            if env_name and env.get(env_name):
+            if env_name and env_value(env, env_name) is not None:
                 return env[env_name], env_name
             if key in doc and doc[key] is not None:
                 return doc[key], f"{ENV_CONFIG} ({path}): {key}"
@@ -365,8 +387,15 @@ def _load_yaml(path: str) -> dict[str, Any]:
     return doc
 
 
+def env_value(env: Mapping[str, str], name: str) -> str | None:
+    """A MEMKV_* variable's value, or None when it is unset, empty or only whitespace: all three
+    mean "not set here, use the next source" (MEMKV_SERVERS='' and ' ' both mean the default)."""
+    value = env.get(name)
+    return value if value is not None and value.strip() else None
+
+
 def _resolve_key(env: Mapping[str, str], doc: Mapping[str, Any], path: str | None) -> AuthKey:
-    if env.get(ENV_AUTH_KEY):
+    if env_value(env, ENV_AUTH_KEY) is not None:
         return AuthKey.from_hex(env[ENV_AUTH_KEY], ENV_AUTH_KEY)
     if doc.get("auth_key"):
         return AuthKey.from_hex(str(doc["auth_key"]), f"{ENV_CONFIG} ({path}): auth_key")
@@ -395,7 +424,7 @@ class LaneSpec:
     share: float
 
     @classmethod
-    def parse(cls, text: str) -> "LaneSpec":
+    def parse(cls, text: str) -> LaneSpec:
         """'NAME:PREFIX:SHARE', e.g. 'fleet-a:llama/:0.5'."""
         parts = text.split(":")
         if len(parts) != 3:
@@ -457,6 +486,38 @@ def default_capacity_bytes(cgroup_paths: Sequence[str | Path] = CGROUP_MEMORY_LI
     return max(64 << 20, total // 4)
 
 
+def memory_limit_bytes(cgroup_paths: Sequence[str | Path] = CGROUP_MEMORY_LIMIT_FILES) -> int:
+    """The memory this process may use: the host's RAM, or the container's limit when lower."""
+    limit = cgroup_memory_limit_bytes(cgroup_paths)
+    total = host_memory_bytes()
+    return total if limit is None else min(total, limit)
+
+
+def capacity_warning(capacity_bytes: int, cgroup_paths: Sequence[str | Path] = CGROUP_MEMORY_LIMIT_FILES) -> str | None:
+    """A warning when --capacity exceeds the memory this node may use (it would be OOM-killed
+    before the cache fills), else None."""
+    limit = memory_limit_bytes(cgroup_paths)
+    if capacity_bytes <= limit:
+        return None
+    return (
+        f"--capacity {format_size(capacity_bytes)} exceeds this machine's memory ({format_size(limit)}, "
+        "RAM or the container's limit, whichever is lower): the node will be killed for memory before it is full"
+    )
+
+
+def node_transport_from_env(env: Mapping[str, str] | None = None) -> str:
+    """A node's MEMKV_TRANSPORT: only "tcp" means something to a node (it refuses RDMA
+    attaches); anything else, unset included, lets clients attach when NIXL comes up."""
+    value = (os.environ if env is None else env).get(ENV_TRANSPORT, "").strip().lower()
+    return "tcp" if value == "tcp" else "auto"
+
+
+def node_rdma_devices_from_env(env: Mapping[str, str] | None = None) -> tuple[str, ...]:
+    """A node's MEMKV_RDMA_DEVICES: NIC names, comma- or space-separated."""
+    value = (os.environ if env is None else env).get(ENV_RDMA_DEVICES, "")
+    return tuple(d for d in re.split(r"[,\s]+", value) if d)
+
+
 @dataclasses.dataclass(frozen=True)
 class ServerConfig:
     host: str = DEFAULT_HOST
@@ -469,8 +530,13 @@ class ServerConfig:
     idle_timeout_s: float = 300.0
     io_timeout_s: float = 30.0
     node_id: str = ""
+    # RDMA (memkv/server/rdma.py, docs/rdma.md); by default from the node's environment.
+    transport: str = dataclasses.field(default_factory=node_transport_from_env)  # "tcp": refuse attaches
+    rdma_devices: tuple[str, ...] = dataclasses.field(default_factory=node_rdma_devices_from_env)
 
     def __post_init__(self) -> None:
+        if self.transport not in TRANSPORTS:
+            raise ConfigError(f"{ENV_TRANSPORT}: expected one of {', '.join(TRANSPORTS)}, got {self.transport!r}")
         if self.max_value_bytes > self.capacity_bytes:
             raise ConfigError(
                 f"--max-value-size ({format_size(self.max_value_bytes)}) exceeds --capacity "

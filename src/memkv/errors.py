@@ -6,8 +6,8 @@
     │   ├── LocalProtocolError     we tried to send something the protocol forbids (our bug / bad input)
     │   └── RemoteProtocolError    the peer sent something the protocol forbids
     ├── AuthError              the handshake or a frame MAC failed: wrong key, tampering, replay
-    ├── TransportError         the network failed us
-    │   ├── TimeoutError_      (abstract timeout base, exported as MemKVTimeout)
+    ├── TransportError         the network failed us (marks the node down)
+    │   ├── MemKVTimeout           (abstract base of the timeouts)
     │   │   ├── ConnectTimeout
     │   │   ├── ReadTimeout
     │   │   ├── WriteTimeout
@@ -17,10 +17,16 @@
     │   └── WriteError
     ├── NodeUnavailable        the node is marked down; the call failed fast without I/O
     ├── ServerError            the node answered with an error code (see protocol.ErrorCode)
-    └── IntegrityError         a value's checksum did not match its bytes
+    ├── IntegrityError         a value's checksum did not match its bytes
+    └── RdmaError              the RDMA path failed (NIXL/UCX, a node without RDMA, a write
+                               that did not complete); not a TransportError: TCP may be fine
 
-Usage errors (a key that is too long, a value over the size limit, a buffer of the wrong type)
-raise ValueError / TypeError and are never caught by the client or the tier: catching
+    Usage errors, outside the tree on purpose:
+    ClientClosed (a RuntimeError)   a method of a closed `memkv.Client` was called
+    ValueError / TypeError          a key that is too long, a value over the size limit, a
+                                    buffer of the wrong type
+
+Usage errors are raised before any I/O and never caught by the client or the tier: catching
 MemKVError never hides a bug.
 
 `map_os_error` is the one place an OSError from a socket becomes one of these classes.
@@ -123,12 +129,25 @@ class IntegrityError(MemKVError):
     """A value's checksum did not match its bytes: corruption in memory or on the wire."""
 
 
+class RdmaError(MemKVError):
+    """The RDMA path failed: NIXL/UCX missing or broken, a node without RDMA, a write that did
+    not complete. Not a TransportError on purpose: the node's TCP path may be fine, so it must
+    not mark the node down."""
+
+
+class ClientClosed(RuntimeError):
+    """A `memkv.Client` method was called after `close()` (or after its `with` block).
+
+    A usage error like ValueError, so not a MemKVError: code that turns MemKVError into a miss
+    must not hide it. Every public method of a closed client raises it, reads included."""
+
+
 def map_os_error(exc: OSError, op: str, server: str | None = None) -> TransportError:
     """Translate a socket-level OSError raised during `op` ("connect", "read", "write")."""
     # BlockingIOError: a kernel timeout (SO_RCVTIMEO/SO_SNDTIMEO) expired on a blocking socket.
     if isinstance(exc, (socket.timeout, TimeoutError, BlockingIOError)):
-        cls = {"connect": ConnectTimeout, "read": ReadTimeout, "write": WriteTimeout}[op]
-        return cls(f"{op} timed out", server)
+        timeout: type[MemKVTimeout] = {"connect": ConnectTimeout, "read": ReadTimeout, "write": WriteTimeout}[op]
+        return timeout(f"{op} timed out", server)
     if op == "connect":
         hint = ""
         if exc.errno == errno.ECONNREFUSED:
@@ -159,5 +178,7 @@ __all__ = [
     "NodeUnavailable",
     "ServerError",
     "IntegrityError",
+    "RdmaError",
+    "ClientClosed",
     "map_os_error",
 ]

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+from typing import Protocol
 
 import blake3
 import xxhash
@@ -25,6 +26,17 @@ from memkv.protocol import CHECKSUM_BYTES, ChecksumAlgo
 
 _PAD16 = bytes(CHECKSUM_BYTES - 16)
 
+Buffer = bytes | bytearray | memoryview
+
+
+class Hasher(Protocol):
+    """A streaming hash (xxhash.xxh3_128, blake3.blake3)."""
+
+    def update(self, data: Buffer, /) -> object: ...
+
+    def digest(self) -> bytes: ...
+
+
 INTEGRITY_NAMES = {"xxh3": ChecksumAlgo.XXH3_128, "blake3": ChecksumAlgo.BLAKE3_KEYED}
 
 
@@ -32,7 +44,9 @@ def parse_integrity(name: str, setting: str = "integrity") -> ChecksumAlgo:
     try:
         return INTEGRITY_NAMES[name]
     except KeyError:
-        raise ConfigError(f"{setting}: unknown integrity mode {name!r}; choose one of {sorted(INTEGRITY_NAMES)}") from None
+        raise ConfigError(
+            f"{setting}: unknown integrity mode {name!r}; choose one of {sorted(INTEGRITY_NAMES)}"
+        ) from None
 
 
 class Checksummer:
@@ -43,7 +57,7 @@ class Checksummer:
         # A separate key for values, so a value digest never doubles as a handshake proof.
         self._value_key = hmac.new(auth_key, b"memkv/1 value checksum", hashlib.sha256).digest()
 
-    def compute(self, value, algo: ChecksumAlgo | None = None) -> bytes:
+    def compute(self, value: Buffer, algo: ChecksumAlgo | None = None) -> bytes:
         algo = self.algo if algo is None else algo
         if algo == ChecksumAlgo.XXH3_128:
             return xxhash.xxh3_128_digest(value) + _PAD16
@@ -51,7 +65,7 @@ class Checksummer:
             return blake3.blake3(value, key=self._value_key).digest()
         raise ValueError(f"unknown checksum algorithm {algo}")
 
-    def hasher(self, algo: int):
+    def hasher(self, algo: int) -> Hasher:
         """A streaming hasher (update/digest) for `algo`: lets a reader hash each chunk right
         after receiving it, while it is still in cache. `finish(hasher)` gives the checksum."""
         algo = ChecksumAlgo(algo)
@@ -60,11 +74,11 @@ class Checksummer:
         return blake3.blake3(key=self._value_key)
 
     @staticmethod
-    def finish(hasher) -> bytes:
+    def finish(hasher: Hasher) -> bytes:
         digest = hasher.digest()
         return digest + _PAD16 if len(digest) == 16 else digest
 
-    def verify(self, value, algo: int, checksum: bytes) -> bool:
+    def verify(self, value: Buffer, algo: int, checksum: bytes) -> bool:
         try:
             algo = ChecksumAlgo(algo)
         except ValueError:

@@ -14,18 +14,41 @@ import subprocess
 import sys
 import threading
 import time
-from typing import Sequence
+from collections.abc import Callable, Sequence
 
 READY_RE = re.compile(r"memkv node listening on (\S+):(\d+) \(admin (\S+):(\d+)\)")
 
 
 class LocalNode:
-    def __init__(self, auth_key_hex: str, capacity: str = "1GiB", host: str = "127.0.0.1", port: int = 0,
-                 extra_args: Sequence[str] = (), ready_timeout_s: float = 30.0, env: dict | None = None) -> None:
+    def __init__(
+        self,
+        auth_key_hex: str,
+        capacity: str = "1GiB",
+        host: str = "127.0.0.1",
+        port: int = 0,
+        extra_args: Sequence[str] = (),
+        ready_timeout_s: float = 30.0,
+        env: dict[str, str] | None = None,
+        preexec_fn: Callable[[], None] | None = None,
+    ) -> None:
+        """`preexec_fn` runs in the child before `memkv serve` starts (tests set resource
+        limits there, e.g. a low RLIMIT_NOFILE)."""
         self.auth_key_hex = auth_key_hex
-        cmd = [sys.executable, "-m", "memkv", "serve", "--listen", f"{host}:{port}", "--capacity", capacity, *extra_args]
+        cmd = [
+            sys.executable,
+            "-m",
+            "memkv",
+            "serve",
+            "--listen",
+            f"{host}:{port}",
+            "--capacity",
+            capacity,
+            *extra_args,
+        ]
         child_env = {**os.environ, **(env or {}), "MEMKV_AUTH_KEY": auth_key_hex, "PYTHONUNBUFFERED": "1"}
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=child_env)
+        self.proc = subprocess.Popen(
+            cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=child_env, preexec_fn=preexec_fn
+        )
         self.output: list[str] = []
         self.host = host
         self.port = self.admin_port = 0
@@ -83,10 +106,10 @@ class LocalNode:
             self.proc.kill()
             self.proc.wait(10)
 
-    def __enter__(self) -> "LocalNode":
+    def __enter__(self) -> LocalNode:
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.stop()
 
 

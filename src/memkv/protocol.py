@@ -32,7 +32,13 @@ Theory of operation
    is the request's | 0x80.
 
 Bounds are enforced here (`Limits`) before any payload is read, so a peer cannot make the
-other side allocate or wait for more than the limits allow.
+other side allocate or wait for more than the limits allow. Each bound has one check
+function, used with LocalProtocolError before sending and RemoteProtocolError on receipt.
+
+Layout of this module: the message value objects (`Request` and `Reply` are the complete
+unions, RDMA control frames included), the bound checks, then the codec as two tables:
+`_ENCODERS` (message type -> its encoder) and `_DECODERS` (opcode -> its decoder), then the
+frame header and MAC (`FrameCodec`), then the handshake.
 """
 
 from __future__ import annotations
@@ -44,7 +50,8 @@ import hmac
 import itertools
 import json
 import struct
-from typing import Sequence, Union
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from memkv.errors import AuthError, LocalProtocolError, RemoteProtocolError
 
@@ -157,7 +164,7 @@ class Limits:
         if self.max_batch < 1 or self.max_meta_bytes < 64 or self.max_payload_bytes < self.max_value_bytes:
             raise ValueError(f"inconsistent limits: {self}")
 
-    def to_json(self) -> dict:
+    def to_json(self) -> dict[str, int]:
         return dataclasses.asdict(self)
 
     @property
@@ -264,9 +271,73 @@ class ErrorReply:
     message: str
 
 
-Request = Union[PingRequest, PutRequest, GetRequest, ExistsRequest, DeleteRequest, ListRequest]
-Reply = Union[PingReply, HelloOk, StatusReply, GetReply, ListReply, ErrorReply]
-Message = Union[Request, Reply]
+# RDMA control messages (docs/protocol.md, section 10). They are ordinary frames on an
+# authenticated connection, MACed and sequenced like every other: the RDMA metadata is only
+# ever exchanged after the handshake. The value bytes of an RDMA_GET move by RDMA WRITE into
+# the client's registered pool (memkv.transport), never in the frame's payload.
+
+MAX_RDMA_METADATA_BYTES = 64 << 10  # a NIXL agent's metadata with one registered region: ~300 B
+MAX_RDMA_WINDOW_MS = 3_600_000
+_RDMA_GET_TAIL = struct.Struct(">IQ")  # window_ms u32 | token u64
+
+
+class RdmaBackend(enum.IntEnum):
+    NIXL_UCX = 1  # NIXL agent metadata, UCX backend
+
+
+class RdmaAttachStatus(enum.IntEnum):
+    OK = 0  # the node loaded the metadata; info = the node's agent name
+    UNAVAILABLE = 1  # the node has no RDMA (NIXL not installed, or MEMKV_TRANSPORT=tcp on the node)
+    REJECTED = 2  # the node could not use the metadata (unknown backend, NIXL refused it)
+
+
+@dataclasses.dataclass(frozen=True)
+class RdmaAttachRequest:
+    """The client's RDMA metadata: lets the node WRITE into the client's registered pool from
+    this connection, until the connection closes."""
+
+    backend: int
+    metadata: bytes
+
+
+@dataclasses.dataclass(frozen=True)
+class RdmaAttachReply:
+    status: int
+    info: str  # OK: the node's agent name (the sender of its notifications); else the reason
+
+
+@dataclasses.dataclass(frozen=True)
+class RdmaGetRequest:
+    """WRITE each key's value into the client's pool at `addresses[i]` (exactly `lengths[i]`
+    bytes: full-length-or-miss, as GET), then notify `token`."""
+
+    keys: tuple[bytes, ...]
+    lengths: tuple[int, ...]
+    addresses: tuple[int, ...]  # absolute addresses inside the client's registered region
+    window_ms: int  # the node starts no write later than this after receiving the request
+    token: int  # u64; the node's notification message is the 8 bytes of `token`
+
+
+@dataclasses.dataclass(frozen=True)
+class RdmaGetReply:
+    """One item per key, as GetReply, but no payload: OK means the node's WRITE completed."""
+
+    items: tuple[GetReplyItem, ...]
+
+
+# Every message a client sends, and every message a node sends (ERROR included).
+Request = (
+    PingRequest
+    | PutRequest
+    | GetRequest
+    | ExistsRequest
+    | DeleteRequest
+    | ListRequest
+    | RdmaAttachRequest
+    | RdmaGetRequest
+)
+Reply = PingReply | HelloOk | StatusReply | GetReply | ListReply | ErrorReply | RdmaAttachReply | RdmaGetReply
+Message = Request | Reply
 
 
 def payload_length(msg: Message) -> int:
@@ -279,14 +350,22 @@ def payload_length(msg: Message) -> int:
 
 
 # --------------------------------------------------------------------------------------------
-# Meta encoding. Keys travel as one array of u16 lengths plus the concatenated key bytes, so
-# a 4096-key batch is parsed with one struct call and a slice per key.
+# Bounds. Each is checked by exactly one function, used on both sides: with LocalProtocolError
+# before sending, with RemoteProtocolError on receipt (and there before anything is parsed
+# that the bound protects).
 # --------------------------------------------------------------------------------------------
 
+_ErrorClass = type[LocalProtocolError] | type[RemoteProtocolError]
 
-def _check_keys(keys: Sequence[bytes], limits: Limits, err: type) -> None:
-    if len(keys) > limits.max_batch:
-        raise err(f"batch of {len(keys)} keys exceeds max_batch {limits.max_batch}", ErrorCode.BATCH_TOO_LARGE)
+
+def _check_batch(n: int, limits: Limits, err: _ErrorClass) -> None:
+    """The one max_batch check: a batch of `n` keys."""
+    if n > limits.max_batch:
+        raise err(f"batch of {n} keys exceeds max_batch {limits.max_batch}", ErrorCode.BATCH_TOO_LARGE)
+
+
+def _check_keys(keys: Sequence[bytes], limits: Limits, err: _ErrorClass) -> None:
+    _check_batch(len(keys), limits, err)
     if not keys:
         return
     lengths = list(map(len, keys))  # C-speed scan: this runs for every batch on both sides
@@ -296,9 +375,243 @@ def _check_keys(keys: Sequence[bytes], limits: Limits, err: type) -> None:
         raise err(f"key of {bad} bytes: keys must be 1..{limits.max_key_bytes} bytes", ErrorCode.KEY_TOO_LONG)
 
 
+def _check_value_length(length: int, limits: Limits, err: _ErrorClass) -> None:
+    if length > limits.max_value_bytes:
+        raise err(
+            f"value of {length} bytes exceeds max_value_bytes {limits.max_value_bytes}", ErrorCode.VALUE_TOO_LARGE
+        )
+
+
+def _check_list_request(prefix: bytes, limit: int, limits: Limits, err: _ErrorClass) -> None:
+    if len(prefix) > limits.max_key_bytes:
+        raise err(f"LIST prefix of {len(prefix)} bytes: must be 0..{limits.max_key_bytes}", ErrorCode.KEY_TOO_LONG)
+    if limit < 1:
+        raise err(f"LIST limit {limit}: must be at least 1", ErrorCode.MALFORMED)
+    if limit > limits.max_list_keys:
+        raise err(f"LIST limit {limit} exceeds max_list_keys {limits.max_list_keys}", ErrorCode.BATCH_TOO_LARGE)
+
+
+def _check_list_reply_count(n: int, limits: Limits, err: _ErrorClass) -> None:
+    if n > limits.max_list_keys:
+        raise err(f"LIST reply of {n} keys exceeds max_list_keys {limits.max_list_keys}", ErrorCode.BATCH_TOO_LARGE)
+
+
+def _check_rdma_metadata(size: int, err: _ErrorClass) -> None:
+    if not 1 <= size <= MAX_RDMA_METADATA_BYTES:
+        raise err(f"RDMA metadata of {size} bytes: must be 1..{MAX_RDMA_METADATA_BYTES}", ErrorCode.FRAME_TOO_LARGE)
+
+
+def _check_rdma_window(window_ms: int, err: _ErrorClass) -> None:
+    if not 1 <= window_ms <= MAX_RDMA_WINDOW_MS:
+        raise err(f"RDMA_GET window of {window_ms} ms: must be 1..{MAX_RDMA_WINDOW_MS}", ErrorCode.MALFORMED)
+
+
+# Checks of outgoing messages beyond their keys (`validate_outgoing`), by message type.
+
+
+def _validate_put(msg: PutRequest, limits: Limits) -> None:
+    for it in msg.items:
+        _check_value_length(it.length, limits, LocalProtocolError)
+        if len(it.checksum) != CHECKSUM_BYTES:
+            raise LocalProtocolError(f"checksum must be {CHECKSUM_BYTES} bytes", ErrorCode.MALFORMED)
+    _check_keys([it.key for it in msg.items], limits, LocalProtocolError)
+
+
+def _validate_keys(msg: GetRequest | ExistsRequest | DeleteRequest | RdmaGetRequest, limits: Limits) -> None:
+    _check_keys(msg.keys, limits, LocalProtocolError)
+
+
+def _validate_list(msg: ListRequest, limits: Limits) -> None:
+    _check_list_request(msg.prefix, msg.limit, limits, LocalProtocolError)
+
+
+def _validate_list_reply(msg: ListReply, limits: Limits) -> None:
+    _check_list_reply_count(len(msg.keys), limits, LocalProtocolError)
+    _check_keys(msg.keys, limits, LocalProtocolError)
+
+
+_VALIDATORS: dict[type, Callable[[Any, Limits], None]] = {
+    PutRequest: _validate_put,
+    GetRequest: _validate_keys,
+    ExistsRequest: _validate_keys,
+    DeleteRequest: _validate_keys,
+    RdmaGetRequest: _validate_keys,
+    ListRequest: _validate_list,
+    ListReply: _validate_list_reply,
+}
+
+
+def validate_outgoing(msg: Message, limits: Limits) -> None:
+    """Raise LocalProtocolError when `msg` would break `limits` (checked before sending)."""
+    check = _VALIDATORS.get(type(msg))
+    if check is not None:
+        check(msg, limits)
+    if payload_length(msg) > limits.max_payload_bytes:
+        raise LocalProtocolError(
+            f"batch payload of {payload_length(msg)} bytes exceeds max_payload_bytes {limits.max_payload_bytes}",
+            ErrorCode.FRAME_TOO_LARGE,
+        )
+
+
+# --------------------------------------------------------------------------------------------
+# Meta encoding. Keys travel as one array of u16 lengths plus the concatenated key bytes, so
+# a 4096-key batch is parsed with one struct call and a slice per key. One encoder per message
+# type and one decoder per opcode, in the two tables below; the layouts are in docs/protocol.md.
+# --------------------------------------------------------------------------------------------
+
+
 def _pack_keys(keys: Sequence[bytes]) -> bytes:
     n = len(keys)
     return _COUNT.pack(n) + struct.pack(f">{n}H", *map(len, keys)) + b"".join(keys)
+
+
+def _pack_items(items: Sequence[GetReplyItem]) -> bytes:
+    n = len(items)
+    parts = [
+        _COUNT.pack(n),
+        bytes(it.status for it in items),
+        struct.pack(f">{n}I", *(it.length for it in items)),
+        bytes(it.algo for it in items),
+        b"".join(it.checksum for it in items),
+    ]
+    return b"".join(parts)
+
+
+_Encoded = tuple[int, int, bytes]  # (opcode, status, meta)
+
+
+def _encode_ping(msg: PingRequest) -> _Encoded:
+    return Opcode.PING, 0, b""
+
+
+def _encode_ping_reply(msg: PingReply) -> _Encoded:
+    return Opcode.PING | Opcode.REPLY, 0, b""
+
+
+def _encode_hello_ok(msg: HelloOk) -> _Encoded:
+    return Opcode.HELLO_OK, 0, json.dumps({"node_id": msg.node_id, "limits": msg.limits.to_json()}).encode()
+
+
+def _encode_exists(msg: ExistsRequest) -> _Encoded:
+    return Opcode.EXISTS, 0, _pack_keys(msg.keys)
+
+
+def _encode_delete(msg: DeleteRequest) -> _Encoded:
+    return Opcode.DELETE, 0, _pack_keys(msg.keys)
+
+
+def _encode_get(msg: GetRequest) -> _Encoded:
+    n = len(msg.keys)
+    return Opcode.GET, 0, _pack_keys(msg.keys) + struct.pack(f">{n}I", *msg.expected_lengths)
+
+
+def _encode_put(msg: PutRequest) -> _Encoded:
+    items = msg.items
+    n = len(items)
+    parts = [
+        _pack_keys([it.key for it in items]),
+        struct.pack(f">{n}I", *(it.length for it in items)),
+        bytes(it.algo for it in items),
+        b"".join(it.checksum for it in items),
+    ]
+    return Opcode.PUT, 0, b"".join(parts)
+
+
+def _encode_status_reply(msg: StatusReply) -> _Encoded:
+    return msg.opcode | Opcode.REPLY, 0, _COUNT.pack(len(msg.statuses)) + msg.statuses
+
+
+def _encode_get_reply(msg: GetReply) -> _Encoded:
+    return Opcode.GET | Opcode.REPLY, 0, _pack_items(msg.items)
+
+
+def _encode_list(msg: ListRequest) -> _Encoded:
+    return Opcode.LIST, 0, _LIST_HEAD.pack(msg.limit, len(msg.prefix)) + msg.prefix
+
+
+def _encode_list_reply(msg: ListReply) -> _Encoded:
+    if len(msg.lengths) != len(msg.keys):
+        raise LocalProtocolError("a LIST reply needs one length per key", ErrorCode.MALFORMED)
+    n = len(msg.keys)
+    return (
+        Opcode.LIST | Opcode.REPLY,
+        0,
+        _pack_keys(msg.keys) + struct.pack(f">{n}I", *msg.lengths) + bytes([bool(msg.truncated)]),
+    )
+
+
+def _encode_error(msg: ErrorReply) -> _Encoded:
+    return Opcode.ERROR, int(msg.code), msg.message.encode("utf-8", "replace")[:4096]
+
+
+def _encode_rdma_attach(msg: RdmaAttachRequest) -> _Encoded:
+    if not 0 <= msg.backend <= 0xFF:
+        raise LocalProtocolError(f"RDMA backend {msg.backend} does not fit a byte", ErrorCode.MALFORMED)
+    _check_rdma_metadata(len(msg.metadata), LocalProtocolError)
+    return Opcode.RDMA_ATTACH, 0, bytes([msg.backend]) + bytes(msg.metadata)
+
+
+def _encode_rdma_attach_reply(msg: RdmaAttachReply) -> _Encoded:
+    return Opcode.RDMA_ATTACH | Opcode.REPLY, 0, bytes([msg.status]) + msg.info.encode("utf-8", "replace")[:4096]
+
+
+def _encode_rdma_get(msg: RdmaGetRequest) -> _Encoded:
+    n = len(msg.keys)
+    if not (len(msg.lengths) == len(msg.addresses) == n):
+        raise LocalProtocolError("RDMA_GET needs one length and one address per key", ErrorCode.MALFORMED)
+    _check_rdma_window(msg.window_ms, LocalProtocolError)
+    parts = [
+        _pack_keys(msg.keys),
+        struct.pack(f">{n}I", *msg.lengths),
+        struct.pack(f">{n}Q", *msg.addresses),
+        _RDMA_GET_TAIL.pack(msg.window_ms, msg.token),
+    ]
+    return Opcode.RDMA_GET, 0, b"".join(parts)
+
+
+def _encode_rdma_get_reply(msg: RdmaGetReply) -> _Encoded:
+    return Opcode.RDMA_GET | Opcode.REPLY, 0, _pack_items(msg.items)
+
+
+_ENCODERS: dict[type, Callable[[Any], _Encoded]] = {
+    PingRequest: _encode_ping,
+    PingReply: _encode_ping_reply,
+    HelloOk: _encode_hello_ok,
+    ExistsRequest: _encode_exists,
+    DeleteRequest: _encode_delete,
+    GetRequest: _encode_get,
+    PutRequest: _encode_put,
+    StatusReply: _encode_status_reply,
+    GetReply: _encode_get_reply,
+    ListRequest: _encode_list,
+    ListReply: _encode_list_reply,
+    ErrorReply: _encode_error,
+    RdmaAttachRequest: _encode_rdma_attach,
+    RdmaAttachReply: _encode_rdma_attach_reply,
+    RdmaGetRequest: _encode_rdma_get,
+    RdmaGetReply: _encode_rdma_get_reply,
+}
+
+
+def _encode_meta(msg: Message) -> _Encoded:
+    """Return (opcode, status, meta) for a message."""
+    encode = _ENCODERS.get(type(msg))
+    if encode is None:
+        raise LocalProtocolError(f"cannot encode {type(msg).__name__}")
+    return encode(msg)
+
+
+# Decoders: (status, meta, limits) -> (message, bytes of meta consumed). `_decode_meta` checks
+# that the whole meta was consumed and maps struct/value errors to RemoteProtocolError.
+
+_Decoded = tuple[Message, int]
+
+
+def _read_count(meta: memoryview, limits: Limits) -> int:
+    """The u32 item count that opens a batch's meta, checked before anything is parsed."""
+    (n,) = _COUNT.unpack_from(meta, 0)
+    _check_batch(n, limits, RemoteProtocolError)
+    return int(n)
 
 
 def _unpack_keys(meta: memoryview, off: int, n: int) -> tuple[tuple[bytes, ...], int]:
@@ -313,30 +626,121 @@ def _unpack_keys(meta: memoryview, off: int, n: int) -> tuple[tuple[bytes, ...],
     return keys, end
 
 
-def _check_list_request(prefix: bytes, limit: int, limits: Limits, err: type) -> None:
-    if len(prefix) > limits.max_key_bytes:
-        raise err(f"LIST prefix of {len(prefix)} bytes: must be 0..{limits.max_key_bytes}", ErrorCode.KEY_TOO_LONG)
-    if limit < 1:
-        raise err(f"LIST limit {limit}: must be at least 1", ErrorCode.MALFORMED)
-    if limit > limits.max_list_keys:
-        raise err(f"LIST limit {limit} exceeds max_list_keys {limits.max_list_keys}", ErrorCode.BATCH_TOO_LARGE)
+def _read_keys(meta: memoryview, limits: Limits) -> tuple[tuple[bytes, ...], int]:
+    """A batch's count and key list, every bound checked; returns (keys, offset after them)."""
+    n = _read_count(meta, limits)
+    keys, off = _unpack_keys(meta, _COUNT.size, n)
+    _check_keys(keys, limits, RemoteProtocolError)
+    return keys, off
 
 
-def _decode_list_meta(opcode: int, meta: memoryview, limits: Limits) -> Message:
-    """LIST and its reply (called inside `_decode_meta`'s error mapping)."""
-    if opcode == Opcode.LIST:
-        limit, prefix_len = _LIST_HEAD.unpack_from(meta, 0)
-        if len(meta) != _LIST_REQUEST_FIXED + prefix_len:
-            raise RemoteProtocolError(
-                f"LIST meta of {len(meta)} bytes for a {prefix_len}-byte prefix: must be {_LIST_REQUEST_FIXED + prefix_len}",
-                ErrorCode.MALFORMED,
-            )
-        prefix = bytes(meta[_LIST_REQUEST_FIXED:])
-        _check_list_request(prefix, limit, limits, RemoteProtocolError)
-        return ListRequest(prefix, limit)
+def _read_items(meta: memoryview, limits: Limits) -> tuple[tuple[GetReplyItem, ...], int]:
+    """GET / RDMA_GET reply items: count, statuses, lengths, algos, checksums."""
+    n = _read_count(meta, limits)
+    off = _COUNT.size
+    statuses = bytes(meta[off : off + n])
+    off += n
+    lengths = struct.unpack_from(f">{n}I", meta, off)
+    off += 4 * n
+    algos = bytes(meta[off : off + n])
+    off += n
+    sums = bytes(meta[off : off + n * CHECKSUM_BYTES])
+    off += n * CHECKSUM_BYTES
+    if len(statuses) != n or len(algos) != n or len(sums) != n * CHECKSUM_BYTES:
+        raise RemoteProtocolError("meta truncated in GET reply", ErrorCode.MALFORMED)
+    items = tuple(
+        GetReplyItem(s, ln, a, sums[i * CHECKSUM_BYTES : (i + 1) * CHECKSUM_BYTES])
+        for i, (s, ln, a) in enumerate(zip(statuses, lengths, algos))
+    )
+    return items, off
+
+
+def _decode_ping(status: int, meta: memoryview, limits: Limits) -> _Decoded:
+    return PingRequest(), 0
+
+
+def _decode_ping_reply(status: int, meta: memoryview, limits: Limits) -> _Decoded:
+    return PingReply(), 0
+
+
+def _decode_error(status: int, meta: memoryview, limits: Limits) -> _Decoded:
+    return ErrorReply(status, bytes(meta).decode("utf-8", "replace")), len(meta)
+
+
+def _decode_hello_ok(status: int, meta: memoryview, limits: Limits) -> _Decoded:
+    body = json.loads(bytes(meta))
+    return HelloOk(str(body["node_id"]), Limits(**body["limits"])), len(meta)
+
+
+def _decode_exists(status: int, meta: memoryview, limits: Limits) -> _Decoded:
+    keys, off = _read_keys(meta, limits)
+    return ExistsRequest(keys), off
+
+
+def _decode_delete(status: int, meta: memoryview, limits: Limits) -> _Decoded:
+    keys, off = _read_keys(meta, limits)
+    return DeleteRequest(keys), off
+
+
+def _decode_get(status: int, meta: memoryview, limits: Limits) -> _Decoded:
+    keys, off = _read_keys(meta, limits)
+    n = len(keys)
+    lengths = struct.unpack_from(f">{n}I", meta, off)
+    return GetRequest(keys, lengths), off + 4 * n
+
+
+def _decode_put(status: int, meta: memoryview, limits: Limits) -> _Decoded:
+    keys, off = _read_keys(meta, limits)
+    n = len(keys)
+    lengths = struct.unpack_from(f">{n}I", meta, off)
+    off += 4 * n
+    algos = bytes(meta[off : off + n])
+    off += n
+    sums = bytes(meta[off : off + n * CHECKSUM_BYTES])
+    off += n * CHECKSUM_BYTES
+    if len(algos) != n or len(sums) != n * CHECKSUM_BYTES:
+        raise RemoteProtocolError("meta truncated in PUT items", ErrorCode.MALFORMED)
+    for ln in lengths:
+        _check_value_length(ln, limits, RemoteProtocolError)
+    items = tuple(
+        PutItem(k, ln, a, sums[i * CHECKSUM_BYTES : (i + 1) * CHECKSUM_BYTES])
+        for i, (k, ln, a) in enumerate(zip(keys, lengths, algos))
+    )
+    return PutRequest(items), off
+
+
+def _status_reply_decoder(request_opcode: Opcode) -> Callable[[int, memoryview, Limits], _Decoded]:
+    def decode(status: int, meta: memoryview, limits: Limits) -> _Decoded:
+        n = _read_count(meta, limits)
+        off = _COUNT.size
+        statuses = bytes(meta[off : off + n])
+        if len(statuses) != n:
+            raise RemoteProtocolError("meta truncated in statuses", ErrorCode.MALFORMED)
+        return StatusReply(request_opcode, statuses), off + n
+
+    return decode
+
+
+def _decode_get_reply(status: int, meta: memoryview, limits: Limits) -> _Decoded:
+    items, off = _read_items(meta, limits)
+    return GetReply(items), off
+
+
+def _decode_list(status: int, meta: memoryview, limits: Limits) -> _Decoded:
+    limit, prefix_len = _LIST_HEAD.unpack_from(meta, 0)
+    if len(meta) != _LIST_REQUEST_FIXED + prefix_len:
+        raise RemoteProtocolError(
+            f"LIST meta of {len(meta)} bytes for a {prefix_len}-byte prefix: must be {_LIST_REQUEST_FIXED + prefix_len}",
+            ErrorCode.MALFORMED,
+        )
+    prefix = bytes(meta[_LIST_REQUEST_FIXED:])
+    _check_list_request(prefix, limit, limits, RemoteProtocolError)
+    return ListRequest(prefix, limit), len(meta)
+
+
+def _decode_list_reply(status: int, meta: memoryview, limits: Limits) -> _Decoded:
     (n,) = _COUNT.unpack_from(meta, 0)
-    if n > limits.max_list_keys:  # checked before the keys are parsed
-        raise RemoteProtocolError(f"LIST reply of {n} keys exceeds max_list_keys {limits.max_list_keys}", ErrorCode.BATCH_TOO_LARGE)
+    _check_list_reply_count(n, limits, RemoteProtocolError)  # before the keys are parsed
     keys, off = _unpack_keys(meta, _COUNT.size, n)
     _check_keys(keys, limits, RemoteProtocolError)
     lengths = struct.unpack_from(f">{n}I", meta, off)
@@ -346,175 +750,74 @@ def _decode_list_meta(opcode: int, meta: memoryview, limits: Limits) -> Message:
     truncated = meta[off]
     if truncated > 1:
         raise RemoteProtocolError(f"LIST reply truncated flag {truncated}: must be 0 or 1", ErrorCode.MALFORMED)
-    if any(a >= b for a, b in zip(keys, keys[1:])):
+    if any(a >= b for a, b in itertools.pairwise(keys)):
         raise RemoteProtocolError("LIST reply keys are not in strictly ascending byte order", ErrorCode.MALFORMED)
-    return ListReply(keys, lengths, bool(truncated))
+    return ListReply(keys, lengths, bool(truncated)), len(meta)
 
 
-def _encode_meta(msg: Message) -> tuple[int, int, bytes]:
-    """Return (opcode, status, meta) for a message."""
-    if isinstance(msg, PingRequest):
-        return Opcode.PING, 0, b""
-    if isinstance(msg, PingReply):
-        return Opcode.PING | Opcode.REPLY, 0, b""
-    if isinstance(msg, HelloOk):
-        body = json.dumps({"node_id": msg.node_id, "limits": msg.limits.to_json()}).encode()
-        return Opcode.HELLO_OK, 0, body
-    if isinstance(msg, (ExistsRequest, DeleteRequest)):
-        op = Opcode.EXISTS if isinstance(msg, ExistsRequest) else Opcode.DELETE
-        return op, 0, _pack_keys(msg.keys)
-    if isinstance(msg, GetRequest):
-        n = len(msg.keys)
-        return Opcode.GET, 0, _pack_keys(msg.keys) + struct.pack(f">{n}I", *msg.expected_lengths)
-    if isinstance(msg, PutRequest):
-        items = msg.items
-        n = len(items)
-        parts = [
-            _pack_keys([it.key for it in items]),
-            struct.pack(f">{n}I", *(it.length for it in items)),
-            bytes(it.algo for it in items),
-            b"".join(it.checksum for it in items),
-        ]
-        return Opcode.PUT, 0, b"".join(parts)
-    if isinstance(msg, StatusReply):
-        return msg.opcode | Opcode.REPLY, 0, _COUNT.pack(len(msg.statuses)) + msg.statuses
-    if isinstance(msg, GetReply):
-        items = msg.items
-        n = len(items)
-        parts = [
-            _COUNT.pack(n),
-            bytes(it.status for it in items),
-            struct.pack(f">{n}I", *(it.length for it in items)),
-            bytes(it.algo for it in items),
-            b"".join(it.checksum for it in items),
-        ]
-        return Opcode.GET | Opcode.REPLY, 0, b"".join(parts)
-    if isinstance(msg, ListRequest):
-        return Opcode.LIST, 0, _LIST_HEAD.pack(msg.limit, len(msg.prefix)) + msg.prefix
-    if isinstance(msg, ListReply):
-        if len(msg.lengths) != len(msg.keys):
-            raise LocalProtocolError("a LIST reply needs one length per key", ErrorCode.MALFORMED)
-        n = len(msg.keys)
-        body = _pack_keys(msg.keys) + struct.pack(f">{n}I", *msg.lengths) + bytes([bool(msg.truncated)])
-        return Opcode.LIST | Opcode.REPLY, 0, body
-    if isinstance(msg, ErrorReply):
-        return Opcode.ERROR, int(msg.code), msg.message.encode("utf-8", "replace")[:4096]
-    if isinstance(msg, _RDMA_MESSAGES):
-        return _encode_rdma_meta(msg)
-    raise LocalProtocolError(f"cannot encode {type(msg).__name__}")
+def _decode_rdma_attach(status: int, meta: memoryview, limits: Limits) -> _Decoded:
+    _check_rdma_metadata(len(meta) - 1, RemoteProtocolError)
+    return RdmaAttachRequest(meta[0], bytes(meta[1:])), len(meta)
 
 
-def validate_outgoing(msg: Message, limits: Limits) -> None:
-    """Raise LocalProtocolError when `msg` would break `limits` (checked before sending)."""
-    keys: Sequence[bytes] = ()
-    if isinstance(msg, ListRequest):
-        _check_list_request(msg.prefix, msg.limit, limits, LocalProtocolError)
-        return
-    if isinstance(msg, ListReply):
-        if len(msg.keys) > limits.max_list_keys:
-            raise LocalProtocolError(
-                f"LIST reply of {len(msg.keys)} keys exceeds max_list_keys {limits.max_list_keys}", ErrorCode.BATCH_TOO_LARGE
+def _decode_rdma_attach_reply(status: int, meta: memoryview, limits: Limits) -> _Decoded:
+    if len(meta) < 1:
+        raise RemoteProtocolError("empty RDMA_ATTACH reply", ErrorCode.MALFORMED)
+    return RdmaAttachReply(meta[0], bytes(meta[1:]).decode("utf-8", "replace")), len(meta)
+
+
+def _decode_rdma_get(status: int, meta: memoryview, limits: Limits) -> _Decoded:
+    keys, off = _read_keys(meta, limits)
+    n = len(keys)
+    lengths = struct.unpack_from(f">{n}I", meta, off)
+    off += 4 * n
+    addresses = struct.unpack_from(f">{n}Q", meta, off)
+    off += 8 * n
+    window_ms, token = _RDMA_GET_TAIL.unpack_from(meta, off)
+    off += _RDMA_GET_TAIL.size
+    for ln in lengths:
+        if not 1 <= ln <= limits.max_value_bytes:
+            raise RemoteProtocolError(
+                f"RDMA_GET slot of {ln} bytes: must be 1..{limits.max_value_bytes}", ErrorCode.VALUE_TOO_LARGE
             )
-        keys = msg.keys
-    if isinstance(msg, (ExistsRequest, DeleteRequest, GetRequest)):
-        keys = msg.keys
-    elif isinstance(msg, RdmaGetRequest):
-        keys = msg.keys
-    elif isinstance(msg, PutRequest):
-        keys = [it.key for it in msg.items]
-        for it in msg.items:
-            if it.length > limits.max_value_bytes:
-                raise LocalProtocolError(
-                    f"value of {it.length} bytes exceeds the node's max_value_bytes {limits.max_value_bytes}",
-                    ErrorCode.VALUE_TOO_LARGE,
-                )
-            if len(it.checksum) != CHECKSUM_BYTES:
-                raise LocalProtocolError(f"checksum must be {CHECKSUM_BYTES} bytes", ErrorCode.MALFORMED)
-    _check_keys(keys, limits, LocalProtocolError)
-    if payload_length(msg) > limits.max_payload_bytes:
-        raise LocalProtocolError(
-            f"batch payload of {payload_length(msg)} bytes exceeds max_payload_bytes {limits.max_payload_bytes}",
-            ErrorCode.FRAME_TOO_LARGE,
-        )
+    _check_rdma_window(window_ms, RemoteProtocolError)
+    return RdmaGetRequest(keys, lengths, addresses, window_ms, token), off
+
+
+def _decode_rdma_get_reply(status: int, meta: memoryview, limits: Limits) -> _Decoded:
+    items, off = _read_items(meta, limits)
+    return RdmaGetReply(items), off
+
+
+_DECODERS: dict[int, Callable[[int, memoryview, Limits], _Decoded]] = {
+    Opcode.PING: _decode_ping,
+    Opcode.PING | Opcode.REPLY: _decode_ping_reply,
+    Opcode.HELLO_OK: _decode_hello_ok,
+    Opcode.ERROR: _decode_error,
+    Opcode.PUT: _decode_put,
+    Opcode.PUT | Opcode.REPLY: _status_reply_decoder(Opcode.PUT),
+    Opcode.GET: _decode_get,
+    Opcode.GET | Opcode.REPLY: _decode_get_reply,
+    Opcode.EXISTS: _decode_exists,
+    Opcode.EXISTS | Opcode.REPLY: _status_reply_decoder(Opcode.EXISTS),
+    Opcode.DELETE: _decode_delete,
+    Opcode.DELETE | Opcode.REPLY: _status_reply_decoder(Opcode.DELETE),
+    Opcode.LIST: _decode_list,
+    Opcode.LIST | Opcode.REPLY: _decode_list_reply,
+    Opcode.RDMA_ATTACH: _decode_rdma_attach,
+    Opcode.RDMA_ATTACH | Opcode.REPLY: _decode_rdma_attach_reply,
+    Opcode.RDMA_GET: _decode_rdma_get,
+    Opcode.RDMA_GET | Opcode.REPLY: _decode_rdma_get_reply,
+}
 
 
 def _decode_meta(opcode: int, status: int, meta: memoryview, limits: Limits) -> Message:
     """Parse a verified frame's meta. Raises RemoteProtocolError on anything malformed."""
+    decode = _DECODERS.get(opcode)
+    if decode is None:
+        raise RemoteProtocolError(f"unknown opcode 0x{opcode:02x}", ErrorCode.UNKNOWN_OPCODE)
     try:
-        if opcode in _RDMA_OPCODES:
-            return _decode_rdma_meta(opcode, meta, limits)
-        if opcode == Opcode.PING:
-            return PingRequest()
-        if opcode == Opcode.PING | Opcode.REPLY:
-            return PingReply()
-        if opcode == Opcode.ERROR:
-            return ErrorReply(status, bytes(meta).decode("utf-8", "replace"))
-        if opcode == Opcode.HELLO_OK:
-            body = json.loads(bytes(meta))
-            return HelloOk(str(body["node_id"]), Limits(**body["limits"]))
-        if opcode in (Opcode.LIST, Opcode.LIST | Opcode.REPLY):
-            return _decode_list_meta(opcode, meta, limits)
-        (n,) = _COUNT.unpack_from(meta, 0)
-        if n > limits.max_batch:
-            raise RemoteProtocolError(f"batch of {n} exceeds max_batch {limits.max_batch}", ErrorCode.BATCH_TOO_LARGE)
-        off = _COUNT.size
-        if opcode in (Opcode.EXISTS, Opcode.DELETE, Opcode.GET, Opcode.PUT):
-            keys, off = _unpack_keys(meta, off, n)
-            _check_keys(keys, limits, RemoteProtocolError)
-            if opcode == Opcode.EXISTS:
-                msg: Message = ExistsRequest(keys)
-            elif opcode == Opcode.DELETE:
-                msg = DeleteRequest(keys)
-            elif opcode == Opcode.GET:
-                lengths = struct.unpack_from(f">{n}I", meta, off)
-                off += 4 * n
-                msg = GetRequest(keys, lengths)
-            else:
-                lengths = struct.unpack_from(f">{n}I", meta, off)
-                off += 4 * n
-                algos = bytes(meta[off : off + n])
-                off += n
-                sums = bytes(meta[off : off + n * CHECKSUM_BYTES])
-                off += n * CHECKSUM_BYTES
-                if len(algos) != n or len(sums) != n * CHECKSUM_BYTES:
-                    raise RemoteProtocolError("meta truncated in PUT items", ErrorCode.MALFORMED)
-                for ln in lengths:
-                    if ln > limits.max_value_bytes:
-                        raise RemoteProtocolError(
-                            f"value of {ln} bytes exceeds max_value_bytes {limits.max_value_bytes}",
-                            ErrorCode.VALUE_TOO_LARGE,
-                        )
-                msg = PutRequest(
-                    tuple(
-                        PutItem(k, ln, a, sums[i * CHECKSUM_BYTES : (i + 1) * CHECKSUM_BYTES])
-                        for i, (k, ln, a) in enumerate(zip(keys, lengths, algos))
-                    )
-                )
-        elif opcode in (Opcode.PUT | Opcode.REPLY, Opcode.EXISTS | Opcode.REPLY, Opcode.DELETE | Opcode.REPLY):
-            statuses = bytes(meta[off : off + n])
-            off += n
-            if len(statuses) != n:
-                raise RemoteProtocolError("meta truncated in statuses", ErrorCode.MALFORMED)
-            msg = StatusReply(opcode & ~Opcode.REPLY, statuses)
-        elif opcode == Opcode.GET | Opcode.REPLY:
-            statuses = bytes(meta[off : off + n])
-            off += n
-            lengths = struct.unpack_from(f">{n}I", meta, off)
-            off += 4 * n
-            algos = bytes(meta[off : off + n])
-            off += n
-            sums = bytes(meta[off : off + n * CHECKSUM_BYTES])
-            off += n * CHECKSUM_BYTES
-            if len(statuses) != n or len(algos) != n or len(sums) != n * CHECKSUM_BYTES:
-                raise RemoteProtocolError("meta truncated in GET reply", ErrorCode.MALFORMED)
-            msg = GetReply(
-                tuple(
-                    GetReplyItem(s, ln, a, sums[i * CHECKSUM_BYTES : (i + 1) * CHECKSUM_BYTES])
-                    for i, (s, ln, a) in enumerate(zip(statuses, lengths, algos))
-                )
-            )
-        else:
-            raise RemoteProtocolError(f"unknown opcode 0x{opcode:02x}", ErrorCode.UNKNOWN_OPCODE)
+        msg, off = decode(status, meta, limits)
     except struct.error as exc:
         raise RemoteProtocolError(f"meta truncated: {exc}", ErrorCode.MALFORMED) from exc
     except (ValueError, KeyError, TypeError, RecursionError) as exc:  # RecursionError: deeply nested JSON
@@ -564,6 +867,15 @@ class FrameCodec:
         self._refuse_if_broken()
         if validate:
             validate_outgoing(msg, self.limits)
+        return self._seal(msg)
+
+    def encode_error(self, code: int, message: str) -> bytes:
+        """The ERROR frame that tells the peer why the connection closes. The one frame a
+        broken codec still encodes: a receive error breaks the stream we read, while our own
+        sequence and keys are still in step, so the peer can verify the frame."""
+        return self._seal(ErrorReply(code, message))
+
+    def _seal(self, msg: Message) -> bytes:
         opcode, status, meta = _encode_meta(msg)
         if len(meta) > self.limits.max_meta_bytes:
             raise LocalProtocolError(f"meta of {len(meta)} bytes exceeds max_meta_bytes", ErrorCode.FRAME_TOO_LARGE)
@@ -613,7 +925,9 @@ class FrameCodec:
         mac = bytes(prefix[FRAME_HEADER.size :])
         return FrameHeader(opcode, status, seq, meta_len, payload_len, mac)
 
-    def open(self, header: FrameHeader, prefix: bytes | bytearray | memoryview, meta: bytes | bytearray | memoryview) -> Message:
+    def open(
+        self, header: FrameHeader, prefix: bytes | bytearray | memoryview, meta: bytes | bytearray | memoryview
+    ) -> Message:
         """Verify MAC and sequence of a frame, then decode its meta into a message."""
         self._refuse_if_broken()
         try:
@@ -807,7 +1121,7 @@ def auth_reject(code: int) -> bytes:
 def parse_auth_outcome_prefix(data: bytes) -> int | None:
     """After ClientAuth the node sends either a frame (b"MK"...) or AuthReject (b"MKVX" code)."""
     if data[:4] == REJECT_MAGIC:
-        return AUTH_REJECT.unpack(data[: AUTH_REJECT.size])[1]
+        return int(AUTH_REJECT.unpack(data[: AUTH_REJECT.size])[1])
     return None
 
 
@@ -816,136 +1130,3 @@ def error_name(code: int) -> str:
         return ErrorCode(code).name
     except ValueError:
         return f"error {code}"
-
-
-
-
-# --------------------------------------------------------------------------------------------
-# RDMA control messages (docs/protocol.md, section 10). They are ordinary frames on an
-# authenticated connection, MACed and sequenced like every other: the RDMA metadata is only
-# ever exchanged after the handshake. The value bytes of an RDMA_GET move by RDMA WRITE into
-# the client's registered pool (memkv.transport), never in the frame's payload.
-# --------------------------------------------------------------------------------------------
-
-MAX_RDMA_METADATA_BYTES = 64 << 10  # a NIXL agent's metadata with one registered region: ~300 B
-MAX_RDMA_WINDOW_MS = 3_600_000
-_U64 = struct.Struct(">Q")
-_RDMA_GET_TAIL = struct.Struct(">IQ")  # window_ms u32 | token u64
-
-
-class RdmaBackend(enum.IntEnum):
-    NIXL_UCX = 1  # NIXL agent metadata, UCX backend
-
-
-class RdmaAttachStatus(enum.IntEnum):
-    OK = 0  # the node loaded the metadata; info = the node's agent name
-    UNAVAILABLE = 1  # the node has no RDMA (NIXL not installed, or MEMKV_TRANSPORT=tcp on the node)
-    REJECTED = 2  # the node could not use the metadata (unknown backend, NIXL refused it)
-
-
-@dataclasses.dataclass(frozen=True)
-class RdmaAttachRequest:
-    """The client's RDMA metadata: lets the node WRITE into the client's registered pool from
-    this connection, until the connection closes."""
-
-    backend: int
-    metadata: bytes
-
-
-@dataclasses.dataclass(frozen=True)
-class RdmaAttachReply:
-    status: int
-    info: str  # OK: the node's agent name (the sender of its notifications); else the reason
-
-
-@dataclasses.dataclass(frozen=True)
-class RdmaGetRequest:
-    """WRITE each key's value into the client's pool at `addresses[i]` (exactly `lengths[i]`
-    bytes: full-length-or-miss, as GET), then notify `token`."""
-
-    keys: tuple[bytes, ...]
-    lengths: tuple[int, ...]
-    addresses: tuple[int, ...]  # absolute addresses inside the client's registered region
-    window_ms: int  # the node starts no write later than this after receiving the request
-    token: int  # u64; the node's notification message is the 8 bytes of `token`
-
-
-@dataclasses.dataclass(frozen=True)
-class RdmaGetReply:
-    """One item per key, as GetReply, but no payload: OK means the node's WRITE completed."""
-
-    items: tuple[GetReplyItem, ...]
-
-
-_RDMA_MESSAGES = (RdmaAttachRequest, RdmaAttachReply, RdmaGetRequest, RdmaGetReply)
-_RDMA_OPCODES = frozenset(
-    {Opcode.RDMA_ATTACH, Opcode.RDMA_ATTACH | Opcode.REPLY, Opcode.RDMA_GET, Opcode.RDMA_GET | Opcode.REPLY}
-)
-
-
-def _encode_rdma_meta(msg: Message) -> tuple[int, int, bytes]:
-    if isinstance(msg, RdmaAttachRequest):
-        if not 1 <= len(msg.metadata) <= MAX_RDMA_METADATA_BYTES or not 0 <= msg.backend <= 0xFF:
-            raise LocalProtocolError(
-                f"RDMA metadata must be 1..{MAX_RDMA_METADATA_BYTES} bytes", ErrorCode.FRAME_TOO_LARGE
-            )
-        return Opcode.RDMA_ATTACH, 0, bytes([msg.backend]) + bytes(msg.metadata)
-    if isinstance(msg, RdmaAttachReply):
-        return Opcode.RDMA_ATTACH | Opcode.REPLY, 0, bytes([msg.status]) + msg.info.encode("utf-8", "replace")[:4096]
-    if isinstance(msg, RdmaGetRequest):
-        n = len(msg.keys)
-        if not (len(msg.lengths) == len(msg.addresses) == n):
-            raise LocalProtocolError("RDMA_GET needs one length and one address per key", ErrorCode.MALFORMED)
-        if not 1 <= msg.window_ms <= MAX_RDMA_WINDOW_MS:
-            raise LocalProtocolError(f"window_ms must be in 1..{MAX_RDMA_WINDOW_MS}", ErrorCode.MALFORMED)
-        parts = [
-            _pack_keys(msg.keys),
-            struct.pack(f">{n}I", *msg.lengths),
-            struct.pack(f">{n}Q", *msg.addresses),
-            _RDMA_GET_TAIL.pack(msg.window_ms, msg.token),
-        ]
-        return Opcode.RDMA_GET, 0, b"".join(parts)
-    if isinstance(msg, RdmaGetReply):
-        _, _, meta = _encode_meta(GetReply(msg.items))
-        return Opcode.RDMA_GET | Opcode.REPLY, 0, meta
-    raise LocalProtocolError(f"cannot encode {type(msg).__name__}")
-
-
-def _decode_rdma_meta(opcode: int, meta: memoryview, limits: Limits) -> Message:
-    """Parse an RDMA control message (called inside `_decode_meta`'s error mapping)."""
-    if opcode == Opcode.RDMA_ATTACH:
-        if not 2 <= len(meta) <= 1 + MAX_RDMA_METADATA_BYTES:
-            raise RemoteProtocolError(
-                f"RDMA metadata of {len(meta) - 1} bytes: must be 1..{MAX_RDMA_METADATA_BYTES}", ErrorCode.FRAME_TOO_LARGE
-            )
-        return RdmaAttachRequest(meta[0], bytes(meta[1:]))
-    if opcode == Opcode.RDMA_ATTACH | Opcode.REPLY:
-        if len(meta) < 1:
-            raise RemoteProtocolError("empty RDMA_ATTACH reply", ErrorCode.MALFORMED)
-        return RdmaAttachReply(meta[0], bytes(meta[1:]).decode("utf-8", "replace"))
-    if opcode == Opcode.RDMA_GET | Opcode.REPLY:
-        reply = _decode_meta(Opcode.GET | Opcode.REPLY, 0, meta, limits)
-        assert isinstance(reply, GetReply)
-        return RdmaGetReply(reply.items)
-    # RDMA_GET
-    (n,) = _COUNT.unpack_from(meta, 0)
-    if n > limits.max_batch:
-        raise RemoteProtocolError(f"batch of {n} exceeds max_batch {limits.max_batch}", ErrorCode.BATCH_TOO_LARGE)
-    keys, off = _unpack_keys(meta, _COUNT.size, n)
-    _check_keys(keys, limits, RemoteProtocolError)
-    lengths = struct.unpack_from(f">{n}I", meta, off)
-    off += 4 * n
-    addresses = struct.unpack_from(f">{n}Q", meta, off)
-    off += 8 * n
-    window_ms, token = _RDMA_GET_TAIL.unpack_from(meta, off)
-    off += _RDMA_GET_TAIL.size
-    if off != len(meta):
-        raise RemoteProtocolError(f"{len(meta) - off} unexpected trailing bytes in RDMA_GET meta", ErrorCode.MALFORMED)
-    for ln in lengths:
-        if not 1 <= ln <= limits.max_value_bytes:
-            raise RemoteProtocolError(
-                f"RDMA_GET slot of {ln} bytes: must be 1..{limits.max_value_bytes}", ErrorCode.VALUE_TOO_LARGE
-            )
-    if not 1 <= window_ms <= MAX_RDMA_WINDOW_MS:
-        raise RemoteProtocolError(f"RDMA_GET window of {window_ms} ms: must be 1..{MAX_RDMA_WINDOW_MS}", ErrorCode.MALFORMED)
-    return RdmaGetRequest(keys, lengths, addresses, window_ms, token)

@@ -17,7 +17,7 @@ from __future__ import annotations
 import socket
 import struct
 import time
-from typing import Sequence
+from collections.abc import Sequence
 
 # Pieces smaller than this are joined into one send; larger ones go out as they are.
 _GATHER_BELOW = 64 << 10
@@ -59,7 +59,7 @@ def _arm(sock: socket.socket, option: int, deadline: float, got: int, total: int
     """Cut the kernel timeout `option` to the time left before `deadline`, or raise."""
     left = deadline - time.monotonic()
     if left <= 0:
-        raise socket.timeout(f"deadline passed after {got} of {total} bytes")
+        raise TimeoutError(f"deadline passed after {got} of {total} bytes")
     sock.setsockopt(socket.SOL_SOCKET, option, _timeval(max(left, 0.001)))  # 0 would mean "no timeout"
 
 
@@ -74,7 +74,7 @@ def recv_exactly_into(sock: socket.socket, view: memoryview, deadline: float | N
         try:
             n = sock.recv_into(view[got:], total - got, socket.MSG_WAITALL)
         except BlockingIOError:
-            raise socket.timeout(f"timed out after {got} of {total} bytes") from None
+            raise TimeoutError(f"timed out after {got} of {total} bytes") from None
         if n == 0:
             raise PeerClosed(got, total)
         got += n
@@ -107,7 +107,9 @@ def _send_one(sock: socket.socket, buf: bytes | bytearray | memoryview, deadline
         sent += sock.send(view[sent:])
 
 
-def send_all(sock: socket.socket, buffers: Sequence[bytes | bytearray | memoryview], deadline: float | None = None) -> None:
+def send_all(
+    sock: socket.socket, buffers: Sequence[bytes | bytearray | memoryview], deadline: float | None = None
+) -> None:
     """Send every buffer in order. Small pieces (headers, meta, small values) are joined into
     one syscall; large values are sent from their own memory."""
     try:
@@ -123,5 +125,4 @@ def send_all(sock: socket.socket, buffers: Sequence[bytes | bytearray | memoryvi
         if small:
             _send_one(sock, b"".join(small) if len(small) > 1 else small[0], deadline)
     except BlockingIOError:
-        raise socket.timeout("send timed out") from None
-
+        raise TimeoutError("send timed out") from None

@@ -9,10 +9,19 @@ the rest stored a random subset of the prompt, of which the usable prefix was cl
 (measured on an H200: 32 MiB of a 32k-token prompt's 8 GiB promoted). So a job is admitted or
 shed as a whole, and the decision never looks at the order of its keys.
 
-Why a prefix per request. A request's jobs arrive in prompt order (step after step). Once one
-of them has been shed, every chunk after it is unreachable by the prefix lookup, so every later
-job of that request is shed too (and is counted as shed). What the tier holds for a request is
-therefore always the leading jobs of its prompt: usable from the first block to the last.
+Why a prefix per request. Once a job of a request has been shed, every chunk after it is
+unreachable by the prefix lookup, so every later job of that request is shed too (and is
+counted as shed). What the tier holds for a request is therefore always the leading jobs of its
+prompt: usable from the first block to the last.
+
+Why per step, not per job. Jobs of one request reach the tier in prompt order from one scheduler
+step to the next, but not always within a step: with tensor parallelism a job completes when
+the last rank reports it, vLLM merges the ranks' reports rank by rank, so when one rank lags,
+the jobs it catches up on complete in one step in any order (seen through vLLM's real connector:
+2, 0, 1). Across steps the order holds, because each rank reports its jobs in order. So the
+jobs of a request that arrive within one step (between two `end_step` calls) are admitted or
+shed together: the first one decides, the others follow it, even past the bound. The bound can
+be overshot only by the other jobs of a request already admitted in the same step.
 
 Why started requests come first. A request whose first job is admitted may fill the whole
 backlog; a request that has stored nothing yet starts only while the backlog, with its job, stays
@@ -33,9 +42,10 @@ and blocks lost after storing (eviction on the nodes, a node down) can still lea
 chunks in MemKV after a hole; that is capacity or an outage, not an admission decision.
 
 Threading: `admit` and `forget` run on the scheduler thread (0.33: under the manager lock);
-`release` runs on the transfer threads. `_lock` guards `_backlog_bytes`; `_started` and `_cut`
-(requests with an admitted job; requests whose jobs are shed from now on) and the warning state
-belong to the scheduler side. Both sets hold only unfinished requests (`forget`).
+`release` runs on the transfer threads; `end_step` runs on the scheduler side once per step. `_lock`
+guards `_backlog_bytes`; `_started`, `_this_step` and `_cut` (requests with an admitted job, with
+one admitted in this step, whose jobs are shed from now on) and the warning state belong to the
+scheduler side. They hold only unfinished requests (`forget`; `_this_step` is emptied each step).
 """
 
 from __future__ import annotations
@@ -65,6 +75,7 @@ class StoreAdmission:
         self._lock = threading.Lock()
         self._backlog_bytes = 0
         self._started: set[str] = set()
+        self._this_step: set[str] = set()
         self._cut: set[str] = set()
         self._clock = clock
         self._warn_interval_s = warn_interval_s
@@ -84,6 +95,10 @@ class StoreAdmission:
         if req_id in self._cut:
             self._shed(req_id, n_blocks, nbytes, reason="an earlier store job of this request was shed")
             return False
+        if req_id in self._this_step:  # its order within the step is unknown: follow the step's first job
+            with self._lock:
+                self._backlog_bytes += nbytes
+            return True
         started = req_id in self._started
         bound = self.limit_bytes if started else self._new_request_bytes
         with self._lock:
@@ -94,13 +109,17 @@ class StoreAdmission:
             else:
                 admitted = False
         if admitted:
-            if not started:
-                self._started.add(req_id)
+            self._started.add(req_id)
+            self._this_step.add(req_id)
             return True
         self._started.discard(req_id)
         self._cut.add(req_id)
         self._shed(req_id, n_blocks, nbytes, reason=f"the store backlog holds {backlog >> 20} MiB")
         return False
+
+    def end_step(self) -> None:
+        """A scheduler step ended: jobs from now on come after every job seen so far."""
+        self._this_step.clear()
 
     def release(self, nbytes: int) -> None:
         """Bytes of an admitted job that are no longer queued or in flight."""
@@ -110,6 +129,7 @@ class StoreAdmission:
     def forget(self, req_id: str) -> None:
         """The request is finished: no more store jobs of it can come."""
         self._started.discard(req_id)
+        self._this_step.discard(req_id)
         self._cut.discard(req_id)
 
     def _shed(self, req_id: str, n_blocks: int, nbytes: int, reason: str) -> None:

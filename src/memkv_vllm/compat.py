@@ -2,7 +2,7 @@
 
 Every shim detects a feature (hasattr, inspect.signature, dataclasses.fields) instead of
 comparing version strings, and its comment names the releases it covers. The reference is
-../shared/ref/vllm-tier-api.md (section numbers below point into it).
+docs/vllm-api.md (section numbers below point into it).
 
 Imports of vLLM happen here at module import; `memkv_vllm.tier` imports this module, and vLLM
 imports `memkv_vllm.tier` only when a `memkv` tier is configured (lazy registration).
@@ -35,7 +35,7 @@ __all__ = [
     "JobResult",
 ]
 
-# -- constructor (section 2, 3.1) ------------------------------------------------------------------
+# -- constructor (section 2) -----------------------------------------------------------------------
 # 0.31+: the factory always passes `backpressure_detector=` and the base __init__ accepts it.
 BASE_ACCEPTS_BACKPRESSURE = "backpressure_detector" in inspect.signature(SecondaryTierManager.__init__).parameters
 
@@ -48,7 +48,7 @@ def init_base(tier: SecondaryTierManager, offloading_spec, primary_kv_view: memo
         SecondaryTierManager.__init__(tier, offloading_spec, primary_kv_view, tier_type)
 
 
-# -- class attributes (section 3.3) -----------------------------------------------------------------
+# -- class attributes (section 3) ------------------------------------------------------------------
 # 0.27+: `Medium` enum (CPU, STORAGE). MemKV is memory, so CPU is the honest medium for
 # TierFilter matching. 0.25/0.26: no enum; the attribute is unused there.
 _Medium = getattr(_offload_base, "Medium", None)
@@ -73,7 +73,7 @@ def parse_locality(value: str | None):
     return _Locality(value) if value is not None else _Locality.REMOTE
 
 
-# -- job descriptors (section 3.4) -------------------------------------------------------------------
+# -- job descriptors (section 4) -------------------------------------------------------------------
 def job_slot_ids(job) -> Collection[int]:
     """Primary-pool rows of a job: `chunk_ids` from 0.30, `block_ids` before."""
     ids = getattr(job, "chunk_ids", None)
@@ -81,8 +81,6 @@ def job_slot_ids(job) -> Collection[int]:
 
 
 _RESULT_FIELDS = {f.name for f in dataclasses.fields(JobResult)}
-# 0.28+: a failed promotion may keep the keys that did load.
-SUPPORTS_PARTIAL_PROMOTION = "successful_keys" in _RESULT_FIELDS
 
 
 def job_result(job_id: int, success: bool, *, successful_keys: Collection[bytes] | None = None,
@@ -99,7 +97,7 @@ def job_result(job_id: int, success: bool, *, successful_keys: Collection[bytes]
     return JobResult(**kwargs)
 
 
-# -- key namespace (section 5) -----------------------------------------------------------------------
+# -- key namespace (section 5) ---------------------------------------------------------------------
 def file_mapper_for(offloading_spec, root: str) -> FileMapper:
     """vLLM's own FileMapper, used only to name keys. The kwarg was `gpu_blocks_per_file` and
     the spec attribute `block_size_factor` in 0.25; `blocks_per_file` / `blocks_per_chunk` from 0.26."""
@@ -119,7 +117,7 @@ def block_hash_and_group(key: bytes) -> tuple[bytes, int]:
     return bytes(key[:-4]), int.from_bytes(key[-4:], "big")
 
 
-# -- hash seed (vllm/v1/core/kv_cache_utils.py) ----------------------------------------------------
+# -- hash seed (section 6) -------------------------------------------------------------------------
 def block_hash_reuse_problem() -> str | None:
     """Why this process's block hashes cannot match another process's, or None.
 
@@ -145,7 +143,7 @@ def block_hash_reuse_problem() -> str | None:
     return "PYTHONHASHSEED is not set, so this vLLM release seeds block hashes randomly per process"
 
 
-# -- 0.33 config info metric -------------------------------------------------------------------------
+# -- 0.33 config info metric (section 7) -----------------------------------------------------------
 HAS_CONFIG_INFO = hasattr(SecondaryTierManager, "config_info_keys")
 
 

@@ -12,9 +12,6 @@ from typing import Any, Mapping
 
 from memkv.errors import ConfigError
 
-# Keys the framework itself may put in a tier dict besides `type`: accepted and passed on.
-FRAMEWORK_KEYS = ("locality",)
-
 
 @dataclasses.dataclass(frozen=True)
 class TierSettings:

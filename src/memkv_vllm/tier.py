@@ -186,6 +186,7 @@ class MemKVSecondaryTierManager(compat.SecondaryTierManager):
 
     def on_schedule_end(self, context) -> None:
         self._lookup.flush()
+        self._admission.end_step()
         if self._step_yield_s and (self._lookup.probing() or self._pool.loading()):
             # A scheduler with nothing for the GPU to do (requests waiting on this tier; TP > 1,
             # where the GPU work runs in worker processes) steps in pure Python back to back and

@@ -68,7 +68,7 @@ def memkv_env(monkeypatch, cluster, auth_key_hex):
 @pytest.fixture
 def no_leaked_regions():
     """Releases up to 0.27 leak the /dev/shm region when a tier constructor raises
-    (vllm-tier-api.md section 11); remove what a failing construction left behind."""
+    (docs/vllm-api.md section 8); remove what a failing construction left behind."""
     before = set(glob.glob("/dev/shm/vllm_offload_*"))
     yield
     for path in set(glob.glob("/dev/shm/vllm_offload_*")) - before:

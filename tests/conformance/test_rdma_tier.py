@@ -21,7 +21,7 @@ import urllib.request
 import pytest
 
 from memkv.local import LocalNode
-from memkv.transport.nixl_adapter import INSTALL_HINT, nixl_available
+from memkv.transport.nixl_adapter import INSTALL_HINT, nixl_available, ucx_tls_for_host
 from tests.conformance import vllm_harness as h
 from tests.conformance.conftest import point_at
 
@@ -70,7 +70,7 @@ class TierLog(logging.Handler):
 
 @pytest.fixture
 def ucx_nodes(monkeypatch, auth_key_hex):
-    monkeypatch.setenv("UCX_TLS", os.environ.get("UCX_TLS") or "tcp")
+    monkeypatch.setenv("UCX_TLS", ucx_tls_for_host(os.environ.get("UCX_TLS") or "tcp"))  # + cuda_copy on a GPU host
     monkeypatch.setenv("UCX_NET_DEVICES", "lo")
     monkeypatch.setenv("MEMKV_NIXL_PROGRESS_DELAY_US", "100")
     nodes = []

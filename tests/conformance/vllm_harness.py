@@ -63,6 +63,7 @@ __all__ = [
     "FINAL_RESULTS",
     "Geometry",
     "HeadlessEngine",
+    "build_kv_cache_config",
     "LoadedChunks",
     "LookupTrace",
     "StoreOutcome",
@@ -340,33 +341,7 @@ def _build_vllm_and_kv_cache_config(
     """0.25: a duck-typed VllmConfig (only what the spec, the primary region and the fs
     tier's FileMapper read) and a real KVCacheConfig with one full-attention group whose
     GPU tensor holds ``worker_kv_bytes_per_block`` per block."""
-    import torch
-    from vllm.v1 import kv_cache_interface as kvi
-
-    num_gpu_blocks = 16
-    kv_cache_spec = kvi.FullAttentionSpec(
-        block_size=geometry.gpu_block_size,
-        num_kv_heads=1,
-        head_size=64,
-        dtype=torch.bfloat16,
-    )
-    kv_cache_config = _fill_dataclass(
-        kvi.KVCacheConfig,
-        {
-            "num_blocks": num_gpu_blocks,
-            "kv_cache_tensors": [
-                kvi.KVCacheTensor(
-                    size=geometry.worker_kv_bytes_per_block * num_gpu_blocks,
-                    shared_by=[_LAYER_NAME],
-                )
-            ],
-            "kv_cache_groups": [
-                kvi.KVCacheGroupSpec(
-                    layer_names=[_LAYER_NAME], kv_cache_spec=kv_cache_spec
-                )
-            ],
-        },
-    )
+    kv_cache_config = build_kv_cache_config(geometry, num_gpu_blocks=16)
     vllm_config = SimpleNamespace(
         instance_id=engine_id,
         use_v2_model_runner=False,
@@ -392,6 +367,44 @@ def _build_vllm_and_kv_cache_config(
         ),
     )
     return vllm_config, kv_cache_config
+
+
+def build_kv_cache_config(geometry: Geometry, num_gpu_blocks: int = 16) -> Any:
+    """A real KVCacheConfig: one full-attention group of one layer whose GPU tensor holds
+    ``worker_kv_bytes_per_block`` per block (scheduler side: only arithmetic, no allocation).
+
+    KVCacheTensor: ``(size, shared_by, ...)`` on 0.25-0.29; ``(size, layers, layer_stride,
+    block_stride, ...)`` from 0.30 (a layer-outermost layout for one layer is filled in).
+    KVCacheConfig gains defaulted fields from 0.30; _fill_dataclass leaves them at defaults.
+    """
+    import torch
+    from vllm.v1 import kv_cache_interface as kvi
+
+    size = geometry.worker_kv_bytes_per_block * num_gpu_blocks
+    tensor_fields = {f.name for f in dataclasses.fields(kvi.KVCacheTensor)}
+    if "layers" in tensor_fields:  # 0.30+
+        tensor = _fill_dataclass(kvi.KVCacheTensor, {
+            "size": size, "layers": [_LAYER_NAME], "layer_stride": size,
+            "block_stride": geometry.worker_kv_bytes_per_block,
+        })
+    else:
+        tensor = kvi.KVCacheTensor(size=size, shared_by=[_LAYER_NAME])
+    kv_cache_spec = kvi.FullAttentionSpec(
+        block_size=geometry.gpu_block_size,
+        num_kv_heads=1,
+        head_size=64,
+        dtype=torch.bfloat16,
+    )
+    return _fill_dataclass(
+        kvi.KVCacheConfig,
+        {
+            "num_blocks": num_gpu_blocks,
+            "kv_cache_tensors": [tensor],
+            "kv_cache_groups": [
+                kvi.KVCacheGroupSpec(layer_names=[_LAYER_NAME], kv_cache_spec=kv_cache_spec)
+            ],
+        },
+    )
 
 
 def _spec_row_bytes(spec: Any) -> int:

@@ -1,4 +1,5 @@
-"""Helpers for tests that break nodes: admin reads, RSS, stop detection, restart on the same port.
+"""Helpers for tests that break nodes: admin reads, RSS, stop detection, restart on the same port,
+a proxy fault action that SIGKILLs a node, and the client's integrity-failure count.
 
 Every wait here is bounded by a timeout; nothing sleeps bare.
 """
@@ -8,9 +9,11 @@ from __future__ import annotations
 import json
 import os
 import re
+import threading
 import urllib.error
 import urllib.request
 
+from memkv.client import metrics as client_metrics
 from memkv.local import LocalNode
 
 
@@ -80,3 +83,36 @@ def restart_empty(node: LocalNode, capacity: str = "256MiB", extra_args=()) -> L
     port = node.port
     node.kill()
     return start_on_port(node.auth_key_hex, port, capacity, extra_args)
+
+
+def open_fds(pid: int) -> int:
+    """Descriptors `pid` has open right now."""
+    return len(os.listdir(f"/proc/{pid}/fd"))
+
+
+def thread_count(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("Threads:"):
+                return int(line.split()[1])
+    raise AssertionError("no Threads line")
+
+
+class NodeKiller:
+    """A proxy fault action (`Fault.call(offset, killer)`) that SIGKILLs the node mid-transfer.
+    `fired` is set once it did; the test loop restarts the node, sets `node` and clears `fired`."""
+
+    def __init__(self, node: LocalNode) -> None:
+        self.node = node
+        self.fired = threading.Event()
+        self.kills = 0
+
+    def __call__(self) -> None:
+        self.kills += 1
+        self.node.signal(9)
+        self.fired.set()
+
+
+def integrity_failures() -> float:
+    """Values this process's clients loaded whose checksum failed (`memkv_client_integrity_failures`), all servers."""
+    return sum(s.value for m in client_metrics.INTEGRITY_FAILURES.collect() for s in m.samples if s.name.endswith("_total"))

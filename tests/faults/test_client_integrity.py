@@ -25,11 +25,9 @@ import zlib
 
 import pytest
 
-from memkv.client import metrics as client_metrics
-from memkv.local import LocalNode
 from tests.conftest import build_client, poll_until
 from tests.faults.figures import scaled, scaled_s
-from tests.faults.nodeops import start_on_port
+from tests.faults.nodeops import NodeKiller, integrity_failures, start_on_port
 from tests.faults.proxy import C2S, S2C, Fault, FaultProxy, RandomFaults
 
 pytestmark = pytest.mark.faults
@@ -47,24 +45,10 @@ def tagged_blob(seed: int) -> bytes:
     return b"".join(pages)
 
 
-class Killer:
-    """A proxy fault action that SIGKILLs the node mid-transfer; the test loop restarts it."""
-
-    def __init__(self, node: LocalNode) -> None:
-        self.node = node
-        self.fired = threading.Event()
-        self.kills = 0
-
-    def __call__(self) -> None:
-        self.kills += 1
-        self.node.signal(9)
-        self.fired.set()
-
-
 class KillingPlan:
     """RandomFaults, plus a SIGKILL of the node in the middle of a value with probability `kill_rate`."""
 
-    def __init__(self, faults: RandomFaults, killer: Killer, kill_rate: float, max_kills: int, seed: int) -> None:
+    def __init__(self, faults: RandomFaults, killer: NodeKiller, kill_rate: float, max_kills: int, seed: int) -> None:
         self.faults = faults
         self.killer = killer
         self.kill_rate = kill_rate
@@ -80,22 +64,13 @@ class KillingPlan:
         return self.faults(frame)
 
 
-def integrity_failures() -> float:
-    total = 0.0
-    for metric in client_metrics.INTEGRITY_FAILURES.collect():
-        for sample in metric.samples:
-            if sample.name.endswith("_total"):
-                total += sample.value
-    return total
-
-
 def test_loads_under_fault_injection_are_byte_exact_or_a_miss(start_node, auth_key_hex, figures):
     max_loads = scaled(1000)
     budget_s = scaled_s(14.0)
     blob = tagged_blob(7)
     node = start_node(capacity="256MiB", extra_args=["--admin-port", "0"])
     port = node.port
-    killer = Killer(node)
+    killer = NodeKiller(node)
     faults = RandomFaults(seed=11, rate=0.25, io_timeout_s=IO_TIMEOUT_S, header_rate=0.02)
     plan = KillingPlan(faults, killer, kill_rate=0.01, max_kills=scaled(3), seed=12)
     rng = random.Random(13)

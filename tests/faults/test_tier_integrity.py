@@ -25,12 +25,11 @@ import pytest
 
 pytest.importorskip("vllm.v1.kv_offload.tiering.factory", reason="tier fault tests need vLLM (run them in a nox venv)")
 
-from memkv.client import metrics as client_metrics  # noqa: E402
 from tests.conformance import vllm_harness as h  # noqa: E402
 from tests.conftest import poll_until  # noqa: E402
 from tests.faults import tier_sim as ts  # noqa: E402
 from tests.faults.figures import scaled, scaled_s  # noqa: E402
-from tests.faults.nodeops import start_on_port  # noqa: E402
+from tests.faults.nodeops import NodeKiller, integrity_failures, start_on_port  # noqa: E402
 from tests.faults.proxy import C2S, Fault, FaultProxy, RandomFaults  # noqa: E402
 
 pytestmark = [pytest.mark.faults, pytest.mark.conformance]  # conformance: runs in each nox vLLM session
@@ -38,24 +37,6 @@ pytestmark = [pytest.mark.faults, pytest.mark.conformance]  # conformance: runs 
 IO_TIMEOUT_S = 0.5
 GEOMETRY = h.Geometry(worker_kv_bytes_per_block=64 << 10, num_rows=32)  # 128 KiB rows
 LookupResult = h.LookupResult
-
-
-def integrity_failures() -> float:
-    return sum(s.value for m in client_metrics.INTEGRITY_FAILURES.collect() for s in m.samples if s.name.endswith("_total"))
-
-
-class NodeKiller:
-    """Proxy fault action: SIGKILL the node mid-transfer. The round loop restarts it empty."""
-
-    def __init__(self, node) -> None:
-        self.node = node
-        self.fired = threading.Event()
-        self.kills = 0
-
-    def __call__(self) -> None:
-        self.kills += 1
-        self.node.signal(9)
-        self.fired.set()
 
 
 def test_promotions_under_fault_injection_are_byte_exact_or_a_miss(monkeypatch, start_node, auth_key_hex, tmp_path, figures):

@@ -4,7 +4,7 @@ Behaviour under test (exit codes: 0 success, 1 the operation failed, 2 bad usage
 * `keygen` prints a fresh 64-hex key (and `{"ok", "auth_key"}` with --json);
 * `probe` exits 0 when every server answers with the key, 1 naming a dead server or a wrong
   key (never printing the key), with one JSON entry per server;
-* `status` shows each node's used/capacity, values, hit ratio, evictions and health, plus
+* `status` shows each node's stored/allocated/capacity, values, hit ratio, evictions and health, plus
   cluster totals; its JSON counts what was really stored and read; a dead node is `down` and
   exits 1; `--lanes` shows the node's lanes;
 * `put`/`get`/`del` round-trip a value byte for byte through stdin, stdout and files; a miss, a
@@ -129,7 +129,7 @@ def test_status_table_shows_each_node_and_the_totals(memkv_cli, cluster, env) ->
     proc = memkv_cli("status", "--lanes", env={**env, "COLUMNS": "200"})
     out = proc.stdout.decode()
     assert proc.returncode == 0, proc.stderr
-    for header in ("server", "health", "used / capacity", "values", "hit ratio", "evictions"):
+    for header in ("server", "health", "stored / allocated / capacity", "values", "hit ratio", "evictions"):
         assert header in out
     for node in cluster:
         assert node.address in out

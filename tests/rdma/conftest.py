@@ -25,7 +25,7 @@ import pytest
 
 from memkv.benchmark import prefaulted_pool
 from memkv.local import READY_RE
-from memkv.transport.nixl_adapter import INSTALL_HINT, nixl_available
+from memkv.transport.nixl_adapter import INSTALL_HINT, nixl_available, ucx_tls_for_host
 
 HAVE_NIXL, NIXL_WHY = nixl_available()
 requires_nixl = pytest.mark.skipif(not HAVE_NIXL, reason=f"NIXL is not installed ({INSTALL_HINT})")
@@ -37,7 +37,7 @@ LATE_NODE = Path(__file__).with_name("late_node.py")
 @pytest.fixture(params=sorted(UCX_TRANSPORTS))
 def ucx(request, monkeypatch) -> str:
     """UCX on loopback with one of the two CI transports; returns the transport's short name."""
-    monkeypatch.setenv("UCX_TLS", UCX_TRANSPORTS[request.param])
+    monkeypatch.setenv("UCX_TLS", ucx_tls_for_host(UCX_TRANSPORTS[request.param]))  # + cuda_copy on a GPU host
     monkeypatch.setenv("UCX_NET_DEVICES", "lo")
     monkeypatch.setenv("MEMKV_NIXL_PROGRESS_DELAY_US", "100")
     monkeypatch.setenv("NIXL_LOG_LEVEL", "WARN")

@@ -17,7 +17,7 @@ import sys
 import time
 
 from memkv import cli
-from memkv.transport.responder import RdmaResponder
+from memkv.server.rdma import RdmaResponder
 
 DELAY_S = float(os.environ.get("LATE_NODE_DELAY_S", "0"))
 IGNORE_WINDOW = os.environ.get("LATE_NODE_IGNORE_WINDOW") == "1"

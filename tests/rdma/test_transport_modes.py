@@ -147,7 +147,7 @@ def test_auto_latches_to_tcp_after_a_write_misses_its_window(ucx, start_late_nod
 @requires_nixl
 @pytest.mark.integration
 def test_the_progress_thread_is_tamed(monkeypatch):
-    monkeypatch.setenv("UCX_TLS", "tcp")
+    monkeypatch.setenv("UCX_TLS", nixl_adapter.ucx_tls_for_host("tcp"))
     monkeypatch.setenv("UCX_NET_DEVICES", "lo")
     monkeypatch.delenv("MEMKV_NIXL_PROGRESS_DELAY_US", raising=False)  # the default
     agent = nixl_adapter.NixlAgent("client")

@@ -6,9 +6,11 @@ Behaviour under test:
 * every bad value raises ConfigError naming the variable (or the yaml file and key), and no
   message or repr ever contains the 64-hex auth key, even when the key itself is the bad value;
 * server lists: host:port, IPv6 as [addr]:port, weights as host:port=W or yaml
-  {address, weight}; duplicates, missing ports and bad weights are refused;
+  {address, weight}; duplicates, missing ports and bad weights are refused; a ';' separator
+  and a URL scheme are named as such; a blank variable ('' or ' ') counts as unset;
 * unknown yaml keys are refused with the list of known ones;
-* sizes (512MiB, 8GiB, 1.5GB, plain bytes) and bad sizes; lanes NAME:PREFIX:SHARE and bad
+* sizes (512MiB, 8GiB, 1.5GB, plain bytes; units case-sensitive, ambiguous ones like 512mb
+  refused naming both spellings) and bad sizes; a --capacity above the memory limit warns; lanes NAME:PREFIX:SHARE and bad
   shares; server-side consistency checks;
 * AuthKey's repr and str mask the key;
 * the default node capacity is a quarter of the host's RAM or of the cgroup memory limit,
@@ -29,6 +31,7 @@ from memkv.config import (
     LaneSpec,
     ServerAddress,
     ServerConfig,
+    capacity_warning,
     cgroup_memory_limit_bytes,
     default_capacity_bytes,
     default_key_path,
@@ -266,6 +269,28 @@ def test_ipv6_servers_need_brackets_and_print_with_them() -> None:
     assert [s.name for s in servers] == ["[::1]:9900", "[fe80::1]:9901", "127.0.0.1:9902"]
 
 
+def test_semicolon_separated_servers_say_the_separator_is_a_comma() -> None:
+    message = config_error({"MEMKV_SERVERS": "127.0.0.1:9900;127.0.0.1:9901", "MEMKV_AUTH_KEY": SECRET})
+    assert message.startswith("MEMKV_SERVERS: servers are separated by ','") and "not ';'" in message
+    assert "IPv6" not in message
+
+
+@pytest.mark.parametrize("text", ["http://127.0.0.1:9900", "tcp://10.0.0.1:9900", "memkv://[::1]:9900"])
+def test_a_url_scheme_is_named_as_the_problem(text) -> None:
+    message = config_error({"MEMKV_SERVERS": text, "MEMKV_AUTH_KEY": SECRET})
+    assert message.startswith("MEMKV_SERVERS: no scheme: write host:port") and "IPv6" not in message
+
+
+@pytest.mark.parametrize("blank", ["", " ", "\t", " \n "])
+def test_blank_servers_and_key_variables_mean_unset(tmp_path, blank) -> None:
+    """One rule: a MEMKV_* variable that is empty or only whitespace is unset, so the next
+    source applies (the yaml, else the default 127.0.0.1:9900); ' ' used to be an error."""
+    assert ClientConfig.from_env({"MEMKV_SERVERS": blank, "MEMKV_AUTH_KEY": SECRET}).servers == (ServerAddress("127.0.0.1", 9900),)
+    path = write_yaml(tmp_path, f"servers: [10.0.0.1:9900]\nauth_key: {SECRET}\n")
+    cfg = ClientConfig.from_env({"MEMKV_CONFIG": path, "MEMKV_SERVERS": blank, "MEMKV_AUTH_KEY": blank})
+    assert cfg.servers[0].name == "10.0.0.1:9900" and cfg.auth_key.raw == bytes.fromhex(SECRET)
+
+
 def test_parse_address_default_port_applies_only_when_given() -> None:
     assert parse_address("[::1]", "--listen", 9900) == ("::1", 9900)
     assert parse_address("0.0.0.0", "--listen", 9900) == ("0.0.0.0", 9900)
@@ -298,10 +323,12 @@ def test_weights_in_yaml_mapping_form(tmp_path) -> None:
         ("512MiB", 512 << 20),
         ("8GiB", 8 << 30),
         ("1.5GB", 1_500_000_000),
-        ("64mib", 64 << 20),
         (" 4 KiB ", 4096),
         ("1000", 1000),
-        ("10k", 10_000),
+        ("512B", 512),
+        ("10KB", 10_000),
+        ("10kB", 10_000),
+        ("512MB", 512_000_000),
         ("2TiB", 2 << 40),
         (123, 123),
     ],
@@ -314,6 +341,27 @@ def test_sizes_parse_binary_and_decimal_units(text, expected) -> None:
 def test_bad_sizes_name_the_setting(text) -> None:
     with pytest.raises(ConfigError, match="--capacity"):
         parse_size(text, "--capacity")
+
+
+@pytest.mark.parametrize(
+    "text,hint",
+    [
+        ("512mb", "write 512MiB (binary) or 512MB (decimal)"),
+        ("512m", "write 512MiB (binary) or 512MB (decimal)"),
+        ("8g", "write 8GiB (binary) or 8GB (decimal)"),
+        ("10k", "write 10KiB (binary) or 10KB (decimal)"),
+        ("64mib", "write 64MiB"),
+        ("1gib", "write 1GiB"),
+    ],
+)
+def test_ambiguous_units_are_refused_with_both_spellings_named(text, hint) -> None:
+    """Units are case-sensitive: `512mb` cannot say whether 2^20 or 10^6 bytes were meant, so
+    it is refused (it used to mean 488.3 MiB silently)."""
+    with pytest.raises(ConfigError) as info:
+        parse_size(text, "--capacity")
+    message = str(info.value)
+    assert message.startswith("--capacity: ambiguous or unknown unit") and hint in message
+    assert "binary: 1024" in message and "decimal: 1000" in message
 
 
 def test_format_size_is_readable() -> None:
@@ -437,6 +485,15 @@ def test_default_capacity_is_a_quarter_of_the_lower_of_ram_and_the_cgroup_limit(
     assert default_capacity_bytes((v2, v1)) == max(64 << 20, ram // 4)
     write(v1, str(128 << 20))  # a tiny container still gets the 64 MiB floor
     assert default_capacity_bytes((v2, v1)) == 64 << 20
+
+
+def test_capacity_above_the_memory_limit_warns_and_below_it_does_not(cgroup_files) -> None:
+    v2, v1 = cgroup_files
+    write(v2, str(1 << 30))  # a 1 GiB container
+    warning = capacity_warning(64 << 30, (v2, v1))
+    assert warning is not None and "--capacity 64.0GiB exceeds this machine's memory (1.0GiB" in warning
+    assert capacity_warning(512 << 20, (v2, v1)) is None
+    assert capacity_warning(host_memory_bytes() * 2) is not None  # the real files and RAM
 
 
 def test_default_capacity_reads_the_real_cgroup_files_by_default() -> None:

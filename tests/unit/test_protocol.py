@@ -22,7 +22,9 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
+import dataclasses
 import struct
+import typing
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -193,6 +195,21 @@ MESSAGES = [
     ("list-binary-prefix", "c2s", p.ListRequest(b"\x00\xff" * 240, 4096), b""),
     ("list-reply", "s2c", p.ListReply((b"\x00", b"a", b"a/b" * 160, b"\xff"), (1, 16 << 20, 0, 64 << 20), True), b""),
     ("list-reply-empty", "s2c", p.ListReply((), (), False), b""),
+    ("rdma-attach", "c2s", p.RdmaAttachRequest(p.RdmaBackend.NIXL_UCX, b"\x00agent-metadata\xff" * 20), b""),
+    ("rdma-attach-reply", "s2c", p.RdmaAttachReply(p.RdmaAttachStatus.OK, "memkv-node-0123456789abcdef"), b""),
+    ("rdma-get", "c2s", p.RdmaGetRequest((b"a", b"b" * 480), (4096, 64 << 20), (0x7F00_0000_1000, 2**64 - 1), 5000, 2**64 - 1),
+     b""),
+    (
+        "rdma-get-reply",
+        "s2c",
+        p.RdmaGetReply(
+            (
+                p.GetReplyItem(p.ItemStatus.OK, 4096, p.ChecksumAlgo.XXH3_128, _SUMS.compute(b"x" * 4096)),
+                p.GetReplyItem(p.ItemStatus.TRANSFER_FAILED, 0, 0, bytes(32)),
+            )
+        ),
+        b"",  # RDMA values never travel in the frame
+    ),
 ]
 
 
@@ -861,3 +878,85 @@ def test_handshake_rejects_keys_and_nonces_of_the_wrong_size() -> None:
         p.ClientHandshake(bytes(31), C_NONCE)
     with pytest.raises(ValueError):
         p.ServerHandshake(KEY, bytes(16))
+
+
+# --------------------------------------------------------------------------------------------
+# The message tables: complete unions, one encoder per message type, one decoder per opcode
+# --------------------------------------------------------------------------------------------
+
+
+def _union_members(alias) -> set[type]:
+    return set(typing.get_args(alias))
+
+
+def _message_classes() -> set[type]:
+    """Every frame message class the module defines (value objects with a frame of their own)."""
+    parts = {p.PutItem, p.GetReplyItem, p.Limits, p.FrameHeader}
+    return {
+        obj for obj in vars(p).values()
+        if isinstance(obj, type) and dataclasses.is_dataclass(obj) and obj.__module__ == p.__name__ and obj not in parts
+    }
+
+
+def test_request_and_reply_unions_hold_every_message_rdma_frames_included() -> None:
+    requests, replies = _union_members(p.Request), _union_members(p.Reply)
+    assert not requests & replies
+    assert requests | replies == _message_classes()
+    assert {p.RdmaAttachRequest, p.RdmaGetRequest} <= requests
+    assert {p.RdmaAttachReply, p.RdmaGetReply} <= replies
+
+
+def test_every_message_class_has_a_round_trip_fixture() -> None:
+    assert {type(m[2]) for m in MESSAGES} == _message_classes()
+
+
+def test_every_request_opcode_and_its_reply_decode_and_nothing_else_does() -> None:
+    requests = [op for op in p.Opcode if op not in (p.Opcode.HELLO_OK, p.Opcode.ERROR, p.Opcode.REPLY)]
+    known = {int(p.Opcode.HELLO_OK), int(p.Opcode.ERROR)} | {int(op) for op in requests} | {op | p.Opcode.REPLY for op in requests}
+    assert set(p._DECODERS) == known
+    for opcode in sorted(set(range(256)) - known):
+        _, server = session()
+        with pytest.raises(RemoteProtocolError) as info:
+            decode_one(server, raw_frame(opcode))
+        assert info.value.code == p.ErrorCode.UNKNOWN_OPCODE
+
+
+def test_an_object_that_is_not_a_message_cannot_be_encoded() -> None:
+    client, _ = session()
+    with pytest.raises(LocalProtocolError, match="cannot encode PutItem"):
+        client.encode(p.PutItem(b"k", 1, 1, bytes(32)), validate=False)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    "msg",
+    [
+        p.ExistsRequest((b"k",) * 5),
+        p.DeleteRequest((b"k",) * 5),
+        p.GetRequest((b"k",) * 5, (1,) * 5),
+        p.PutRequest(tuple(p.PutItem(b"k", 0, 1, bytes(32)) for _ in range(5))),
+        p.RdmaGetRequest((b"k",) * 5, (1,) * 5, (0,) * 5, 10, 1),
+    ],
+    ids=lambda m: type(m).__name__,
+)
+def test_max_batch_is_one_bound_for_every_batch_both_ways(msg) -> None:
+    limits = p.Limits(max_batch=4)
+    with pytest.raises(LocalProtocolError, match="batch of 5 keys exceeds max_batch 4") as sent:
+        p.validate_outgoing(msg, limits)
+    client, server = session(server_limits=limits)
+    with pytest.raises(RemoteProtocolError, match="batch of 5 keys exceeds max_batch 4") as received:
+        decode_one(server, client.encode(msg, validate=False))
+    assert sent.value.code == received.value.code == p.ErrorCode.BATCH_TOO_LARGE
+
+
+def test_a_broken_codec_still_encodes_the_error_frame_that_explains_the_close_and_nothing_else() -> None:
+    client, server = session()
+    wire = bytearray(client.encode(p.PingRequest()))
+    wire[p.FRAME_HEADER.size] ^= 1  # a flipped MAC byte
+    with pytest.raises(AuthError):
+        decode_one(server, bytes(wire))
+    assert server.broken is not None
+    with pytest.raises(LocalProtocolError):
+        server.encode(p.PingReply())
+    error, _ = decode_one(client, server.encode_error(p.ErrorCode.BAD_MAC, "frame MAC mismatch"))
+    assert error == p.ErrorReply(p.ErrorCode.BAD_MAC, "frame MAC mismatch")
+    assert server.broken is not None  # still refuses everything else

@@ -487,3 +487,46 @@ def test_list_keys_sees_only_committed_values_and_the_latest_length() -> None:
     store.commit(ticket)
     store.delete([b"k"])
     assert store.list_keys(b"k", 10) == ([(b"k2", 5)], False)
+
+
+# --------------------------------------------------------------------------------------------
+# PUT buffers in flight
+# --------------------------------------------------------------------------------------------
+
+
+def test_reservations_in_flight_are_bounded_and_refused_with_a_reason() -> None:
+    store = Store(10_000, max_inflight_bytes=3000)
+    first = store.begin_put(b"a", 2000, 1, SUM)
+    assert store.stats()["inflight_bytes"] == 2000
+    with pytest.raises(NoSpace) as info:
+        store.begin_put(b"b", 2000, 1, SUM)  # would exceed 3000 in flight; no wait asked
+    assert info.value.reason == "inflight_limit"
+    assert store.stats()["inflight_bytes"] == 2000 and store.allocated_bytes == 2000  # the refusal took nothing
+    store.commit(first)
+    second = store.begin_put(b"b", 2000, 1, SUM)  # room again once the first is committed
+    store.abort(second)
+    assert store.stats()["inflight_bytes"] == 0
+
+
+def test_a_value_larger_than_the_bound_still_gets_in_alone() -> None:
+    store = Store(10_000, max_inflight_bytes=1000)
+    ticket = store.begin_put(b"big", 4000, 1, SUM)
+    with pytest.raises(NoSpace):
+        store.begin_put(b"small", 10, 1, SUM)
+    store.commit(ticket)
+    put(store, b"small", b"x" * 10)
+
+
+def test_a_waiting_reservation_gets_in_when_another_one_ends() -> None:
+    import threading
+
+    store = Store(10_000, max_inflight_bytes=3000)
+    first = store.begin_put(b"a", 2000, 1, SUM)
+    got: list = []
+    waiter = threading.Thread(target=lambda: got.append(store.begin_put(b"b", 2000, 1, SUM, wait_s=30.0)))
+    waiter.start()
+    store.commit(first)  # notifies the waiter; nothing sleeps
+    waiter.join(30.0)
+    assert not waiter.is_alive() and len(got) == 1
+    store.commit(got[0])
+    assert read(store, b"a") is not None and read(store, b"b") is not None

@@ -20,33 +20,47 @@ Failure semantics (what callers can rely on):
   * usage errors (a key over 480 bytes, a value over the node's limit, a buffer that is not
     contiguous) raise ValueError/LocalProtocolError before anything is sent.
 
+Lifecycle (`Client.state`, a `ClientState`): UNOPENED until the first call (the constructor
+never connects), OPENED from then on, CLOSED after `close()` (or the end of a `with` block).
+Every public method of a closed client raises `memkv.ClientClosed` (a usage error: a
+RuntimeError, not a MemKVError), reads included; `close()` itself is idempotent.
+
+Structure: the configured nodes, placement and fan-out are the client core
+(memkv.client.nodeset.NodeSet); loads go through a transport built on that core
+(memkv.transport), EXISTS/DELETE through a pipeline built on it (memkv.client.pipeline). This
+module is the public API over them: key and buffer checks, stores, metrics of whole calls.
+
 Threading: a Client is thread-safe and meant to be shared; batches that span several nodes
 run their per-node parts in parallel on a small internal executor, one part inline (EXISTS
 and DELETE instead pipeline every node on the calling thread; only connects go to the
-executor). An `exists_stream()` pipeline belongs to one thread; see its docstring.
+executor). An `exists_stream()` pipeline belongs to one thread; see its docstring. `close()`
+may be called from any thread; a call already running when it happens ends like a call to a
+failed node (misses, or the error of a single-key `put`).
 """
 
 from __future__ import annotations
 
-import concurrent.futures
 import dataclasses
+import enum
+import functools
 import logging
+import threading
 import time
-from typing import Callable, Iterable, Sequence, TypeVar
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 from memkv import protocol as p
 from memkv.client import metrics as m
-from memkv.client.hrw import RendezvousRing
-from memkv.client.node import NodeClient
+from memkv.client.node import Connect, NodeClient, tcp_connect
+from memkv.client.nodeset import NodeSet, byte_chunks, chunks
 from memkv.client.pipeline import StatusPipeline
 from memkv.config import ClientConfig, ServerAddress
-from memkv.errors import MemKVError, NodeUnavailable
+from memkv.errors import ClientClosed, MemKVError, ServerError
 from memkv.integrity import Checksummer, parse_integrity
 from memkv.transport import LoadResult, select_transport
 
 log = logging.getLogger("memkv.client")
 
-T = TypeVar("T")
 KeyLike = bytes | str
 
 
@@ -55,7 +69,7 @@ def _keys(keys: Sequence[KeyLike]) -> list[bytes]:
     if all(type(k) is bytes for k in keys):
         if keys and (min(map(len, keys)) == 0 or max(map(len, keys)) > p.DEFAULT_MAX_KEY_BYTES):
             return [_key(k) for k in keys]  # let _key name the bad one
-        return list(keys)
+        return list(keys)  # type: ignore[arg-type]  # all bytes: checked just above
     return [_key(k) for k in keys]
 
 
@@ -72,7 +86,7 @@ def _key(k: KeyLike) -> bytes:
     return key
 
 
-def _byte_view(buf) -> memoryview:
+def _byte_view(buf: Any) -> memoryview:
     """A flat unsigned-byte view of a caller's buffer, without copying."""
     view = buf if isinstance(buf, memoryview) else memoryview(buf)
     if not view.c_contiguous:
@@ -80,6 +94,14 @@ def _byte_view(buf) -> memoryview:
     if view.format != "B" or view.ndim != 1:
         view = view.cast("B")
     return view
+
+
+class ClientState(enum.Enum):
+    """Where a Client is in its life (`Client.state`)."""
+
+    UNOPENED = 1  # constructed: nothing connected yet (the constructor never connects)
+    OPENED = 2  # a call was made or a `with` block entered: connections may be pooled
+    CLOSED = 3  # close() ran: connections closed; every method raises ClientClosed
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,12 +135,15 @@ class KeyListing:
 
 
 class Client:
-    """A MemKV cluster client. See the module docstring for the failure semantics."""
+    """A MemKV cluster client. See the module docstring for the failure semantics and the
+    lifecycle; every method raises ClientClosed once the client is closed."""
 
-    def __init__(self, config: ClientConfig) -> None:
+    def __init__(self, config: ClientConfig, *, connect: Connect = tcp_connect) -> None:
+        """Build a client; nothing connects until the first call. `connect` is the socket seam
+        (`memkv.client.node.Connect`): how each connection's socket is made, TCP by default."""
         self.config = config
         self.checksummer = Checksummer(config.auth_key.raw, parse_integrity(config.integrity))
-        self._nodes = [
+        nodes = [
             NodeClient(
                 addr,
                 config.auth_key.raw,
@@ -128,55 +153,101 @@ class Client:
                 down_for_s=config.down_for_s,
                 checksummer=self.checksummer,
                 on_health=self._on_health,
+                connect=connect,
             )
             for addr in config.servers
         ]
-        self._ring = RendezvousRing([n.name for n in self._nodes], [a.weight for a in config.servers])
-        self._transport = select_transport(self, config)  # MEMKV_TRANSPORT (memkv/transport)
-        workers = min(64, max(4, len(self._nodes) * config.pool_size))
-        self._executor = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="memkv-client")
-        for node in self._nodes:
+        self._nodeset = NodeSet(
+            nodes, [a.weight for a in config.servers], self.checksummer, config.io_timeout_s, config.pool_size
+        )
+        self._nodes = self._nodeset.nodes  # in configuration order (the CLI and the tier iterate them)
+        self._state = ClientState.UNOPENED
+        self._state_lock = threading.Lock()
+        try:
+            self._transport = select_transport(self._nodeset, config)  # MEMKV_TRANSPORT (memkv/transport)
+        except BaseException:
+            self._nodeset.close()  # the executor's threads must not outlive a client that never was
+            raise
+        for node in nodes:
             m.SERVER_UP.labels(node.name).set(1)
         if config.prometheus_bind:
             m.start_exporter(*config.prometheus_bind)
-        self._closed = False
 
     @classmethod
-    def from_env(cls, env=None) -> "Client":
+    def from_env(cls, env: Mapping[str, str] | None = None) -> Client:
         """Build from MEMKV_CONFIG / the MEMKV_* variables (see memkv.config)."""
         return cls(ClientConfig.from_env(env))
 
-    def __enter__(self) -> "Client":
+    def __enter__(self) -> Client:
+        self._use()
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
     def __repr__(self) -> str:
-        return f"Client(servers={[n.name for n in self._nodes]})"
+        return f"Client(servers={[n.name for n in self._nodes]}, state={self._state.name})"
+
+    # -- lifecycle --------------------------------------------------------------------------------
+
+    @property
+    def state(self) -> ClientState:
+        return self._state
+
+    def _use(self) -> None:
+        """Every public method starts here: a closed client refuses, an unopened one opens."""
+        state = self._state
+        if state is ClientState.OPENED:
+            return
+        if state is ClientState.CLOSED:
+            raise ClientClosed("this memkv.Client is closed; create a new one")
+        with self._state_lock:
+            if self._state is ClientState.CLOSED:
+                raise ClientClosed("this memkv.Client is closed; create a new one")
+            self._state = ClientState.OPENED
+
+    def close(self) -> None:
+        """Close every connection and release the transport. Idempotent, any thread."""
+        with self._state_lock:
+            if self._state is ClientState.CLOSED:
+                return
+            self._state = ClientState.CLOSED
+        self._nodeset.close()
+        self._transport.close()  # after the connections: a node drops our RDMA metadata when they close
 
     # -- topology -------------------------------------------------------------------------------
 
     def servers(self) -> list[ServerAddress]:
+        self._use()
         return list(self.config.servers)
 
     def owner(self, key: KeyLike) -> ServerAddress:
-        return self.config.servers[self._ring.owner(_key(key))]
+        self._use()
+        return self.config.servers[self._nodeset.ring.owner(_key(key))]
 
     def has_rdma(self) -> bool:
         """True while loads into the registered pool move by RDMA (MEMKV_TRANSPORT, docs/rdma.md):
         False before `register_pool`, with the TCP transport, and after `auto` latched to TCP."""
+        self._use()
         return self._transport.rdma_active
 
-    def register_pool(self, buffer) -> bool:
+    def register_pool(self, buffer: Any) -> bool:
         """Register the whole destination pool once (the tier's CPU pool) so that nodes can
         WRITE loads straight into it. Returns has_rdma(). With MEMKV_TRANSPORT=rdma a pool that
         cannot be used over RDMA raises RdmaError (a MemKVError); `auto` falls back to TCP."""
+        self._use()
         return self._transport.register_pool(_byte_view(buffer))
 
-    def health(self) -> list[dict]:
+    def health(self) -> list[dict[str, Any]]:
+        self._use()
         return [
-            {"server": n.name, "up": not n.is_down, "failures": n.failures, "last_error": n.last_error, "node_id": n.node_id}
+            {
+                "server": n.name,
+                "up": not n.is_down,
+                "failures": n.failures,
+                "last_error": n.last_error,
+                "node_id": n.node_id,
+            }
             for n in self._nodes
         ]
 
@@ -187,21 +258,21 @@ class Client:
 
     # -- single-key convenience -------------------------------------------------------------------
 
-    def put(self, key: KeyLike, value) -> None:
+    def put(self, key: KeyLike, value: Any) -> None:
         """Store one value. Raises on failure (NodeUnavailable, TransportError, ServerError)."""
+        self._use()
         k = _key(key)
-        node = self._nodes[self._ring.owner(k)]
+        node = self._nodeset.owner(k)
         view = _byte_view(value)
         statuses = self._put_on(node, [k], [view], raise_errors=True)
         if statuses[0] != p.ItemStatus.OK:
-            from memkv.errors import ServerError
-
             raise ServerError(f"{node.name}: value not stored ({p.ItemStatus(statuses[0]).name})", statuses[0])
 
     def get(self, key: KeyLike) -> bytes | None:
         """One value as bytes, or None on a miss (including an unreachable node)."""
+        self._use()
         k = _key(key)
-        node = self._nodes[self._ring.owner(k)]
+        node = self._nodeset.owner(k)
         try:
             with node.connection() as conn:
                 t = time.perf_counter()
@@ -209,7 +280,7 @@ class Client:
             m.SECONDS.labels("get").observe(time.perf_counter() - t)
             m.REQUESTS.labels(node.name, "get", "ok").inc()
         except MemKVError as exc:
-            self._count_failure(node, "get", exc)
+            self._nodeset.count_failure(node, "get", exc)
             return None
         m.KEYS.labels("get", "hit" if value is not None else "miss").inc()
         if value is not None:
@@ -218,8 +289,13 @@ class Client:
 
     # -- batches ----------------------------------------------------------------------------------
 
-    def exists(self, keys: Sequence[KeyLike], *, on_answer: Callable[[list[int], list[bool]], None] | None = None,
-               timeout_s: float | None = None) -> list[bool]:
+    def exists(
+        self,
+        keys: Sequence[KeyLike],
+        *,
+        on_answer: Callable[[list[int], list[bool]], None] | None = None,
+        timeout_s: float | None = None,
+    ) -> list[bool]:
         """Which keys are stored. An unreachable node's keys answer False.
 
         Partial results: `on_answer(indices, hits)` is called (on this thread, before `exists`
@@ -227,6 +303,7 @@ class Client:
         stopped node is still silent; every key is passed exactly once. `timeout_s` returns
         after at most that long: keys not answered by then answer False (their connections are
         closed, never reused half-read; the node is not marked down for it)."""
+        self._use()
         return self._status_batch("exists", _keys(keys), p.ExistsRequest, on_answer, timeout_s)
 
     def exists_stream(self) -> StatusPipeline:
@@ -234,17 +311,17 @@ class Client:
         `submit(keys, on_answer)` sends at once and never waits, `poll(timeout_s)` delivers
         answers as they arrive, `wake()` (any thread) interrupts a `poll`, `close()` ends it.
         A node that stops answering holds only its own keys. See memkv.client.pipeline."""
-        if self._closed:
-            raise RuntimeError("Client is closed")
-        return self._pipeline("exists", p.ExistsRequest, check_keys=_keys, wakeable=True)
+        self._use()
+        return StatusPipeline(self._nodeset, "exists", p.ExistsRequest, check_keys=_keys, wakeable=True)
 
     def exists_on(self, server: ServerAddress | str, keys: Sequence[KeyLike]) -> list[bool]:
         """Ask one server directly (ignores placement and the down mark). Raises on failure."""
-        node = self._node_named(str(server))
+        self._use()
+        node = self._nodeset.named(str(server))
         ks = [_key(k) for k in keys]
         out: list[bool] = []
         with node.connection(fail_fast=False) as conn:
-            for chunk in self._chunks(node, ks):
+            for chunk in chunks(node, ks):
                 reply = conn.request(p.ExistsRequest(tuple(chunk)))
                 assert isinstance(reply, p.StatusReply)
                 out += [s == p.ItemStatus.OK for s in reply.statuses]
@@ -252,11 +329,13 @@ class Client:
 
     def delete(self, keys: Sequence[KeyLike]) -> list[bool]:
         """Delete keys; True where a value was deleted. An unreachable node's keys answer False."""
+        self._use()
         return self._status_batch("delete", _keys(keys), p.DeleteRequest)
 
-    def batch_put_views(self, items: Sequence[tuple[KeyLike, object]]) -> list[bool]:
+    def batch_put_views(self, items: Sequence[tuple[KeyLike, Any]]) -> list[bool]:
         """Store (key, buffer) pairs; each buffer is sent from the caller's memory in place.
         Returns per item whether the node stored it."""
+        self._use()
         ks = [_key(k) for k, _ in items]
         views = [_byte_view(v) for _, v in items]
         limit = self._max_value_bytes()
@@ -271,18 +350,19 @@ class Client:
                 return [False] * len(idx)
             return [s == p.ItemStatus.OK for s in st]
 
-        return self._scatter(ks, run)
+        return self._nodeset.scatter(ks, run)
 
-    def batch_get_into(self, items: Sequence[tuple[KeyLike, object]]) -> list[bool]:
+    def batch_get_into(self, items: Sequence[tuple[KeyLike, Any]]) -> list[bool]:
         """Load values into the caller's buffers in place. True only where the stored value had
         exactly the buffer's length, arrived whole and verified; False is a miss (the buffer's
         content is then unspecified)."""
         return self.batch_load_into(items).ok
 
-    def batch_load_into(self, items: Sequence[tuple[KeyLike, object]]) -> LoadResult:
+    def batch_load_into(self, items: Sequence[tuple[KeyLike, Any]]) -> LoadResult:
         """`batch_get_into` plus `may_land_late`: True when a node may still write into a buffer
         whose load failed (RDMA; see memkv.transport.LoadResult). Such a buffer must not be
         reused until no write can arrive (the tier withholds the job for load_failure_grace_s)."""
+        self._use()
         ks = [_key(k) for k, _ in items]
         views = [_byte_view(v) for _, v in items]
         for v in views:
@@ -294,41 +374,12 @@ class Client:
         m.KEYS.labels("get", "miss").inc(len(result.ok) - hits)
         return result
 
-    def _get_into_tcp(self, ks: list[bytes], views: list[memoryview]) -> list[bool]:
-        """The TCP path of loads (memkv.transport.TcpTransport): GET frames, values received in place."""
-
-        def run(node: NodeClient, idx: list[int]) -> list[bool]:
-            sub_k = [ks[i] for i in idx]
-            sub_v = [views[i] for i in idx]
-            out: list[bool] = []
-            try:
-                for lo, hi in self._byte_chunks(node, sub_v):
-                    t = time.perf_counter()
-                    with node.connection() as conn:
-                        before = getattr(conn, "integrity_failures", 0)
-                        got = conn.get_into(sub_k[lo:hi], sub_v[lo:hi], self.checksummer)
-                        bad = getattr(conn, "integrity_failures", 0) - before
-                    m.SECONDS.labels("get").observe(time.perf_counter() - t)
-                    m.REQUESTS.labels(node.name, "get", "ok").inc()
-                    if bad:
-                        m.INTEGRITY_FAILURES.labels(node.name).inc(bad)
-                        log.warning("%s: %d value(s) failed checksum verification; treated as misses", node.name, bad)
-                    m.BYTES.labels("in").inc(sum(len(v) for v, ok in zip(sub_v[lo:hi], got) if ok))
-                    out += got
-            except MemKVError as exc:
-                self._count_failure(node, "get", exc)
-                out += [False] * (len(idx) - len(out))
-            return out
-
-        return self._scatter(ks, run)
-
     def list_keys(self, prefix: KeyLike = b"", limit: int = 1000) -> KeyListing:
         """The first `limit` stored keys (byte order) that start with `prefix`, over every
         configured server, with each value's length and server. For operators: each node scans
         all its keys. Servers are asked in parallel, ignoring down marks; a server that fails is
         reported in `failed` (never raised), so a partial listing never passes for a whole one."""
-        if self._closed:
-            raise RuntimeError("Client is closed")
+        self._use()
         pre = prefix.encode() if isinstance(prefix, str) else bytes(prefix)
         if len(pre) > p.DEFAULT_MAX_KEY_BYTES:
             raise ValueError(f"a key prefix must be 0..{p.DEFAULT_MAX_KEY_BYTES} bytes, got {len(pre)}")
@@ -337,15 +388,11 @@ class Client:
             raise ValueError(f"limit must be 1..{most}, got {limit}")
 
         def ask(node: NodeClient) -> p.ListReply:
-            t = time.perf_counter()
-            reply = node.list_keys(pre, limit)
-            m.SECONDS.labels("list").observe(time.perf_counter() - t)
-            m.REQUESTS.labels(node.name, "list", "ok").inc()
-            return reply
+            return self._nodeset.timed(node, "list", lambda: node.list_keys(pre, limit))
 
         # Every node holds its share of a prefix (HRW spreads keys), so every node is asked;
         # in parallel, so a dead node costs one timeout, not one per node.
-        futures = [(node, self._executor.submit(ask, node)) for node in self._nodes]
+        futures = [(node, self._nodeset.executor.submit(ask, node)) for node in self._nodes]
         found: list[ListedKey] = []
         failed: dict[str, str] = {}
         truncated = False
@@ -353,7 +400,7 @@ class Client:
             try:
                 reply = fut.result()
             except MemKVError as exc:
-                self._count_failure(node, "list", exc)
+                self._nodeset.count_failure(node, "list", exc)
                 failed[node.name] = str(exc)
                 continue
             truncated |= reply.truncated
@@ -369,6 +416,7 @@ class Client:
     def probe(self) -> list[ProbeResult]:
         """One authenticated round trip to every configured server, in order. Raises the first
         failure, naming the server (connect error, wrong auth key, not a MemKV node...)."""
+        self._use()
         results = []
         for node in self._nodes:
             rtt = node.ping()
@@ -376,54 +424,25 @@ class Client:
             results.append(ProbeResult(node.name, node.node_id or "", rtt * 1000, node.limits.max_value_bytes))
         return results
 
-    def close(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        self._executor.shutdown(wait=True)
-        for node in self._nodes:
-            node.close()
-        self._transport.close()  # after the connections: a node drops our RDMA metadata when they close
-
     # -- internals --------------------------------------------------------------------------------
-
-    def _node_named(self, name: str) -> NodeClient:
-        for node in self._nodes:
-            if node.name == name:
-                return node
-        raise ValueError(f"{name} is not a configured server ({[n.name for n in self._nodes]})")
 
     def _max_value_bytes(self) -> int:
         known = [n.limits.max_value_bytes for n in self._nodes if n.limits]
         return min(known) if known else p.DEFAULT_MAX_VALUE_BYTES
 
-    def _chunks(self, node: NodeClient, keys: list[bytes]) -> Iterable[list[bytes]]:
-        step = (node.limits or p.Limits()).max_batch
-        for i in range(0, len(keys), step):
-            yield keys[i : i + step]
-
-    def _byte_chunks(self, node: NodeClient, views: list[memoryview]) -> Iterable[tuple[int, int]]:
-        """Split a batch so no request exceeds the node's batch or payload bounds."""
-        limits = node.limits or p.Limits()
-        lo, size = 0, 0
-        for i, v in enumerate(views):
-            if i > lo and (i - lo >= limits.max_batch or size + len(v) > limits.max_payload_bytes):
-                yield lo, i
-                lo, size = i, 0
-            size += len(v)
-        if lo < len(views):
-            yield lo, len(views)
-
-    def _status_batch(self, op: str, keys: list[bytes], request: Callable[[tuple[bytes, ...]], p.Request],
-                      on_answer: Callable[[list[int], list[bool]], None] | None = None,
-                      timeout_s: float | None = None) -> list[bool]:
+    def _status_batch(
+        self,
+        op: str,
+        keys: list[bytes],
+        request: Callable[[tuple[bytes, ...]], p.Request],
+        on_answer: Callable[[list[int], list[bool]], None] | None = None,
+        timeout_s: float | None = None,
+    ) -> list[bool]:
         """EXISTS / DELETE over the keys' owners, pipelined on this thread: every node's
         requests are sent at once and replies are read in the order they arrive (poll over the
         connections), so a batch costs about one round trip of the slowest node, no thread
         handoff, and a silent node delays no other node's answers (`on_answer`). A node that
         fails answers False for its keys; see memkv.client.pipeline."""
-        if self._closed:
-            raise RuntimeError("Client is closed")
         out = [False] * len(keys)
         if not keys:
             return out
@@ -435,7 +454,7 @@ class Client:
                 on_answer(idx, hits)
 
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        pipe = self._pipeline(op, request)
+        pipe = StatusPipeline(self._nodeset, op, request)
         try:
             pipe.submit(keys, answer)
             # Bounded: each node answers, fails its io_timeout_s or its connect, or `deadline` passes.
@@ -448,31 +467,21 @@ class Client:
             pipe.close()  # what is still outstanding answers False; every connection goes back
         return out
 
-    def _pipeline(self, op: str, request: Callable[[tuple[bytes, ...]], p.Request], **kwargs) -> StatusPipeline:
-        return StatusPipeline(self._nodes, self._group, self._executor, op, request, self._count_failure,
-                              self.config.io_timeout_s, **kwargs)
-
-    def _group(self, keys: list[bytes]) -> dict[int, list[int]]:
-        """Key indices by owning node."""
-        if len(self._nodes) == 1:
-            return {0: list(range(len(keys)))}
-        groups: dict[int, list[int]] = {}
-        for i, n in enumerate(self._ring.owners(keys)):
-            groups.setdefault(n, []).append(i)
-        return groups
-
     def _put_on(self, node: NodeClient, keys: list[bytes], views: list[memoryview], raise_errors: bool) -> bytes:
         algo = self.checksummer.algo
         statuses = bytearray()
         try:
-            for lo, hi in self._byte_chunks(node, views):
+            for lo, hi in byte_chunks(node, views):
                 items = tuple(
                     p.PutItem(k, len(v), algo, self.checksummer.compute(v)) for k, v in zip(keys[lo:hi], views[lo:hi])
                 )
-                statuses += self._timed(node, "put", lambda it=items, vs=views[lo:hi]: node.statuses(p.PutRequest(it), vs))
-                m.BYTES.labels("out").inc(sum(len(v) for v in views[lo:hi]))
+                part = views[lo:hi]
+                statuses += self._nodeset.timed(
+                    node, "put", functools.partial(node.statuses, p.PutRequest(items), part)
+                )
+                m.BYTES.labels("out").inc(sum(len(v) for v in part))
         except MemKVError as exc:
-            self._count_failure(node, "put", exc)
+            self._nodeset.count_failure(node, "put", exc)
             if raise_errors:
                 raise
             statuses += bytes([p.ItemStatus.MISS]) * (len(keys) - len(statuses))
@@ -480,37 +489,3 @@ class Client:
         m.KEYS.labels("put", "ok").inc(ok)
         m.KEYS.labels("put", "failed").inc(len(statuses) - ok)
         return bytes(statuses)
-
-    def _timed(self, node: NodeClient, op: str, fn: Callable[[], T]) -> T:
-        t = time.perf_counter()
-        out = fn()
-        m.SECONDS.labels(op).observe(time.perf_counter() - t)
-        m.REQUESTS.labels(node.name, op, "ok").inc()
-        return out
-
-    def _count_failure(self, node: NodeClient, op: str, exc: MemKVError) -> None:
-        result = "down" if isinstance(exc, NodeUnavailable) else "error"
-        m.REQUESTS.labels(node.name, op, result).inc()
-        if result == "error":
-            log.debug("%s %s failed: %s", node.name, op, exc)
-
-    def _scatter(self, keys: list[bytes], run: Callable[[NodeClient, list[int]], list[T]]) -> list[T]:
-        """Group key indices by owner, run each node's part (in parallel when several), and
-        reassemble results in the caller's order."""
-        if self._closed:
-            raise RuntimeError("Client is closed")
-        if not keys:
-            return []
-        if len(self._nodes) == 1:
-            return run(self._nodes[0], list(range(len(keys))))
-        groups = self._group(keys)
-        out: list[T] = [None] * len(keys)  # type: ignore[list-item]
-        parts = list(groups.items())
-        futures = [(idx, self._executor.submit(run, self._nodes[n], idx)) for n, idx in parts[1:]]
-        first_n, first_idx = parts[0]
-        for i, r in zip(first_idx, run(self._nodes[first_n], first_idx)):
-            out[i] = r
-        for idx, fut in futures:
-            for i, r in zip(idx, fut.result()):
-                out[i] = r
-        return out

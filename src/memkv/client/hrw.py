@@ -13,7 +13,7 @@ skips the logarithm. Ties (astronomically rare) go to the lower index, determini
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from collections.abc import Sequence
 
 import xxhash
 
@@ -49,8 +49,8 @@ class RendezvousRing:
             return 0
         if self._uniform:
             digest = xxhash.xxh3_64_intdigest
-            scores = [digest(key, s) for s in self._seeds]
-            return scores.index(max(scores))  # first maximum: ties go to the lower index
+            hashes = [digest(key, s) for s in self._seeds]
+            return hashes.index(max(hashes))  # first maximum: ties go to the lower index
         scores = [self.score(i, key) for i in range(len(self._seeds))]
         return max(range(len(scores)), key=lambda i: (scores[i], -i))
 

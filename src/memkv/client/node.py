@@ -18,7 +18,7 @@ import os
 import socket
 import threading
 import time
-from typing import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 from memkv import protocol as p
 from memkv.config import ServerAddress
@@ -43,12 +43,35 @@ from memkv.sockio import PeerClosed, recv_exactly, recv_exactly_into, send_all, 
 # the GIL) 1 MiB pieces cut a 16-thread load from 8 to 2 GB/s on the GPU host (bench/gpu/xfer.py).
 _VERIFY_CHUNK = 16 << 20
 
+# The socket seam: how a connection's socket comes to be. `Client(config, connect=...)` hands
+# one down to every NodeConnection; tests pass an in-memory fake (tests/unit/fakenet.py), so
+# everything above the socket, handshake and codec included, runs unchanged.
+Connect = Callable[[ServerAddress, float], socket.socket]
+
+
+def tcp_connect(address: ServerAddress, timeout_s: float) -> socket.socket:
+    """A TCP connection to `address` with Nagle off (requests are single writes). Raises OSError."""
+    sock = socket.create_connection((address.host, address.port), timeout=timeout_s)
+    try:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
 
 class NodeConnection:
     """One authenticated connection. Raises MemKVError subclasses only."""
 
-    def __init__(self, address: ServerAddress, auth_key: bytes, connect_timeout_s: float, io_timeout_s: float,
-                 version: int = p.PROTOCOL_VERSION) -> None:
+    def __init__(
+        self,
+        address: ServerAddress,
+        auth_key: bytes,
+        connect_timeout_s: float,
+        io_timeout_s: float,
+        version: int = p.PROTOCOL_VERSION,
+        connect: Connect = tcp_connect,
+    ) -> None:
         self.address = address
         self.name = address.name
         self.io_timeout_s = io_timeout_s
@@ -56,11 +79,10 @@ class NodeConnection:
         self._rx = bytearray()  # the part of the next reply received by recv_ready so far
         self._rx_header: p.FrameHeader | None = None
         try:
-            self.sock = socket.create_connection((address.host, address.port), timeout=connect_timeout_s)
+            self.sock = connect(address, connect_timeout_s)
         except OSError as exc:
             raise map_os_error(exc, "connect", self.name) from exc
         try:
-            self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             handshake_s = max(connect_timeout_s, 1.0)
             set_timeouts(self.sock, handshake_s)
             self.codec, self.hello = self._handshake(auth_key, version, time.monotonic() + handshake_s)
@@ -75,11 +97,19 @@ class NodeConnection:
         with self._io("handshake"):
             send_all(self.sock, [hs.hello()], deadline)
             server_hello = bytes(recv_exactly(self.sock, p.SERVER_HELLO.size, deadline))
+            if server_hello.startswith(b"HTTP/"):  # a node's admin port answers a hello in HTTP
+                raise RemoteProtocolError(
+                    f"{self.name}: answered in HTTP: this is a MemKV node's admin port, not its data port "
+                    "(the data port is the admin port - 1 by default)",
+                    p.ErrorCode.BAD_MAGIC,
+                )
             try:
                 auth = hs.receive_server_hello(server_hello)
             except ProtocolError as exc:
                 if exc.code == p.ErrorCode.SERVER_BUSY:
-                    raise ServerError(f"{self.name}: node refused the connection: too many connections", exc.code) from None
+                    raise ServerError(
+                        f"{self.name}: node refused the connection: too many connections", exc.code
+                    ) from None
                 raise type(exc)(f"{self.name}: {exc}", exc.code) from None
             except AuthError as exc:
                 raise AuthError(f"{self.name}: {exc}") from None
@@ -87,7 +117,9 @@ class NodeConnection:
             first = bytes(recv_exactly(self.sock, p.AUTH_REJECT.size, deadline))
             code = p.parse_auth_outcome_prefix(first)
             if code is not None:
-                raise AuthError(f"{self.name}: node refused our auth key ({p.error_name(code)}): MEMKV_AUTH_KEY differs from the node's key")
+                raise AuthError(
+                    f"{self.name}: node refused our auth key ({p.error_name(code)}): MEMKV_AUTH_KEY differs from the node's key"
+                )
             rest = recv_exactly(self.sock, p.FRAME_PREFIX_BYTES - len(first), deadline)
         codec = hs.codec()
         msg = self._read_reply(codec, first + bytes(rest), deadline)
@@ -201,12 +233,15 @@ class NodeConnection:
             raise ServerError(f"{self.name}: node error {p.error_name(msg.code)}: {msg.message}", msg.code)
         return msg
 
-    def get_into(self, keys: Sequence[bytes], views: Sequence[memoryview], checksummer: Checksummer) -> list[bool]:
+    def get_into(
+        self, keys: Sequence[bytes], views: Sequence[memoryview], checksummer: Checksummer
+    ) -> tuple[list[bool], int]:
         """GET values straight into `views` (each exactly the expected length).
 
-        True only for a value received whole whose checksum verified. On a checksum failure the
-        result is False and the connection stays usable. Raises on transport/protocol errors:
-        every value not yet verified counts as not loaded.
+        Returns (loaded, checksum_failures). `loaded[i]` is True only for a value received whole
+        whose checksum verified. On a checksum failure the item is False, counted in
+        `checksum_failures`, and the connection stays usable. Raises on transport/protocol
+        errors: every value not yet verified counts as not loaded.
         """
         frame = self.codec.encode(p.GetRequest(tuple(keys), tuple(len(v) for v in views)))
         with self._io("write"):
@@ -227,12 +262,11 @@ class NodeConnection:
             ok = self._recv_verified(view, item.algo, item.checksum, checksummer, deadline)
             bad_sums += not ok
             results.append(ok)
-        if bad_sums:
-            self.integrity_failures = getattr(self, "integrity_failures", 0) + bad_sums
-        return results
+        return results, bad_sums
 
-    def _recv_verified(self, view: memoryview, algo: int, checksum: bytes, checksummer: Checksummer,
-                       deadline: float) -> bool:
+    def _recv_verified(
+        self, view: memoryview, algo: int, checksum: bytes, checksummer: Checksummer, deadline: float
+    ) -> bool:
         """Receive a value into `view` in chunks, hashing each chunk while it is still in cache
         (hashing 16 MiB afterwards would read it back from DRAM)."""
         try:
@@ -272,8 +306,19 @@ class NodeConnection:
 class NodeClient:
     """A pool of connections to one node plus its health. Thread-safe."""
 
-    def __init__(self, address: ServerAddress, auth_key: bytes, *, pool_size: int, connect_timeout_s: float,
-                 io_timeout_s: float, down_for_s: float, checksummer: Checksummer, on_health=None) -> None:
+    def __init__(
+        self,
+        address: ServerAddress,
+        auth_key: bytes,
+        *,
+        pool_size: int,
+        connect_timeout_s: float,
+        io_timeout_s: float,
+        down_for_s: float,
+        checksummer: Checksummer,
+        on_health: Callable[[str, bool], None] | None = None,
+        connect: Connect = tcp_connect,
+    ) -> None:
         self.address = address
         self.name = address.name
         self._auth_key = auth_key
@@ -290,6 +335,7 @@ class NodeClient:
         self.limits: p.Limits | None = None
         self.node_id: str | None = None
         self._on_health = on_health
+        self._connect = connect
         self._closed = False
 
     # -- health ---------------------------------------------------------------------------------
@@ -331,7 +377,9 @@ class NodeClient:
                 conn = self._idle.pop() if self._idle else None
             if conn is None:
                 try:
-                    conn = NodeConnection(self.address, self._auth_key, self._connect_timeout_s, self._io_timeout_s)
+                    conn = NodeConnection(
+                        self.address, self._auth_key, self._connect_timeout_s, self._io_timeout_s, connect=self._connect
+                    )
                 except (TransportError, ProtocolError) as exc:
                     self.mark_down(exc)
                     raise

@@ -34,14 +34,16 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import functools
 import select
 import socket
 import time
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 from memkv import protocol as p
 from memkv.client import metrics as m
 from memkv.client.node import NodeClient, NodeConnection
+from memkv.client.nodeset import NodeSet
 from memkv.errors import ConnectError, MemKVError, ReadTimeout, RemoteProtocolError
 
 OnAnswer = Callable[[list[int], list[bool]], None]
@@ -66,25 +68,30 @@ class _NodeState:
         self.conn: NodeConnection | None = None
         self.inflight: collections.deque[list[_Segment]] = collections.deque()
         self.deadline = 0.0
-        self.connecting: concurrent.futures.Future | None = None
+        self.connecting: concurrent.futures.Future[NodeConnection] | None = None
         self.sent_at = 0.0
 
 
 class StatusPipeline:
-    """Pipelined status requests (`op` "exists" or "delete") over a client's nodes; see the
-    module docstring for the contract."""
+    """Pipelined status requests (`op` "exists" or "delete") over a client's nodes (placement,
+    connects on the executor, failure counting: the NodeSet); see the module docstring for the
+    contract."""
 
-    def __init__(self, nodes: Sequence[NodeClient], group: Callable[[list[bytes]], dict[int, list[int]]],
-                 executor: concurrent.futures.Executor, op: str, request: Callable[[tuple[bytes, ...]], p.Request],
-                 on_failure: Callable[[NodeClient, str, MemKVError], None], io_timeout_s: float,
-                 check_keys: Callable[[Sequence[bytes]], list[bytes]] | None = None, wakeable: bool = False) -> None:
-        self._states = [_NodeState(n) for n in nodes]
-        self._group = group
-        self._executor = executor
+    def __init__(
+        self,
+        nodes: NodeSet,
+        op: str,
+        request: Callable[[tuple[bytes, ...]], p.Request],
+        check_keys: Callable[[Sequence[bytes]], list[bytes]] | None = None,
+        wakeable: bool = False,
+    ) -> None:
+        self._states = [_NodeState(n) for n in nodes.nodes]
+        self._group = nodes.group
+        self._executor = nodes.executor
         self._op = op
         self._request = request
-        self._on_failure = on_failure
-        self._io_timeout_s = io_timeout_s
+        self._on_failure = nodes.count_failure
+        self._io_timeout_s = nodes.io_timeout_s
         self._check_keys = check_keys
         self._poller = select.poll()
         self._by_fd: dict[int, _NodeState] = {}
@@ -133,9 +140,9 @@ class StatusPipeline:
             if self._wake_r is not None and fd == self._wake_r.fileno():
                 self._drain_wake()
                 continue
-            st = self._by_fd.get(fd)
-            if st is not None and st.conn is not None:
-                self._service(st, mask)
+            ready = self._by_fd.get(fd)
+            if ready is not None and ready.conn is not None:
+                self._service(ready, mask)
         if connecting:
             for st in self._states:
                 if st.connecting is not None and st.connecting.done():
@@ -143,7 +150,9 @@ class StatusPipeline:
         now = time.monotonic()
         for st in self._states:
             if st.conn is not None and st.inflight and now >= st.deadline:
-                self._fail(st, ReadTimeout(f"no {self._op} reply within io_timeout_s ({self._io_timeout_s}s)", st.node.name))
+                self._fail(
+                    st, ReadTimeout(f"no {self._op} reply within io_timeout_s ({self._io_timeout_s}s)", st.node.name)
+                )
 
     def close(self) -> None:
         """Abandon what is outstanding (those keys answer False), give every connection back.
@@ -155,7 +164,7 @@ class StatusPipeline:
             if st.conn is not None:
                 self._release(st, RuntimeError(f"{self._op} abandoned by the caller with replies outstanding"))
             if st.connecting is not None:
-                st.connecting.add_done_callback(lambda fut, node=st.node: _return_unused(node, fut))
+                st.connecting.add_done_callback(functools.partial(_return_unused, st.node))
                 st.connecting = None
             self._answer_false(st)
         for sock in (self._wake_r, self._wake_w):
@@ -207,8 +216,7 @@ class StatusPipeline:
         try:
             st.connecting = self._executor.submit(st.node.borrow)
         except RuntimeError:  # the executor is shut down: the client was closed
-            exc = ConnectError("client is closed", st.node.name)
-            self._on_failure(st.node, self._op, exc)
+            self._on_failure(st.node, self._op, ConnectError("client is closed", st.node.name))
             self._answer_false(st)
             return
         st.connecting.add_done_callback(lambda _fut: self.wake())
@@ -340,7 +348,7 @@ def _deliver(segments: list[_Segment], hits: list[bool], op: str) -> None:
         lo += len(idx)
 
 
-def _return_unused(node: NodeClient, fut: concurrent.futures.Future) -> None:
+def _return_unused(node: NodeClient, fut: concurrent.futures.Future[NodeConnection]) -> None:
     """A connect that finished after its pipeline closed: the fresh connection goes to the pool."""
     if not fut.cancelled() and fut.exception() is None:
         node.give_back(fut.result())

@@ -6,8 +6,10 @@ read from `Store.stats()` at scrape time by a custom collector, so they are neve
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from memkv.server.store import Store
 
@@ -18,18 +20,29 @@ class StoreCollector:
     def __init__(self, store: Store) -> None:
         self.store = store
 
-    def collect(self):
+    def collect(self) -> Iterator[Metric]:
         s = self.store.stats()
-        yield GaugeMetricFamily("memkv_node_capacity_bytes", "Configured byte capacity of the node", value=s["capacity_bytes"])
+        yield GaugeMetricFamily(
+            "memkv_node_capacity_bytes", "Configured byte capacity of the node", value=s["capacity_bytes"]
+        )
         yield GaugeMetricFamily("memkv_node_stored_bytes", "Value bytes of the stored values", value=s["stored_bytes"])
         yield GaugeMetricFamily(
-            "memkv_node_allocated_bytes", "Buffer bytes held: stored, pooled for reuse, and in flight", value=s["allocated_bytes"]
+            "memkv_node_allocated_bytes",
+            "Buffer bytes held: stored, pooled for reuse, and in flight",
+            value=s["allocated_bytes"],
         )
         yield GaugeMetricFamily("memkv_node_values", "Number of stored values", value=s["values"])
+        yield GaugeMetricFamily(
+            "memkv_node_inflight_bytes",
+            "Buffer bytes reserved for PUT values still being received",
+            value=s["inflight_bytes"],
+        )
         lane_bytes = GaugeMetricFamily("memkv_node_lane_used_bytes", "Buffer bytes used per lane", labels=["lane"])
         lane_share = GaugeMetricFamily("memkv_node_lane_share_bytes", "Capacity share per lane", labels=["lane"])
         lane_values = GaugeMetricFamily("memkv_node_lane_values", "Values per lane", labels=["lane"])
-        evictions = CounterMetricFamily("memkv_node_evictions", "Values evicted to make room, per lane", labels=["lane"])
+        evictions = CounterMetricFamily(
+            "memkv_node_evictions", "Values evicted to make room, per lane", labels=["lane"]
+        )
         for lane in s["lanes"]:
             lane_bytes.add_metric([lane["name"]], lane["used_bytes"])
             lane_share.add_metric([lane["name"]], lane["share_bytes"])
@@ -48,10 +61,16 @@ class NodeMetrics:
         # process_resident_memory_bytes & co: RSS against stored bytes is the node's memory
         # overhead (docs/operations.md); a private registry does not get them by default.
         ProcessCollector(registry=r)
-        self.requests = Counter("memkv_node_requests", "Requests handled, by op (counted when read, before the reply)", ["op"], registry=r)
+        self.requests = Counter(
+            "memkv_node_requests", "Requests handled, by op (counted when read, before the reply)", ["op"], registry=r
+        )
         self.keys = Counter("memkv_node_keys", "Keys processed, by op and result", ["op", "result"], registry=r)
         self.request_seconds = Histogram(
-            "memkv_node_request_seconds", "Time to serve one request, by op", ["op"], buckets=LATENCY_BUCKETS, registry=r
+            "memkv_node_request_seconds",
+            "Time to serve one request, by op",
+            ["op"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
         )
         self.bytes_in = Counter("memkv_node_received_bytes", "Value bytes received (PUT)", registry=r)
         self.bytes_out = Counter("memkv_node_sent_bytes", "Value bytes sent (GET)", registry=r)
@@ -62,5 +81,21 @@ class NodeMetrics:
         self.connections = Gauge("memkv_node_connections", "Open client connections", registry=r)
         self.connections_total = Counter("memkv_node_connections_accepted", "Client connections accepted", registry=r)
         self.refused_connections = Counter(
-            "memkv_node_connections_refused", "Connections refused (limit reached or shutting down)", registry=r
+            "memkv_node_connections_refused",
+            "Data-port connections refused or shed, by reason (max_connections, fd_limit, fd_limit_system, no_memory, no_thread)",
+            ["reason"],
+            registry=r,
+        )
+        self.admin_connections = Gauge("memkv_node_admin_connections", "Open admin-port (HTTP) connections", registry=r)
+        self.admin_refused = Counter(
+            "memkv_node_admin_connections_refused",
+            "Admin-port connections refused or closed by the node, by reason (max_connections, idle_shed, timeout)",
+            ["reason"],
+            registry=r,
+        )
+        self.puts_refused = Counter(
+            "memkv_node_puts_refused",
+            "PUT items answered NO_SPACE, by reason (no_space, inflight_limit)",
+            ["reason"],
+            registry=r,
         )

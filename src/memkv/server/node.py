@@ -11,6 +11,14 @@ answered with an ERROR frame (or AuthReject during the handshake), counted in me
 the connection is closed: after a bad frame the stream position cannot be trusted. Nothing a
 client sends can stop the node: every handler catches its own exceptions.
 
+Resource exhaustion never ends the node. At start the soft RLIMIT_NOFILE is raised to the hard
+limit, and `--max-connections` is capped (with a WARNING naming the numbers) so that the data
+connections, the admin port's share and the process's own descriptors fit under it. Should
+`accept()` still fail for want of descriptors or memory (EMFILE, ENFILE, ENOBUFS, ENOMEM), the
+loop sheds the newest connection (accepted on a spare descriptor kept for that, then closed),
+counts it in `memkv_node_connections_refused_total{reason}`, backs off briefly and keeps
+accepting.
+
 Threading: `serve_forever` runs the accept loop in the calling thread; each connection gets a
 daemon thread. `shutdown()` may be called from any thread (e.g. a SIGTERM handler) and is
 idempotent; it closes the listener and every client socket, so clients see a closed
@@ -19,8 +27,10 @@ connection (a miss), never a hang.
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
+import resource
 import socket
 import threading
 import time
@@ -29,22 +39,77 @@ from memkv import protocol as p
 from memkv.config import ServerConfig
 from memkv.errors import AuthError, LocalProtocolError, RemoteProtocolError
 from memkv.server.metrics import NodeMetrics
+from memkv.server.rdma import RdmaResponder, RequestContext
 from memkv.server.store import NoSpace, Store
 from memkv.sockio import PeerClosed, discard, recv_exactly, recv_exactly_into, send_all, set_recv_timeout, set_timeouts
-from memkv.transport.responder import RdmaResponder
 
 log = logging.getLogger("memkv.node")
 
-_OP_NAMES = {
+_OP_NAMES: dict[int, str] = {
     p.Opcode.PING: "ping",
     p.Opcode.PUT: "put",
     p.Opcode.GET: "get",
     p.Opcode.EXISTS: "exists",
     p.Opcode.DELETE: "delete",
     p.Opcode.LIST: "list",
-    p.Opcode.RDMA_ATTACH: "rdma_attach",  # RDMA control messages: memkv/transport/responder.py
+    p.Opcode.RDMA_ATTACH: "rdma_attach",  # RDMA control messages: memkv/server/rdma.py
     p.Opcode.RDMA_GET: "rdma_get",
 }
+
+
+# Descriptors the process needs besides its connections: listeners, stdio, the spare descriptor,
+# /proc and log files, and what NIXL opens when a client attaches over RDMA.
+PROCESS_FDS = 64
+# The admin port (memkv/server/admin.py) serves at most this many connections at once; it may
+# hold as many again briefly while idle ones it shed are closing.
+ADMIN_MAX_CONNECTIONS = 32
+ADMIN_FDS = 2 * ADMIN_MAX_CONNECTIONS
+# How long the accept loop pauses after accept() failed for want of descriptors or memory: long
+# enough not to spin on a listener that stays readable, short enough to resume serving at once.
+ACCEPT_BACKOFF_S = 0.05
+# A PUT item's first bytes (all of a smaller value) must arrive before room is made for it; they
+# are copied once from the connection's scratch buffer (64 KiB per connection that writes).
+HEAD_BYTES = 64 << 10
+# How long a PUT item may wait for the in-flight bound (Store.max_inflight_bytes) to make room
+# before it is answered NO_SPACE: honest writers finish within milliseconds; stalled ones hold
+# their reservation until --io-timeout.
+INFLIGHT_WAIT_S = 1.0
+# accept() errnos that mean "no resources right now", never "the listener is broken".
+EXHAUSTED_ERRNOS = {
+    errno.EMFILE: "fd_limit",
+    errno.ENFILE: "fd_limit_system",
+    errno.ENOBUFS: "no_memory",
+    errno.ENOMEM: "no_memory",
+}
+
+
+def fit_connections_to_fd_limit(max_connections: int) -> int:
+    """Raise the soft RLIMIT_NOFILE to the hard limit, then return `max_connections` capped so
+    that it, the admin port's share and the process's own descriptors fit under the limit
+    (logging a WARNING with the numbers when it has to cap)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard == resource.RLIM_INFINITY or hard > soft:
+        target = hard if hard != resource.RLIM_INFINITY else max(soft, 1 << 20)
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+            soft = target
+        except (ValueError, OSError) as exc:  # e.g. above fs.nr_open: keep the soft limit
+            log.warning("cannot raise RLIMIT_NOFILE from %d to %d: %s", soft, target, exc)
+    allowed = soft - PROCESS_FDS - ADMIN_FDS
+    if max_connections <= allowed:
+        return max_connections
+    capped = max(1, allowed)
+    log.warning(
+        "RLIMIT_NOFILE is %d (hard %d): --max-connections %d capped to %d (%d descriptors kept for the process, "
+        "%d for the admin port); raise the limit (ulimit -n, systemd LimitNOFILE=) to allow more",
+        soft,
+        hard,
+        max_connections,
+        capped,
+        PROCESS_FDS,
+        ADMIN_FDS,
+    )
+    return capped
 
 
 class _CleanClose(Exception):
@@ -55,9 +120,13 @@ class Node:
     def __init__(self, config: ServerConfig, auth_key: bytes) -> None:
         self.config = config
         self._auth_key = auth_key
-        self.store = Store(config.capacity_bytes, config.lanes)
+        # PUT buffers reserved but not yet filled, all connections together (each connection has
+        # at most one: its items are received one after another). Bounds what writers that
+        # stall mid-value can take from the cache (docs/operations.md, "Resource bounds").
+        inflight = max(2 * config.max_value_bytes, config.capacity_bytes // 4)
+        self.store = Store(config.capacity_bytes, config.lanes, max_inflight_bytes=min(inflight, config.capacity_bytes))
         self.metrics = NodeMetrics(self.store)
-        self.rdma = RdmaResponder(self.store)  # imports NIXL only when a client attaches
+        self.rdma = RdmaResponder(self.store, config.transport, config.rdma_devices)  # NIXL loads on the first attach
         self.limits = p.Limits(max_value_bytes=config.max_value_bytes)
         self._listener = socket.create_server(
             (config.host, config.port),
@@ -71,7 +140,9 @@ class Node:
         self._stopped = threading.Event()
         self._conns: set[socket.socket] = set()
         self._conns_lock = threading.Lock()
-        self._slots = threading.BoundedSemaphore(config.max_connections)
+        self.max_connections = fit_connections_to_fd_limit(config.max_connections)
+        self._slots = threading.BoundedSemaphore(self.max_connections)
+        self._spare_fd: int | None = os.open(os.devnull, os.O_RDONLY)  # given up to shed on EMFILE
         self.started_at = time.time()
 
     # -- lifecycle ------------------------------------------------------------------------------
@@ -86,16 +157,51 @@ class Node:
             while not self._stopping.is_set():
                 try:
                     sock, peer = self._listener.accept()
-                except socket.timeout:
+                except TimeoutError:
                     continue
-                except OSError:
+                except OSError as exc:
                     if self._stopping.is_set():
                         break
-                    raise
+                    if exc.errno not in EXHAUSTED_ERRNOS:
+                        raise
+                    self._shed_newest(EXHAUSTED_ERRNOS[exc.errno])
+                    self._stopping.wait(ACCEPT_BACKOFF_S)  # descriptors free up as connections end
+                    continue
                 self._start_connection(sock, peer)
         finally:
             self._listener.close()
+            if self._spare_fd is not None:
+                os.close(self._spare_fd)
+                self._spare_fd = None
             self._stopped.set()
+
+    def _shed_newest(self, reason: str) -> None:
+        """accept() failed for want of resources: count it, and take the newest connection off
+        the backlog on the spare descriptor and close it, so that the peer learns at once
+        instead of waiting in the backlog for a slot that may not come."""
+        self.metrics.refused_connections.labels(reason).inc()
+        if self._spare_fd is None:
+            return
+        os.close(self._spare_fd)
+        self._spare_fd = None
+        try:
+            self._listener.setblocking(False)
+            try:
+                sock, _ = self._listener.accept()
+            finally:
+                self._listener.settimeout(0.25)
+            try:
+                sock.setblocking(False)
+                sock.send(p.ServerHandshake.refusal(p.ErrorCode.SERVER_BUSY))  # "too many connections"
+            finally:
+                sock.close()
+        except OSError:
+            pass  # nothing waiting, or still out of resources: the count stands
+        finally:
+            try:
+                self._spare_fd = os.open(os.devnull, os.O_RDONLY)
+            except OSError:
+                self._spare_fd = None  # taken by another thread: retried on the next shed
 
     def shutdown(self, timeout_s: float = 5.0) -> None:
         """Stop accepting, close every connection, wait (bounded) for the accept loop."""
@@ -113,22 +219,35 @@ class Node:
         with self._conns_lock:
             return len(self._conns)
 
-    def _start_connection(self, sock: socket.socket, peer) -> None:
+    def _start_connection(self, sock: socket.socket, peer: tuple[str, int]) -> None:
         if not self._slots.acquire(blocking=False):
-            self.metrics.refused_connections.inc()
-            try:
-                sock.settimeout(1.0)
-                sock.sendall(p.ServerHandshake.refusal(p.ErrorCode.SERVER_BUSY))
-            except OSError:
-                pass
-            sock.close()
+            self._refuse(sock, "max_connections")
             return
-        self.metrics.connections_total.inc()
         with self._conns_lock:
             self._conns.add(sock)
-        threading.Thread(target=self._run_connection, args=(sock, peer), name=f"memkv-conn-{peer[1]}", daemon=True).start()
+        try:
+            threading.Thread(
+                target=self._run_connection, args=(sock, peer), name=f"memkv-conn-{peer[1]}", daemon=True
+            ).start()
+        except RuntimeError:  # "can't start new thread": out of memory or of the task limit
+            with self._conns_lock:
+                self._conns.discard(sock)
+            self._slots.release()
+            self._refuse(sock, "no_thread")
+            return
+        self.metrics.connections_total.inc()
 
-    def _run_connection(self, sock: socket.socket, peer) -> None:
+    def _refuse(self, sock: socket.socket, reason: str) -> None:
+        """A refusal ServerHello (SERVER_BUSY) sent without waiting, then close; counted."""
+        self.metrics.refused_connections.labels(reason).inc()
+        try:
+            sock.setblocking(False)  # the accept loop never waits on a refused peer
+            sock.send(p.ServerHandshake.refusal(p.ErrorCode.SERVER_BUSY))
+        except OSError:
+            pass
+        sock.close()
+
+    def _run_connection(self, sock: socket.socket, peer: tuple[str, int]) -> None:
         self.metrics.connections.inc()
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -151,7 +270,7 @@ class Node:
 class Connection:
     """One client connection: handshake, then a loop of request -> reply."""
 
-    def __init__(self, node: Node, sock: socket.socket, peer) -> None:
+    def __init__(self, node: Node, sock: socket.socket, peer: tuple[str, int]) -> None:
         self.node = node
         self.sock = sock
         self.peer = peer
@@ -168,7 +287,7 @@ class Connection:
                 self._serve_one()
             except _CleanClose:
                 return
-            except (socket.timeout, TimeoutError):
+            except TimeoutError:
                 self.metrics.errors.labels("timeout").inc()
                 return
             except OSError:
@@ -177,7 +296,9 @@ class Connection:
             except AuthError as exc:
                 reason = "bad_sequence" if "sequence" in str(exc) else "bad_mac"
                 self.metrics.auth_failures.labels(reason).inc()
-                self._send_error(p.ErrorCode.BAD_SEQUENCE if reason == "bad_sequence" else p.ErrorCode.BAD_MAC, str(exc))
+                self._send_error(
+                    p.ErrorCode.BAD_SEQUENCE if reason == "bad_sequence" else p.ErrorCode.BAD_MAC, str(exc)
+                )
                 return
             except RemoteProtocolError as exc:
                 code = exc.code or p.ErrorCode.MALFORMED
@@ -235,7 +356,7 @@ class Connection:
         try:
             n = self.sock.recv_into(view)
         except BlockingIOError:  # SO_RCVTIMEO expired: idle past idle_timeout_s
-            raise socket.timeout("idle timeout") from None
+            raise TimeoutError("idle timeout") from None
         if n == 0:
             raise _CleanClose()
         # From its first byte, the whole frame (prefix, meta, values) must arrive within
@@ -274,24 +395,39 @@ class Connection:
             self._put(msg)
         elif isinstance(msg, p.GetRequest):
             self._get(msg)
-        elif isinstance(msg, (p.RdmaAttachRequest, p.RdmaGetRequest)):  # memkv/transport/responder.py
-            self._reply(self.node.rdma.handle(self, msg))
+        elif isinstance(msg, (p.RdmaAttachRequest, p.RdmaGetRequest)):  # memkv/server/rdma.py
+            ctx = RequestContext(self.sock, self.peer, cfg.io_timeout_s, self._count_rdma_get)
+            self._reply(self.node.rdma.handle(ctx, msg))
         seconds.observe(time.perf_counter() - started)
 
     def _put(self, msg: p.PutRequest) -> None:
+        """Receive the items one after another. Room for an item (which may evict committed
+        values) is reserved only once its first bytes have arrived, read into the connection's
+        scratch buffer and then copied to the head of the reserved buffer: a writer that declares
+        a value and sends nothing takes nothing from the cache."""
         store = self.node.store
         statuses = bytearray()
+        if self._scratch is None:
+            self._scratch = memoryview(bytearray(HEAD_BYTES))
         for item in msg.items:
+            head = self._scratch[: min(item.length, HEAD_BYTES)]
+            recv_exactly_into(self.sock, head, self._deadline)
             try:
-                ticket = store.begin_put(item.key, item.length, item.algo, item.checksum)
-            except NoSpace:
-                if self._scratch is None:
-                    self._scratch = memoryview(bytearray(1 << 20))
-                discard(self.sock, item.length, self._scratch, self._deadline)
+                ticket = store.begin_put(
+                    item.key,
+                    item.length,
+                    item.algo,
+                    item.checksum,
+                    wait_s=max(0.0, min(INFLIGHT_WAIT_S, self._deadline - time.monotonic())),
+                )
+            except NoSpace as exc:
+                self.metrics.puts_refused.labels(exc.reason).inc()
+                discard(self.sock, item.length - len(head), self._scratch, self._deadline)
                 statuses.append(p.ItemStatus.NO_SPACE)
                 continue
             try:
-                recv_exactly_into(self.sock, ticket.target, self._deadline)
+                ticket.target[: len(head)] = head
+                recv_exactly_into(self.sock, ticket.target[len(head) :], self._deadline)
             except BaseException:
                 store.abort(ticket)  # a half-received value never becomes visible
                 raise
@@ -322,13 +458,21 @@ class Connection:
             self._count_keys("get", statuses)
             assert self.codec is not None
             # A reply too must be taken within io_timeout_s: a slow reader cannot pin these values.
-            send_all(self.sock, [self.codec.encode(p.GetReply(tuple(items)), validate=False), *values],
-                     time.monotonic() + self.node.config.io_timeout_s)
+            send_all(
+                self.sock,
+                [self.codec.encode(p.GetReply(tuple(items)), validate=False), *values],
+                time.monotonic() + self.node.config.io_timeout_s,
+            )
             self.metrics.bytes_out.inc(sum(len(v) for v in values))
         finally:
             store.release(pinned)
 
-    def _count_keys(self, op: str, statuses: bytes) -> None:
+    def _count_rdma_get(self, statuses: bytes, bytes_out: int) -> None:
+        self._count_keys("get", statuses)
+        if bytes_out:
+            self.metrics.bytes_out.inc(bytes_out)
+
+    def _count_keys(self, op: str, statuses: bytes | bytearray) -> None:
         hits = statuses.count(p.ItemStatus.OK)
         if hits:
             self.metrics.keys.labels(op, "ok").inc(hits)
@@ -344,8 +488,8 @@ class Connection:
         if self.codec is None:
             return
         try:
-            self.codec.broken = None  # the error frame itself must still go out
+            frame = self.codec.encode_error(code, message)  # goes out even after the codec broke
             set_timeouts(self.sock, 1.0)
-            self.sock.sendall(self.codec.encode(p.ErrorReply(code, message), validate=False))
+            self.sock.sendall(frame)
         except (OSError, LocalProtocolError):
             pass

@@ -13,6 +13,13 @@ lane takes the rest). A lane's share is its fair part of the capacity; lanes may
 while there is room. To make room the store evicts, least recently used first, from the lane
 furthest over its share; when no lane is over its share, from the writer's own lane.
 
+In flight. A buffer reserved for a PUT counts against capacity from the moment it is reserved
+(it may have evicted committed values to exist), but is invisible until committed. Their total,
+`inflight_bytes`, is bounded by `max_inflight_bytes`: a reservation that would exceed it waits
+(up to the caller's `wait_s`) for others to commit or abort, then fails with NoSpace (reason
+`inflight_limit`). Writers that stall mid-value can therefore never hold, or have evicted for
+them, more than that bound of the cache.
+
 Pins. A reader pins the entries it sends; an evicted or replaced entry that is pinned leaves
 the index at once (no new reader finds it) but keeps its buffer until the last reader unpins.
 
@@ -30,7 +37,8 @@ import heapq
 import mmap
 import operator
 import threading
-from typing import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
 
 from memkv.config import LaneSpec
 from memkv.protocol import ItemStatus
@@ -67,7 +75,7 @@ class ValueBuffer:
 @dataclasses.dataclass(eq=False)
 class Entry:
     key: bytes
-    lane: "Lane"
+    lane: Lane
     length: int
     algo: int
     checksum: bytes
@@ -102,6 +110,7 @@ class PutTicket:
     algo: int
     checksum: bytes
     buf: ValueBuffer
+    reserved: int = 0  # bytes counted in Store.inflight_bytes until commit / abort
 
     @property
     def target(self) -> memoryview:
@@ -109,15 +118,29 @@ class PutTicket:
 
 
 class NoSpace(Exception):
-    """The value cannot fit, even after eviction."""
+    """The value cannot fit, even after eviction (`reason` "no_space"), or the in-flight bound
+    is reached (`reason` "inflight_limit")."""
+
+    def __init__(self, message: str, reason: str = "no_space") -> None:
+        super().__init__(message)
+        self.reason = reason
 
 
 class Store:
-    def __init__(self, capacity_bytes: int, lanes: Sequence[LaneSpec] = (), pool_max_bytes: int | None = None) -> None:
+    def __init__(
+        self,
+        capacity_bytes: int,
+        lanes: Sequence[LaneSpec] = (),
+        pool_max_bytes: int | None = None,
+        max_inflight_bytes: int | None = None,
+    ) -> None:
         if capacity_bytes <= 0:
             raise ValueError("capacity_bytes must be positive")
         self.capacity_bytes = capacity_bytes
+        self.max_inflight_bytes = capacity_bytes if max_inflight_bytes is None else max_inflight_bytes
         self._lock = threading.Lock()
+        self._inflight_done = threading.Condition(self._lock)  # notified when a reservation ends
+        self.inflight_bytes = 0  # buffers reserved for PUTs not yet committed or aborted
         share_left = max(0.0, 1.0 - sum(spec.share for spec in lanes))
         self._lanes = [Lane(spec.name, spec.prefix, spec.share) for spec in lanes]
         self._lanes.sort(key=lambda lane: len(lane.prefix), reverse=True)  # longest prefix wins
@@ -131,7 +154,7 @@ class Store:
         self.stored_bytes = 0  # value bytes of live entries
         self.evictions = 0
         # Called with each buffer the store frees, under its lock (quick, never re-entering the
-        # store): the RDMA responder deregisters buffers it registered (memkv/transport).
+        # store): the RDMA responder deregisters buffers it registered (memkv/server/rdma.py).
         self.on_drop: Callable[[ValueBuffer], None] | None = None
 
     # -- lanes --------------------------------------------------------------------------------
@@ -148,33 +171,58 @@ class Store:
 
     # -- writes -------------------------------------------------------------------------------
 
-    def begin_put(self, key: bytes, length: int, algo: int, checksum: bytes) -> PutTicket:
+    def begin_put(self, key: bytes, length: int, algo: int, checksum: bytes, wait_s: float = 0.0) -> PutTicket:
         """Reserve a buffer for a value. Raises NoSpace. Caller fills `ticket.target`, then
-        calls `commit` or `abort` exactly once."""
+        calls `commit` or `abort` exactly once. Waits up to `wait_s` for the in-flight bound."""
         size = buffer_size_for(length)
         if size > self.capacity_bytes:
             raise NoSpace(f"value of {length} bytes exceeds the node's capacity")
         lane = self.lane_for(key)
         with self._lock:
-            buf = self._take_pooled(size)
-            if buf is None and self.allocated_bytes + size > self.capacity_bytes:
-                buf = self._drop_replaced(key, size)
-            if buf is None:
-                buf = self._make_room(size, lane)
-            if buf is None:
-                self.allocated_bytes += size  # reserve now, allocate outside the lock
+            if self.inflight_bytes + size > self.max_inflight_bytes:
+                # wait_for re-checks under the lock; a bound smaller than one value lets one in.
+                fits = lambda: self.inflight_bytes == 0 or self.inflight_bytes + size <= self.max_inflight_bytes  # noqa: E731
+                if not self._inflight_done.wait_for(fits, timeout=wait_s):
+                    raise NoSpace(
+                        f"{self.inflight_bytes} bytes of PUTs in flight (bound {self.max_inflight_bytes})",
+                        "inflight_limit",
+                    )
+            self.inflight_bytes += size
+            try:
+                buf = self._reserve(key, size, lane)
+            except BaseException:
+                self._end_inflight(size)
+                raise
         if buf is None:
             try:
                 buf = ValueBuffer(size)
             except BaseException:
                 with self._lock:
                     self.allocated_bytes -= size
+                    self._end_inflight(size)
                 raise
-        return PutTicket(key, lane, length, algo, checksum, buf)
+        return PutTicket(key, lane, length, algo, checksum, buf, size)
+
+    def _reserve(self, key: bytes, size: int, lane: Lane) -> ValueBuffer | None:
+        """A buffer of `size` (lock held), or None with `size` bytes reserved for the caller to
+        allocate outside the lock. Raises NoSpace."""
+        buf = self._take_pooled(size)
+        if buf is None and self.allocated_bytes + size > self.capacity_bytes:
+            buf = self._drop_replaced(key, size)
+        if buf is None:
+            buf = self._make_room(size, lane)
+        if buf is None:
+            self.allocated_bytes += size  # reserve now, allocate outside the lock
+        return buf
+
+    def _end_inflight(self, size: int) -> None:
+        self.inflight_bytes -= size
+        self._inflight_done.notify_all()
 
     def commit(self, ticket: PutTicket) -> None:
         entry = Entry(ticket.key, ticket.lane, ticket.length, ticket.algo, ticket.checksum, ticket.buf)
         with self._lock:
+            self._end_inflight(ticket.reserved)
             old = self._index.get(ticket.key)
             if old is not None:
                 self._unlink(old)
@@ -185,6 +233,7 @@ class Store:
 
     def abort(self, ticket: PutTicket) -> None:
         with self._lock:
+            self._end_inflight(ticket.reserved)
             self._give_back(ticket.buf)
 
     # -- reads --------------------------------------------------------------------------------
@@ -233,13 +282,15 @@ class Store:
 
     # -- introspection --------------------------------------------------------------------------
 
-    def stats(self) -> dict:
+    def stats(self) -> dict[str, Any]:
         with self._lock:
             return {
                 "capacity_bytes": self.capacity_bytes,
                 "allocated_bytes": self.allocated_bytes,
                 "stored_bytes": self.stored_bytes,
                 "pooled_bytes": self._pool_bytes,
+                "inflight_bytes": self.inflight_bytes,
+                "max_inflight_bytes": self.max_inflight_bytes,
                 "values": len(self._index),
                 "evictions": self.evictions,
                 "lanes": [
@@ -370,7 +421,7 @@ class Store:
             if ratio > best_ratio:
                 best, best_ratio = lane, ratio
         candidates = [best] if best is not None else []
-        candidates += [writer] + self.lanes
+        candidates += [writer, *self.lanes]
         for lane in candidates:
             for entry in lane.entries.values():
                 if entry.pins == 0:

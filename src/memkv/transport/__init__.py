@@ -1,10 +1,13 @@
 """How values move: the TCP transport (MemKV's own data path) and the RDMA transport (NIXL).
 
-    base.py          Transport (the seam), LoadResult, RdmaError
+    base.py          Transport (the seam), LoadResult
     tcp.py           TcpTransport: the node streams values over the authenticated connection
     rdma.py          RdmaTransport: the node WRITEs values into the client's registered pool
-    responder.py     RdmaResponder: the node's side of RDMA (attach, WRITE, window)
-    nixl_adapter.py  every NIXL call, and nothing else
+    nixl_adapter.py  every NIXL call, and nothing else (the node's side of RDMA,
+                     memkv/server/rdma.py, uses it too)
+
+Both transports are built on the client core (`memkv.client.nodeset.NodeSet`), never on
+`memkv.Client`; the client's errors, `RdmaError` included, are in memkv.errors.
 
 `select_transport` picks one per client from MEMKV_TRANSPORT (docs/rdma.md):
   * `tcp`: always TCP.
@@ -21,23 +24,20 @@ Nothing here imports NIXL at module level: a node or client that never uses RDMA
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
 
-from memkv.errors import ConfigError
-from memkv.transport.base import LoadResult, RdmaError, Transport
+from memkv.client.nodeset import NodeSet
+from memkv.config import ClientConfig
+from memkv.errors import ConfigError, RdmaError
+from memkv.transport.base import LoadResult, Transport
 from memkv.transport.tcp import TcpTransport
-
-if TYPE_CHECKING:
-    from memkv.client.cluster import Client
-    from memkv.config import ClientConfig
 
 log = logging.getLogger("memkv.client")
 
 
-def select_transport(client: Client, config: ClientConfig) -> Transport:
+def select_transport(nodes: NodeSet, config: ClientConfig) -> Transport:
     mode = config.transport
     if mode == "tcp":
-        return TcpTransport(client)
+        return TcpTransport(nodes)
     from memkv.transport import nixl_adapter
 
     present, missing = nixl_adapter.rdma_devices(config.rdma_devices)
@@ -46,21 +46,23 @@ def select_transport(client: Client, config: ClientConfig) -> Transport:
             log.warning("MemKV: MEMKV_RDMA_DEVICES names %s, not present on this host; loads use TCP", missing)
         else:
             log.debug("MemKV: no RDMA device on this host; loads use TCP")
-        return TcpTransport(client)
+        return TcpTransport(nodes)
     ok, why = nixl_adapter.nixl_available()
     if not ok:
         if mode == "rdma":
             raise ConfigError(f"MEMKV_TRANSPORT=rdma but {why}")
         log.warning("MemKV: RDMA device(s) %s present but %s; loads use TCP", present, why)
-        return TcpTransport(client)
+        return TcpTransport(nodes)
     if mode == "rdma" and missing:
-        raise ConfigError(f"MEMKV_RDMA_DEVICES: no RDMA device named {', '.join(missing)} on this host "
-                          f"(present: {', '.join(present) or 'none'})")
+        raise ConfigError(
+            f"MEMKV_RDMA_DEVICES: no RDMA device named {', '.join(missing)} on this host "
+            f"(present: {', '.join(present) or 'none'})"
+        )
     nixl_adapter.progress_delay_us()  # a bad MEMKV_NIXL_PROGRESS_DELAY_US fails here, at startup
     from memkv.transport.rdma import RdmaTransport
 
     log.info("MemKV: %s: RDMA loads with %s once the pool is registered", f"MEMKV_TRANSPORT={mode}", why)
-    return RdmaTransport(client, mode, config.rdma_devices)
+    return RdmaTransport(nodes, mode, config.rdma_devices)
 
 
 __all__ = ["LoadResult", "RdmaError", "TcpTransport", "Transport", "select_transport"]

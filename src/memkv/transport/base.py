@@ -7,7 +7,9 @@ registered pool by RDMA; only control messages use the TCP connection). Stores a
 the TCP path (docs/rdma.md, "Stores", has the measurement behind that choice).
 
 A transport is chosen once per client (`memkv.transport.select_transport`) from
-MEMKV_TRANSPORT; the RDMA one can latch to TCP for the rest of the client's life.
+MEMKV_TRANSPORT; the RDMA one can latch to TCP for the rest of the client's life. Both are
+built on the client core (`memkv.client.nodeset.NodeSet`: the nodes, placement, fan-out),
+never on `memkv.Client`. Their errors are in memkv.errors (`RdmaError`).
 """
 
 from __future__ import annotations
@@ -15,14 +17,6 @@ from __future__ import annotations
 import abc
 import dataclasses
 from collections.abc import Sequence
-
-from memkv.errors import MemKVError
-
-
-class RdmaError(MemKVError):
-    """The RDMA path failed: NIXL/UCX missing or broken, a node without RDMA, a write that did
-    not complete. Not a TransportError on purpose: the node's TCP path may be fine, so it must
-    not mark the node down."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,8 +52,5 @@ class Transport(abc.ABC):
     def load_into(self, keys: Sequence[bytes], views: Sequence[memoryview]) -> LoadResult:
         """Load each key into its view (already validated: bytes keys, writable flat views)."""
 
-    def describe(self) -> str:
-        return self.name
-
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 - optional: a transport that holds nothing keeps it
         """Release what the transport holds (idempotent)."""

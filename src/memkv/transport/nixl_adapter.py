@@ -10,7 +10,7 @@ Install: `pip install --no-deps nixl-cu12==1.5.1 numpy` (the wheel's declared de
 a CUDA torch, 5.7 GB; without them it imports and moves DRAM fine). The meta package `nixl` and
 `nixl-cu13` work too: `_import_api` tries `nixl`, `nixl_cu12`, `nixl_cu13`.
 
-Traps handled here (measured on this project's machines, ../shared/ref/rdma.md):
+Traps handled here (measured on this project's machines; docs/rdma.md has the figures):
 
 * **Progress thread busy-poll.** `nixl_agent_config` hard-codes the progress thread's delay to
   0 us: every agent then spins one core even when idle (two agents starve a 2-core box). The
@@ -26,6 +26,12 @@ Traps handled here (measured on this project's machines, ../shared/ref/rdma.md):
   mlx5_1:1` unless UCX_NET_DEVICES is already set (an operator's UCX setting wins). Tests set
   `UCX_NET_DEVICES=lo` and `UCX_TLS=tcp` or `cma,tcp,self` themselves.
 * **Logging.** NIXL logs INFO lines to stdout; quieted to WARNING unless NIXL_LOG_LEVEL is set.
+* **Reasons in its own log.** When the UCX backend cannot come up, NIXL raises a bare
+  `NIXL_ERR_BACKEND` and writes the reason (UCX's and its own log lines) to the process's
+  stderr, where a vLLM deployment rarely looks. Agent creation therefore captures the native
+  stdout/stderr (`_native_output`) and puts those lines into the RdmaError (on success they are
+  passed on unchanged). On a host with NVIDIA GPUs NIXL refuses a `UCX_TLS` without `cuda_copy`
+  (measured on the H200 host); the error then says so too (`_ucx_tls_hint`).
 * **Exit-time SIGSEGV** when Debian's `ibverbs-providers` is installed next to the wheel's own
   libibverbs (the UCX `efa` module loads the system libefa). Not something code can fix here;
   docs/rdma.md has the workaround.
@@ -41,12 +47,14 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import sys
 import threading
 import uuid
 from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
-from memkv.transport.base import RdmaError
+from memkv.errors import RdmaError
 
 log = logging.getLogger("memkv.transport")
 
@@ -55,18 +63,20 @@ DEFAULT_PROGRESS_DELAY_US = 100
 _IB_SYSFS = Path("/sys/class/infiniband")
 INSTALL_HINT = "pip install --no-deps nixl-cu12==1.5.1 numpy"
 
-_api = None  # the imported nixl._api module, once
+# NIXL ships no type information: its objects are `Any` here, and this module is the boundary
+# where they become typed values (Registration, Write, str, bytes).
+_api: Any = None  # the imported nixl._api module, once
 _api_error: str | None = None
 _import_lock = threading.Lock()
 _build_lock = threading.Lock()  # `_tamed_agent` swaps a module global while an agent is built
 
 
-def _import_api():
+def _import_api() -> Any:
     """NIXL's `_api` module, or raise RdmaError saying how to install it."""
     global _api, _api_error
     with _import_lock:
         if _api is None and _api_error is None:
-            errors = []
+            errors: list[str] = []
             for name in ("nixl", "nixl_cu12", "nixl_cu13"):
                 try:
                     mod = __import__(f"{name}._api", fromlist=["nixl_agent"])
@@ -134,6 +144,83 @@ def buffer_address(view: memoryview) -> int:
     return int(numpy.frombuffer(view, dtype=numpy.uint8).ctypes.data)
 
 
+_NATIVE_REASON_LINES = 6  # of NIXL's and UCX's own log, the last lines that say what went wrong
+_NATIVE_REASON_CHARS = 1200
+
+
+@contextlib.contextmanager
+def _native_output() -> Iterator[list[str]]:
+    """Capture what native code writes to fds 1 and 2 inside the block; yields a list that holds
+    the captured lines once the block is left. The bytes are written on to the real fds
+    afterwards, so nothing disappears from the process's logs (other threads' output of the same
+    moment is delayed, not lost)."""
+    import tempfile
+
+    lines: list[str] = []
+    for stream in (sys.stdout, sys.stderr):  # Python's own buffered text is not NIXL's
+        with contextlib.suppress(Exception):
+            stream.flush()
+    with contextlib.ExitStack() as stack:
+        saved: list[tuple[int, int, Any]] = []
+        try:
+            for fd in (1, 2):
+                tmp = stack.enter_context(tempfile.TemporaryFile())
+                saved.append((fd, os.dup(fd), tmp))
+                os.dup2(tmp.fileno(), fd)
+        except OSError:  # no fds to capture (closed stdio): run uncaptured
+            for fd, copy, _ in saved:
+                os.dup2(copy, fd)
+                os.close(copy)
+            saved = []
+        try:
+            yield lines
+        finally:
+            for fd, copy, tmp in saved:
+                os.dup2(copy, fd)
+                os.close(copy)
+                tmp.seek(0)
+                data = tmp.read()
+                if data:
+                    with contextlib.suppress(OSError):
+                        os.write(fd, data)
+                    lines.extend(line for line in data.decode(errors="replace").splitlines() if line.strip())
+
+
+def _reason(lines: Sequence[str]) -> str:
+    """The lines of NIXL's/UCX's own output that carry a reason, shortened for an error message."""
+    keep = [line.strip() for line in lines if any(w in line for w in ("ERROR", "WARN", "Invalid", "Failed", "failed"))]
+    keep = (keep or [line.strip() for line in lines])[-_NATIVE_REASON_LINES:]
+    text = " | ".join(keep)
+    return text if len(text) <= _NATIVE_REASON_CHARS else "..." + text[-_NATIVE_REASON_CHARS:]
+
+
+NVIDIA_DEVICE_PATHS = ("/dev/nvidia0", "/proc/driver/nvidia/gpus")
+
+
+def has_nvidia_gpu(paths: Sequence[str] = NVIDIA_DEVICE_PATHS) -> bool:
+    return any(os.path.exists(p) for p in paths)
+
+
+def ucx_tls_for_host(tls: str, paths: Sequence[str] = NVIDIA_DEVICE_PATHS) -> str:
+    """`tls` with cuda_copy added on a host with NVIDIA GPUs (NIXL refuses it otherwise)."""
+    if tls and not tls.startswith("^") and "cuda" not in tls and has_nvidia_gpu(paths):
+        return f"{tls},cuda_copy"
+    return tls
+
+
+def _ucx_tls_hint(nvidia_paths: Sequence[str] = NVIDIA_DEVICE_PATHS) -> str:
+    """What to change in UCX_TLS when NIXL would refuse it on an NVIDIA GPU host, else ''."""
+    tls = os.environ.get("UCX_TLS", "").strip()
+    if not tls or tls.startswith("^") or "all" in tls.split(",") or "cuda" in tls:
+        return ""
+    if not has_nvidia_gpu(nvidia_paths):
+        return ""
+    return (
+        f" -- this host has NVIDIA GPUs, where NIXL's UCX backend refuses UCX_TLS={tls} without CUDA memory "
+        f"support: add cuda_copy (e.g. UCX_TLS={tls},cuda_copy)"
+    )
+
+
 @contextlib.contextmanager
 def _translate(what: str) -> Iterator[None]:
     """The one place NIXL's exceptions become RdmaError."""
@@ -145,7 +232,7 @@ def _translate(what: str) -> Iterator[None]:
         raise RdmaError(f"NIXL: cannot {what}: {type(exc).__name__}: {exc}") from exc
 
 
-def _text(name) -> str:
+def _text(name: object) -> str:
     """Agent names come back as bytes from some NIXL calls and str from others."""
     return name.decode() if isinstance(name, (bytes, bytearray)) else str(name)
 
@@ -159,19 +246,20 @@ class _BindingsWithTamedConfig:
     """Stands in for `_api.nixlBind` while an agent is built: everything is the real bindings
     module except `nixlAgentConfig`, whose `pthrDelay` assignment is replaced."""
 
-    def __init__(self, real, config_cls) -> None:
+    def __init__(self, real: Any, config_cls: type) -> None:
         self._real = real
         self.nixlAgentConfig = config_cls
 
-    def __getattr__(self, name: str):
+    def __getattr__(self, name: str) -> Any:
         return getattr(self._real, name)
 
 
-def _tamed_agent(api, name: str, delay_us: int):
+def _tamed_agent(api: Any, name: str, delay_us: int) -> Any:
     real = api.nixlBind
+    base: Any = real.nixlAgentConfig
 
-    class TamedConfig(real.nixlAgentConfig):
-        def __setattr__(self, field: str, value) -> None:
+    class TamedConfig(base):  # type: ignore[misc]  # NIXL's config class is untyped
+        def __setattr__(self, field: str, value: object) -> None:
             if field == "pthrDelay":
                 value = delay_us
             super().__setattr__(field, value)
@@ -195,7 +283,7 @@ class Registration:
 
     __slots__ = ("_descs", "address", "length")
 
-    def __init__(self, address: int, length: int, descs) -> None:
+    def __init__(self, address: int, length: int, descs: Any) -> None:
         self.address = address
         self.length = length
         self._descs = descs
@@ -209,13 +297,13 @@ class Write:
 
     __slots__ = ("_agent", "_handle", "posted")
 
-    def __init__(self, agent, handle, posted: str) -> None:
+    def __init__(self, agent: Any, handle: Any, posted: str) -> None:
         self._agent = agent
         self._handle = handle
         self.posted = posted  # the state `transfer()` returned
 
     def state(self) -> str:
-        """"DONE", "PROC" (in flight) or "ERR". Never blocks."""
+        """ "DONE", "PROC" (in flight) or "ERR". Never blocks."""
         if self.posted != "PROC":
             return self.posted
         with _translate("check a write's state"):
@@ -245,13 +333,22 @@ class NixlAgent:
         delay_us = progress_delay_us()
         _apply_devices(devices)
         self.name = f"memkv-{role}-{uuid.uuid4().hex[:16]}"
-        with _translate("create an agent with the UCX backend"):
-            self._agent = _tamed_agent(api, self.name, delay_us)
+        try:
+            with _native_output() as native, _translate("create an agent with the UCX backend"):
+                self._agent = _tamed_agent(api, self.name, delay_us)
+        except RdmaError as exc:
+            reason = _reason(native)
+            raise RdmaError(f"{exc}{' -- NIXL/UCX said: ' + reason if reason else ''}{_ucx_tls_hint()}") from exc
         if "UCX" not in self._agent.backends:
             raise RdmaError(f"NIXL: the UCX backend did not load (plugins: {self._agent.plugin_list})")
         self.progress_delay_us = delay_us
-        log.debug("NIXL agent %s up (UCX, progress delay %d us, UCX_TLS=%s, UCX_NET_DEVICES=%s)", self.name, delay_us,
-                  os.environ.get("UCX_TLS", "(default)"), os.environ.get("UCX_NET_DEVICES", "(all)"))
+        log.debug(
+            "NIXL agent %s up (UCX, progress delay %d us, UCX_TLS=%s, UCX_NET_DEVICES=%s)",
+            self.name,
+            delay_us,
+            os.environ.get("UCX_TLS", "(default)"),
+            os.environ.get("UCX_NET_DEVICES", "(all)"),
+        )
 
     # -- memory ---------------------------------------------------------------------------------
 
@@ -284,8 +381,9 @@ class NixlAgent:
 
     # -- transfers ------------------------------------------------------------------------------
 
-    def write(self, local: Sequence[tuple[int, int]], remote: Sequence[tuple[int, int]], peer: str,
-              notif: bytes) -> Write:
+    def write(
+        self, local: Sequence[tuple[int, int]], remote: Sequence[tuple[int, int]], peer: str, notif: bytes
+    ) -> Write:
         """Post one WRITE of the local (address, length) pieces into the peer's remote pieces,
         in order; the peer gets `notif` once the data is placed. Descriptors outside the peer's
         registered regions fail here (NIXL checks them against the peer's metadata)."""

@@ -39,17 +39,15 @@ import threading
 import time
 import weakref
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 from memkv import protocol as p
 from memkv.client import metrics as m
-from memkv.errors import MemKVError, RemoteProtocolError, ServerError
-from memkv.transport.base import LoadResult, RdmaError, Transport
-
-if TYPE_CHECKING:
-    from memkv.client.cluster import Client
-    from memkv.client.node import NodeClient, NodeConnection
-    from memkv.transport.nixl_adapter import NixlAgent, Registration
+from memkv.client.node import NodeClient, NodeConnection
+from memkv.client.nodeset import NodeSet
+from memkv.errors import MemKVError, RdmaError, RemoteProtocolError, ServerError
+from memkv.transport.base import LoadResult, Transport
+from memkv.transport.nixl_adapter import NixlAgent, Registration, buffer_address
+from memkv.transport.tcp import TcpTransport
 
 log = logging.getLogger("memkv.client")
 
@@ -100,9 +98,10 @@ class _NotifInbox:
 class RdmaTransport(Transport):
     name = "rdma"
 
-    def __init__(self, client: Client, mode: str, devices: Sequence[str] = ()) -> None:
+    def __init__(self, nodes: NodeSet, mode: str, devices: Sequence[str] = ()) -> None:
         assert mode in ("auto", "rdma")
-        self._client = client
+        self._nodes = nodes
+        self._tcp = TcpTransport(nodes)  # buffers outside the pool, and `auto` after the latch
         self.mode = mode
         self._devices = tuple(devices)
         self._lock = threading.Lock()
@@ -120,18 +119,9 @@ class RdmaTransport(Transport):
     def rdma_active(self) -> bool:
         return self._pool is not None and self._latched is None
 
-    def describe(self) -> str:
-        if self._latched is not None:
-            return f"tcp (RDMA latched off: {self._latched})"
-        if self._pool is None:
-            return f"rdma ({self.mode}, no pool registered yet)"
-        return f"rdma (NIXL agent {self._agent.name if self._agent else '?'}, pool {self._pool.length} bytes)"
-
     # -- startup ----------------------------------------------------------------------------------
 
     def register_pool(self, view: memoryview) -> bool:
-        from memkv.transport.nixl_adapter import NixlAgent, buffer_address
-
         address = buffer_address(view)
         with self._lock:
             if self._pool is not None:
@@ -155,12 +145,17 @@ class RdmaTransport(Transport):
             else:
                 self._agent, self._pool, self._metadata = agent, pool, metadata
                 self.register_ms = took_ms
-        if error is not None:
-            self._give_up(error)
+        if error is not None or agent is None:
+            self._give_up(error or "no NIXL agent")
             return False
-        log.info("MemKV: registered the pool for RDMA (%d bytes in %.1f ms, agent %s, metadata %d bytes)",
-                 len(view), took_ms, agent.name, len(metadata))
-        for node in self._client._nodes:  # attach now: a node without RDMA shows at startup
+        log.info(
+            "MemKV: registered the pool for RDMA (%d bytes in %.1f ms, agent %s, metadata %d bytes)",
+            len(view),
+            took_ms,
+            agent.name,
+            len(metadata),
+        )
+        for node in self._nodes.nodes:  # attach now: a node without RDMA shows at startup
             try:
                 with node.connection(fail_fast=False) as conn:
                     self._attach(conn)
@@ -200,7 +195,9 @@ class RdmaTransport(Transport):
         except ServerError as exc:
             if exc.code != p.ErrorCode.UNKNOWN_OPCODE:
                 raise
-            raise RdmaRefused(f"{conn.name} does not speak RDMA_ATTACH (an older node)", connection_closed=True) from exc
+            raise RdmaRefused(
+                f"{conn.name} does not speak RDMA_ATTACH (an older node)", connection_closed=True
+            ) from exc
         if not isinstance(reply, p.RdmaAttachReply):
             raise RemoteProtocolError(f"{conn.name}: unexpected reply to RDMA_ATTACH")
         if reply.status != p.RdmaAttachStatus.OK:
@@ -215,19 +212,16 @@ class RdmaTransport(Transport):
     # -- loads ------------------------------------------------------------------------------------
 
     def load_into(self, keys: Sequence[bytes], views: Sequence[memoryview]) -> LoadResult:
-        client = self._client
         pool = self._pool
         if pool is None or not self.rdma_active:
-            return LoadResult(client._get_into_tcp(list(keys), list(views)))
-        from memkv.transport.nixl_adapter import buffer_address
-
+            return LoadResult(self._tcp.get_into(list(keys), list(views)))
         addrs = [buffer_address(v) for v in views]
         rdma_idx = [i for i, (a, v) in enumerate(zip(addrs, views)) if pool.covers(a, len(v))]
         ok = [False] * len(keys)
         late = False
         if len(rdma_idx) < len(keys):  # buffers outside the pool: the TCP path
             tcp_idx = sorted(set(range(len(keys))) - set(rdma_idx))
-            for i, r in zip(tcp_idx, client._get_into_tcp([keys[i] for i in tcp_idx], [views[i] for i in tcp_idx])):
+            for i, r in zip(tcp_idx, self._tcp.get_into([keys[i] for i in tcp_idx], [views[i] for i in tcp_idx])):
                 ok[i] = r
         if rdma_idx:
             sub_k = [keys[i] for i in rdma_idx]
@@ -239,29 +233,31 @@ class RdmaTransport(Transport):
                 step = (node.limits or p.Limits()).max_batch
                 for lo in range(0, len(idx), step):
                     part = idx[lo : lo + step]
-                    out += self._load_chunk(node, [sub_k[i] for i in part], [sub_v[i] for i in part],
-                                            [sub_a[i] for i in part])
+                    out += self._load_chunk(
+                        node, [sub_k[i] for i in part], [sub_v[i] for i in part], [sub_a[i] for i in part]
+                    )
                 return out
 
-            for i, (good, unsettled) in zip(rdma_idx, client._scatter(sub_k, run)):
+            for i, (good, unsettled) in zip(rdma_idx, self._nodes.scatter(sub_k, run)):
                 ok[i] = good
                 late |= unsettled and not good
         return LoadResult(ok, late)
 
-    def _load_chunk(self, node: NodeClient, keys: list[bytes], views: list[memoryview],
-                    addrs: list[int]) -> list[tuple[bool, bool]]:
+    def _load_chunk(
+        self, node: NodeClient, keys: list[bytes], views: list[memoryview], addrs: list[int]
+    ) -> list[tuple[bool, bool]]:
         """One RDMA_GET on one node. Per item: (loaded and verified, a write may still land)."""
-        client = self._client
+        nodes = self._nodes
         n = len(keys)
         agent = self._agent
         if agent is None or not self.rdma_active:  # latched (or closed) meanwhile
-            return [(ok, False) for ok in client._get_into_tcp(keys, views)]
-        io_timeout_s = client.config.io_timeout_s
+            return [(ok, False) for ok in self._tcp.get_into(keys, views)]
+        io_timeout_s = nodes.io_timeout_s
         window_ms = max(1, min(p.MAX_RDMA_WINDOW_MS, int(io_timeout_s * 1000 * WINDOW_SHARE)))
         try:
             conn = node.borrow()
         except MemKVError as exc:
-            client._count_failure(node, "get", exc)
+            nodes.count_failure(node, "get", exc)
             return [(False, False)] * n
         sent = False
         t = time.perf_counter()
@@ -277,14 +273,18 @@ class RdmaTransport(Transport):
             node.give_back(conn, exc if exc.connection_closed else None)  # else the connection is in step
             self._failed(str(exc))
             if self.mode == "auto":  # nothing was posted: these slots can take the TCP path now
-                return [(ok, False) for ok in client._get_into_tcp(keys, views)]
+                return [(ok, False) for ok in self._tcp.get_into(keys, views)]
             return [(False, False)] * n
         except MemKVError as exc:
             node.give_back(conn, exc)
-            client._count_failure(node, "get", exc)
+            nodes.count_failure(node, "get", exc)
             if sent:
-                log.warning("%s: RDMA load abandoned after the request was sent (%s); its slots stay "
-                            "reserved until no write can land", node.name, exc)
+                log.warning(
+                    "%s: RDMA load abandoned after the request was sent (%s); its slots stay "
+                    "reserved until no write can land",
+                    node.name,
+                    exc,
+                )
             return [(False, sent)] * n
         except BaseException as exc:
             node.give_back(conn, exc)
@@ -306,7 +306,7 @@ class RdmaTransport(Transport):
                 if not notified:
                     problem = "the write's notification did not arrive"
                     out.append((False, True))
-                elif item.length == len(view) and client.checksummer.verify(view, item.algo, item.checksum):
+                elif item.length == len(view) and nodes.checksummer.verify(view, item.algo, item.checksum):
                     out.append((True, False))
                 else:
                     bad_sums += 1
@@ -322,7 +322,9 @@ class RdmaTransport(Transport):
         m.BYTES.labels("in").inc(sum(len(v) for v, (good, _) in zip(views, out) if good))
         if bad_sums:
             m.INTEGRITY_FAILURES.labels(node.name).inc(bad_sums)
-            log.warning("%s: %d value(s) written by RDMA failed checksum verification; treated as misses", node.name, bad_sums)
+            log.warning(
+                "%s: %d value(s) written by RDMA failed checksum verification; treated as misses", node.name, bad_sums
+            )
         if problem:
             self._failed(f"{node.name}: {problem}")
         return out
@@ -338,7 +340,8 @@ class RdmaTransport(Transport):
                 return
         if self.mode == "rdma":
             (log.warning if first else log.debug)(
-                "MemKV: RDMA load failed (%s); MEMKV_TRANSPORT=rdma does not fall back to TCP", reason)
+                "MemKV: RDMA load failed (%s); MEMKV_TRANSPORT=rdma does not fall back to TCP", reason
+            )
 
     # -- shutdown ---------------------------------------------------------------------------------
 
@@ -354,7 +357,7 @@ class RdmaTransport(Transport):
         _release(agent, pool)
 
 
-def _release(agent, pool) -> None:
+def _release(agent: NixlAgent | None, pool: Registration | None) -> None:
     """Deregister the pool (if any) and close the agent (if any): a failure only logs."""
     if agent is None:
         return

@@ -1,27 +1,39 @@
-"""The TCP transport: MemKV's own data path, unchanged.
+"""The TCP transport: MemKV's own data path for loads.
 
 The node sends each value after the GET reply's meta on the authenticated connection and the
 client receives it with `recv_into` straight into the caller's buffer, hashing each chunk
 while it is in cache (client/node.py `NodeConnection.get_into`). When the call returns, no
 byte can reach the buffer any more: `may_land_late` is always False.
+
+A batch is split by owner (`NodeSet.scatter`) and, per node, into requests within the node's
+batch and payload bounds (`byte_chunks`). A node that fails answers False for the keys it had
+not delivered yet; a value whose checksum fails is False and counted, and the connection stays
+in use (the stream is still in step).
+
+Threading: thread-safe; `load_into` may be called from any thread (each node's part borrows
+its own pooled connection).
 """
 
 from __future__ import annotations
 
+import logging
+import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
+from memkv.client import metrics as m
+from memkv.client.node import NodeClient
+from memkv.client.nodeset import NodeSet, byte_chunks
+from memkv.errors import MemKVError
 from memkv.transport.base import LoadResult, Transport
 
-if TYPE_CHECKING:
-    from memkv.client.cluster import Client
+log = logging.getLogger("memkv.client")
 
 
 class TcpTransport(Transport):
     name = "tcp"
 
-    def __init__(self, client: Client) -> None:
-        self._client = client
+    def __init__(self, nodes: NodeSet) -> None:
+        self._nodes = nodes
 
     @property
     def rdma_active(self) -> bool:
@@ -31,4 +43,31 @@ class TcpTransport(Transport):
         return False  # nothing to register: the kernel copies into the buffer
 
     def load_into(self, keys: Sequence[bytes], views: Sequence[memoryview]) -> LoadResult:
-        return LoadResult(self._client._get_into_tcp(list(keys), list(views)))
+        return LoadResult(self.get_into(list(keys), list(views)))
+
+    def get_into(self, keys: list[bytes], views: list[memoryview]) -> list[bool]:
+        """GET frames over the keys' owners, values received in place; True where loaded."""
+        nodes = self._nodes
+
+        def run(node: NodeClient, idx: list[int]) -> list[bool]:
+            sub_k = [keys[i] for i in idx]
+            sub_v = [views[i] for i in idx]
+            out: list[bool] = []
+            try:
+                for lo, hi in byte_chunks(node, sub_v):
+                    t = time.perf_counter()
+                    with node.connection() as conn:
+                        got, bad = conn.get_into(sub_k[lo:hi], sub_v[lo:hi], nodes.checksummer)
+                    m.SECONDS.labels("get").observe(time.perf_counter() - t)
+                    m.REQUESTS.labels(node.name, "get", "ok").inc()
+                    if bad:
+                        m.INTEGRITY_FAILURES.labels(node.name).inc(bad)
+                        log.warning("%s: %d value(s) failed checksum verification; treated as misses", node.name, bad)
+                    m.BYTES.labels("in").inc(sum(len(v) for v, ok in zip(sub_v[lo:hi], got) if ok))
+                    out += got
+            except MemKVError as exc:
+                nodes.count_failure(node, "get", exc)
+                out += [False] * (len(idx) - len(out))
+            return out
+
+        return nodes.scatter(keys, run)

@@ -52,8 +52,7 @@ from typing import Any
 from vllm.v1.kv_offload.base import OffloadingManager, PrepareStoreOutput
 
 from memkv import __version__ as memkv_version
-from memkv.client.cluster import Client
-from memkv.config import ClientConfig
+from memkv import Client, ClientConfig
 from memkv.errors import MemKVError
 from memkv.license import check_license
 from memkv_vllm import compat

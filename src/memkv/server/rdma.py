@@ -19,6 +19,13 @@ time it is a source and kept registered while the store keeps the buffer (buffer
 across values of a size class); `Store.on_drop` deregisters a buffer when the store frees it.
 A write NIXL cannot cancel keeps its values pinned until it finishes (`_reap`).
 
+The node hands each request a `RequestContext`: the connection's identity (its attach lives
+until `detach` with that identity), its peer address for logs, the cap on the window (the
+node's io_timeout_s) and a callback for the node's per-key and byte metrics. The responder
+knows nothing else about the node's connections. `ServerConfig.transport` ("tcp": refuse
+attaches) and `ServerConfig.rdma_devices` (MEMKV_TRANSPORT / MEMKV_RDMA_DEVICES on the node)
+decide whether and where NIXL comes up.
+
 Threading: `handle` runs on connection threads, `on_drop` under the store's lock, `detach`
 on a connection's closing thread, `_reap` on its own thread while writes are stuck. `_lock`
 guards the peer tables, the registrations and the stuck list; NIXL calls made under it are
@@ -27,21 +34,20 @@ short (register, deregister, load or remove metadata). Lock order: store lock, t
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
-import re
 import struct
 import threading
 import time
+from collections.abc import Callable, Hashable, Sequence
 from typing import TYPE_CHECKING
 
 from memkv import protocol as p
-from memkv.errors import RemoteProtocolError
-from memkv.transport.base import RdmaError
+from memkv.errors import RdmaError, RemoteProtocolError
+from memkv.server.store import Entry, Store, ValueBuffer
 
-if TYPE_CHECKING:
-    from memkv.server.node import Connection
-    from memkv.server.store import Entry, Store, ValueBuffer
+if TYPE_CHECKING:  # not a loop: imported for real on the first attach (a node without RDMA never loads it)
     from memkv.transport.nixl_adapter import NixlAgent, Registration, Write
 
 log = logging.getLogger("memkv.node.rdma")
@@ -51,15 +57,29 @@ _POLL_MIN_S = 20e-6
 _POLL_MAX_S = 500e-6
 
 
-class RdmaResponder:
-    """The node's RDMA state. One per node; NIXL is imported on the first RDMA_ATTACH only."""
+@dataclasses.dataclass(frozen=True)
+class RequestContext:
+    """What the responder may know of the connection a request arrived on."""
 
-    def __init__(self, store: Store) -> None:
+    connection: Hashable  # identity only: an attach is keyed by it until `detach(connection)`
+    peer: object  # the client's address, for logs
+    max_window_s: float  # the node's io_timeout_s: values stay pinned at most that long
+    count: Callable[[bytes, int], None]  # (per-key statuses, value bytes written) -> node metrics
+
+
+class RdmaResponder:
+    """The node's RDMA state. One per node; NIXL is imported on the first RDMA_ATTACH only.
+
+    `transport` and `devices` are the node's `ServerConfig.transport` / `rdma_devices`."""
+
+    def __init__(self, store: Store, transport: str = "auto", devices: Sequence[str] = ()) -> None:
         self._store = store
+        self._transport = transport
+        self._devices = tuple(devices)
         self._lock = threading.Lock()
         self._engine: NixlAgent | None = None
         self._unavailable: str | None = None
-        self._by_conn: dict[object, str] = {}  # connection socket -> peer agent name
+        self._by_conn: dict[Hashable, str] = {}  # RequestContext.connection -> peer agent name
         self._peers: dict[str, int] = {}  # peer agent name -> attached connections
         self._regs: dict[int, Registration] = {}  # id(ValueBuffer) -> its registration
         self._stuck: list[tuple[Write, list[Entry]]] = []
@@ -68,13 +88,12 @@ class RdmaResponder:
 
     # -- dispatch (connection threads) ------------------------------------------------------------
 
-    def handle(self, conn: Connection, msg: p.Message) -> p.Message:
+    def handle(self, ctx: RequestContext, msg: p.RdmaAttachRequest | p.RdmaGetRequest) -> p.Reply:
         if isinstance(msg, p.RdmaAttachRequest):
-            return self.attach(conn, msg)
-        assert isinstance(msg, p.RdmaGetRequest)
-        return self.get(conn, msg)
+            return self.attach(ctx, msg)
+        return self.get(ctx, msg)
 
-    def attach(self, conn: Connection, msg: p.RdmaAttachRequest) -> p.RdmaAttachReply:
+    def attach(self, ctx: RequestContext, msg: p.RdmaAttachRequest) -> p.RdmaAttachReply:
         if msg.backend != p.RdmaBackend.NIXL_UCX:
             return p.RdmaAttachReply(p.RdmaAttachStatus.REJECTED, f"unknown RDMA backend {msg.backend}")
         engine = self._engine_or_none()
@@ -85,19 +104,19 @@ class RdmaResponder:
         except RdmaError as exc:
             return p.RdmaAttachReply(p.RdmaAttachStatus.REJECTED, str(exc))
         with self._lock:
-            old = self._by_conn.get(conn.sock)
-            self._by_conn[conn.sock] = name
+            old = self._by_conn.get(ctx.connection)
+            self._by_conn[ctx.connection] = name
             self._peers[name] = self._peers.get(name, 0) + 1
         if old is not None:
             self.detach_peer(old)
-        log.info("RDMA: %s attached from %s", name, conn.peer)
+        log.info("RDMA: %s attached from %s", name, ctx.peer)
         return p.RdmaAttachReply(p.RdmaAttachStatus.OK, engine.name)
 
-    def get(self, conn: Connection, msg: p.RdmaGetRequest) -> p.RdmaGetReply:
+    def get(self, ctx: RequestContext, msg: p.RdmaGetRequest) -> p.RdmaGetReply:
         # The node caps the client's window at its own --io-timeout: pins are held that long at most.
-        deadline = time.monotonic() + min(msg.window_ms / 1000, conn.node.config.io_timeout_s)
+        deadline = time.monotonic() + min(msg.window_ms / 1000, ctx.max_window_s)
         with self._lock:
-            peer = self._by_conn.get(conn.sock)
+            peer = self._by_conn.get(ctx.connection)
         if peer is None or self._engine is None:
             raise RemoteProtocolError("RDMA_GET on a connection that did not RDMA_ATTACH", p.ErrorCode.MALFORMED)
         found = self._store.acquire(msg.keys, msg.lengths, p.ANY_LENGTH)
@@ -105,8 +124,13 @@ class RdmaResponder:
         outcome, stuck = "none", None
         try:
             if pinned:
-                outcome, stuck = self._write(peer, pinned, [a for a, e in zip(msg.addresses, found) if not isinstance(e, int)],
-                                             msg.token, deadline)
+                outcome, stuck = self._write(
+                    peer,
+                    pinned,
+                    [a for a, e in zip(msg.addresses, found) if not isinstance(e, int)],
+                    msg.token,
+                    deadline,
+                )
         finally:
             if stuck is None:
                 self._store.release(pinned)
@@ -121,18 +145,16 @@ class RdmaResponder:
             else:
                 items.append(p.GetReplyItem(p.ItemStatus.TRANSFER_FAILED, 0, 0, _NO_CHECKSUM))
         statuses = bytes(it.status for it in items)
-        conn._count_keys("get", statuses)
-        if outcome == "DONE":
-            conn.metrics.bytes_out.inc(sum(e.length for e in pinned))
-        elif pinned:
-            self._warn_once(peer, f"RDMA write to {peer} ({conn.peer}) failed: {outcome}")
+        ctx.count(statuses, sum(e.length for e in pinned) if outcome == "DONE" else 0)
+        if pinned and outcome != "DONE":
+            self._warn_once(peer, f"RDMA write to {peer} ({ctx.peer}) failed: {outcome}")
         return p.RdmaGetReply(tuple(items))
 
-    def detach(self, sock: object) -> None:
+    def detach(self, connection: Hashable) -> None:
         """The connection closed: it can no longer authorise writes to its peer. Never raises
         (it runs in the node's connection teardown)."""
         with self._lock:
-            name = self._by_conn.pop(sock, None)
+            name = self._by_conn.pop(connection, None)
         if name is not None:
             try:
                 self.detach_peer(name)
@@ -154,14 +176,11 @@ class RdmaResponder:
                 log.debug("%s", exc)
             log.info("RDMA: %s detached", name)
 
-    def peer_count(self) -> int:
-        with self._lock:
-            return len(self._peers)
-
     # -- the write (a seam: tests/rdma/late_node.py delays `_write` and can stretch its window) ----
 
-    def _write(self, peer: str, entries: list[Entry], addresses: list[int], token: int,
-               deadline: float) -> tuple[str, Write | None]:
+    def _write(
+        self, peer: str, entries: list[Entry], addresses: list[int], token: int, deadline: float
+    ) -> tuple[str, Write | None]:
         """Post one WRITE of `entries` into `addresses`; wait until it completes or the window
         closes. Returns (outcome, a write that could not be cancelled or None)."""
         try:
@@ -183,8 +202,9 @@ class RdmaResponder:
         write.release()
         return state, None
 
-    def _post_write(self, peer: str, local: list[tuple[int, int]], remote: list[tuple[int, int]], notif: bytes,
-                    deadline: float) -> Write | None:
+    def _post_write(
+        self, peer: str, local: list[tuple[int, int]], remote: list[tuple[int, int]], notif: bytes, deadline: float
+    ) -> Write | None:
         if not self._window_open(deadline):
             return None
         assert self._engine is not None
@@ -255,21 +275,23 @@ class RdmaResponder:
         with self._lock:
             if self._engine is not None or self._unavailable is not None:
                 return self._engine
-            if os.environ.get("MEMKV_TRANSPORT", "").strip().lower() == "tcp":
+            if self._transport == "tcp":
                 self._unavailable = "RDMA is disabled on this node (MEMKV_TRANSPORT=tcp)"
                 return None
             from memkv.transport.nixl_adapter import NixlAgent
 
-            devices = [d for d in re.split(r"[,\s]+", os.environ.get("MEMKV_RDMA_DEVICES", "")) if d]
             try:
-                self._engine = NixlAgent("node", devices)
+                self._engine = NixlAgent("node", self._devices)
             except RdmaError as exc:
                 self._unavailable = f"this node cannot do RDMA: {exc}"
                 log.warning("%s; clients use TCP", self._unavailable)
                 return None
             self._store.on_drop = self.on_drop
-            log.info("RDMA: NIXL agent %s ready (UCX_TLS=%s); clients may attach", self._engine.name,
-                        os.environ.get("UCX_TLS", "(default)"))
+            log.info(
+                "RDMA: NIXL agent %s ready (UCX_TLS=%s); clients may attach",
+                self._engine.name,
+                os.environ.get("UCX_TLS", "(default)"),
+            )
             return self._engine
 
     def _warn_once(self, key: str, message: str) -> None:
