@@ -164,10 +164,13 @@ class NodeConnection:
 
     # -- requests -------------------------------------------------------------------------------
 
-    def request(self, msg: p.Request, payload: Sequence[memoryview] = ()) -> p.Message:
-        """Send one request (plus value payload) and read a reply that carries no payload."""
+    def request(self, msg: p.Request, payload: Sequence[memoryview] = (), timeout_s: float | None = None) -> p.Message:
+        """Send one request (plus value payload) and read a reply that carries no payload, within
+        io_timeout_s (or `timeout_s`, for control requests the node may take longer to answer)."""
         self.send(msg, payload)
-        return self.read_reply()
+        if timeout_s is None:
+            return self.read_reply()
+        return self._read_reply(self.codec, deadline=time.monotonic() + timeout_s)
 
     def send(self, msg: p.Request, payload: Sequence[memoryview] = ()) -> None:
         frame = self.codec.encode(msg)
