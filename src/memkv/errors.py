@@ -14,7 +14,9 @@
     │   │   └── PoolTimeout
     │   ├── ConnectError
     │   ├── ReadError          the peer closed or reset mid-frame
-    │   └── WriteError
+    │   ├── WriteError
+    │   └── TlsError           TLS failed: unknown CA, hostname mismatch, expired or missing
+    │                          certificate, TLS against a plain port (the message says which)
     ├── NodeUnavailable        the node is marked down; the call failed fast without I/O
     ├── ServerError            the node answered with an error code (see protocol.ErrorCode)
     ├── IntegrityError         a value's checksum did not match its bytes
@@ -36,6 +38,7 @@ from __future__ import annotations
 
 import errno
 import socket
+import ssl
 
 
 class MemKVError(Exception):
@@ -108,6 +111,11 @@ class WriteError(TransportError):
     pass
 
 
+class TlsError(TransportError):
+    """The TLS layer failed; the message names the cause and the setting to fix
+    (memkv/tls.py `explain`). Not a ConnectError: no address or reachability hint applies."""
+
+
 class NodeUnavailable(MemKVError):
     """The node is marked down after a failure; the call failed fast without touching it."""
 
@@ -144,6 +152,10 @@ class ClientClosed(RuntimeError):
 
 def map_os_error(exc: OSError, op: str, server: str | None = None) -> TransportError:
     """Translate a socket-level OSError raised during `op` ("connect", "read", "write")."""
+    if isinstance(exc, ssl.SSLError):  # before the timeouts: SSLError is no timeout
+        from memkv.tls import explain  # memkv.tls imports this module
+
+        return TlsError(explain(exc), server)
     # BlockingIOError: a kernel timeout (SO_RCVTIMEO/SO_SNDTIMEO) expired on a blocking socket.
     if isinstance(exc, (socket.timeout, TimeoutError, BlockingIOError)):
         timeout: type[MemKVTimeout] = {"connect": ConnectTimeout, "read": ReadTimeout, "write": WriteTimeout}[op]
@@ -175,6 +187,7 @@ __all__ = [
     "ConnectError",
     "ReadError",
     "WriteError",
+    "TlsError",
     "NodeUnavailable",
     "ServerError",
     "IntegrityError",

@@ -32,6 +32,7 @@ from memkv.errors import (
     ProtocolError,
     RemoteProtocolError,
     ServerError,
+    TlsError,
     TransportError,
     map_os_error,
 )
@@ -106,6 +107,12 @@ class NodeConnection:
             try:
                 auth = hs.receive_server_hello(server_hello)
             except ProtocolError as exc:
+                if exc.code == p.ErrorCode.TLS_REQUIRED:
+                    raise TlsError(
+                        "TLS: this port serves MemKV over TLS only and we connected without TLS (a plain client "
+                        "on a TLS port) -- set MEMKV_TLS_CA (or a tls: block in client.yaml)",
+                        self.name,
+                    ) from None
                 if exc.code == p.ErrorCode.SERVER_BUSY:
                     raise ServerError(
                         f"{self.name}: node refused the connection: too many connections", exc.code

@@ -1,0 +1,244 @@
+"""TLS on the data port and the admin port (docs/operations.md, "Encryption in transit").
+
+TLS is a layer under the MemKV protocol, not a replacement: the HMAC handshake and every
+frame's MAC still run inside it, so a stolen certificate alone does not open the cache.
+
+Node side: `ServerTls` holds the node's certificate, key and optional client CA (mutual TLS)
+as one `ssl.SSLContext`. `reload()` (on SIGHUP) builds a new context from the same paths and
+swaps it in; connections already up keep the context they were made with, new handshakes get
+the new certificate. A reload that fails (a half-written file) keeps the old context.
+
+Client side: `client_connect(settings)` is a `memkv.client.node.Connect` seam that wraps each
+TCP connection in TLS, hostname verification on. `explain(exc)` turns OpenSSL's errors into a
+sentence naming the cause (unknown CA, hostname mismatch, expired certificate, a client
+certificate required, TLS against a plain port); `errors.map_os_error` uses it, so every
+caller (the startup probe of the vLLM tier included) gets that sentence.
+
+Data path: `SSLSocket.recv_into` decrypts straight into the caller's memoryview; a send
+encrypts from the caller's memory into OpenSSL's record buffer (the one copy per byte, which
+the encryption makes anyway). See memkv/sockio.py.
+
+Handshakes are bounded by a deadline on a non-blocking socket: a peer dripping bytes cannot
+hold a connection slot past it.
+"""
+
+from __future__ import annotations
+
+import logging
+import select
+import socket
+import ssl
+import threading
+import time
+from collections.abc import Callable
+
+from memkv.config import ClientTls, ServerAddress
+from memkv.errors import ConfigError
+
+log = logging.getLogger("memkv.tls")
+
+# The first byte of every TLS record that opens a connection (a handshake record).
+TLS_HANDSHAKE_BYTE = 0x16
+
+# OpenSSL's X509 verify codes (x509_vfy.h) that name a cause we can explain.
+_UNKNOWN_CA_CODES = {2, 18, 19, 20, 21}  # issuer unknown, self-signed, self-signed in chain, ...
+_EXPIRED = 10
+_NOT_YET_VALID = 9
+_HOSTNAME_MISMATCH = 62
+# OpenSSL reasons that mean "the bytes that came back are not TLS": the peer speaks plain MemKV.
+_NOT_TLS_REASONS = {"WRONG_VERSION_NUMBER", "RECORD_LAYER_FAILURE", "PACKET_LENGTH_TOO_LONG", "HTTP_REQUEST"}
+
+
+def server_context(cert: str, key: str, ca: str | None) -> ssl.SSLContext:
+    """The node's context: TLS 1.3 only, the node's certificate, and with `ca` mutual TLS
+    (a client without a certificate signed by `ca` fails the handshake). Raises ConfigError
+    naming the file that could not be used (never its contents)."""
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    ctx.minimum_version = ssl.TLSVersion.TLSv1_3
+    _load_chain(ctx, cert, key, "--tls-cert", "--tls-key")
+    if ca is not None:
+        _load_ca(ctx, ca, "--tls-ca")
+        ctx.verify_mode = ssl.CERT_REQUIRED
+    return ctx
+
+
+def client_context(settings: ClientTls) -> ssl.SSLContext:
+    """A client's context: TLS 1.3, the node's certificate verified against `settings.ca` (or
+    the system store), hostname checked."""
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)  # CERT_REQUIRED and check_hostname by default
+    ctx.minimum_version = ssl.TLSVersion.TLSv1_3
+    if settings.ca is not None:
+        _load_ca(ctx, settings.ca, "MEMKV_TLS_CA")
+    else:
+        ctx.load_default_certs()
+    if settings.cert is not None and settings.key is not None:
+        _load_chain(ctx, settings.cert, settings.key, "MEMKV_TLS_CERT", "MEMKV_TLS_KEY")
+    return ctx
+
+
+def _load_chain(ctx: ssl.SSLContext, cert: str, key: str, cert_setting: str, key_setting: str) -> None:
+    try:
+        ctx.load_cert_chain(cert, key)
+    except FileNotFoundError as exc:
+        which = cert_setting if exc.filename in (None, cert) else key_setting
+        raise ConfigError(f"{which}: no such file {exc.filename or cert}") from None
+    except ssl.SSLError as exc:
+        raise ConfigError(
+            f"{cert_setting} {cert} / {key_setting} {key}: not a PEM certificate and its matching private key "
+            f"({exc.reason or exc.__class__.__name__})"
+        ) from None
+    except OSError as exc:
+        raise ConfigError(f"{cert_setting} {cert} / {key_setting} {key}: cannot read: {exc.strerror}") from None
+
+
+def _load_ca(ctx: ssl.SSLContext, ca: str, setting: str) -> None:
+    try:
+        ctx.load_verify_locations(cafile=ca)
+    except FileNotFoundError:
+        raise ConfigError(f"{setting}: no such file {ca}") from None
+    except ssl.SSLError as exc:
+        raise ConfigError(f"{setting} {ca}: not a PEM CA certificate ({exc.reason or 'unreadable'})") from None
+    except OSError as exc:
+        raise ConfigError(f"{setting} {ca}: cannot read: {exc.strerror}") from None
+
+
+class ServerTls:
+    """The node's TLS context, re-read from its files by `reload()`. Thread-safe: `context` is
+    one attribute read; `reload` swaps it whole."""
+
+    def __init__(self, cert: str, key: str, ca: str | None) -> None:
+        self.cert, self.key, self.ca = cert, key, ca
+        self._lock = threading.Lock()
+        self._contexts = self._load()
+        self.reloads = 0
+
+    def _load(self) -> tuple[ssl.SSLContext, ssl.SSLContext]:
+        # The admin port's context never asks for a client certificate (server/admin.py).
+        return server_context(self.cert, self.key, self.ca), server_context(self.cert, self.key, None)
+
+    @property
+    def context(self) -> ssl.SSLContext:
+        return self._contexts[0]
+
+    @property
+    def admin_context(self) -> ssl.SSLContext:
+        return self._contexts[1]
+
+    @property
+    def mutual(self) -> bool:
+        return self.ca is not None
+
+    def reload(self) -> bool:
+        """Re-read the certificate, key and CA; True when the new ones are in use. On failure the
+        old context stays (a node never loses TLS to a bad rotation) and an ERROR is logged."""
+        with self._lock:
+            try:
+                contexts = self._load()
+            except ConfigError as exc:
+                log.error("TLS reload failed, still serving the previous certificate: %s", exc)
+                return False
+            self._contexts = contexts  # one assignment: readers see the old pair or the new
+            self.reloads += 1
+        log.warning("TLS certificate reloaded from %s (new handshakes use it; open connections keep theirs)", self.cert)
+        return True
+
+    def wrap(self, sock: socket.socket, deadline: float) -> ssl.SSLSocket:
+        """The server side of a handshake on an accepted socket, bounded by `deadline`."""
+        tls = self.context.wrap_socket(sock, server_side=True, do_handshake_on_connect=False)
+        try:
+            handshake(tls, deadline)
+        except BaseException:
+            tls.close()
+            raise
+        return tls
+
+
+def handshake(tls: ssl.SSLSocket, deadline: float) -> None:
+    """Run the TLS handshake on a non-blocking socket, waiting at most until `deadline`
+    (a `time.monotonic()` instant); leaves the socket blocking. Raises ssl.SSLError,
+    OSError, or TimeoutError."""
+    tls.setblocking(False)
+    while True:
+        try:
+            tls.do_handshake()
+            break
+        except ssl.SSLWantReadError:
+            want_write = False
+        except ssl.SSLWantWriteError:
+            want_write = True
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError("TLS handshake timed out")
+        fd = [tls.fileno()]
+        ready = select.select([], fd, [], left) if want_write else select.select(fd, [], [], left)
+        if not any(ready):
+            raise TimeoutError("TLS handshake timed out")
+    tls.setblocking(True)
+
+
+def client_connect(
+    settings: ClientTls, tcp: Callable[[ServerAddress, float], socket.socket]
+) -> Callable[[ServerAddress, float], socket.socket]:
+    """A Connect seam: `tcp(address, timeout)`, then a TLS handshake checking the node's
+    certificate against `settings.server_name` or the address's host."""
+    ctx = client_context(settings)
+
+    def connect(address: ServerAddress, timeout_s: float) -> socket.socket:
+        deadline = time.monotonic() + timeout_s
+        sock = tcp(address, timeout_s)
+        name = settings.server_name or address.host
+        try:
+            tls = ctx.wrap_socket(sock, server_hostname=name, do_handshake_on_connect=False)
+        except BaseException:
+            sock.close()
+            raise
+        try:
+            handshake(tls, deadline)
+        except BaseException:
+            tls.close()
+            raise
+        return tls
+
+    return connect
+
+
+def explain(exc: ssl.SSLError) -> str:
+    """What went wrong in a TLS handshake, in words an operator can act on."""
+    if isinstance(exc, ssl.SSLCertVerificationError):
+        code = exc.verify_code
+        if code in _UNKNOWN_CA_CODES:
+            return (
+                "TLS: the node's certificate is not signed by a CA we trust (unknown CA) -- "
+                "set MEMKV_TLS_CA to the CA certificate that signed the node's certificate"
+            )
+        if code == _HOSTNAME_MISMATCH:
+            return (
+                f"TLS: the node's certificate does not name the host we connected to (hostname mismatch: "
+                f"{exc.verify_message}) -- connect by a name in its certificate or set MEMKV_TLS_SERVER_NAME"
+            )
+        if code == _EXPIRED:
+            return "TLS: the node's certificate has expired -- renew it, then send the node SIGHUP to reload it"
+        if code == _NOT_YET_VALID:
+            return "TLS: the node's certificate is not valid yet -- check the clocks of client and node"
+        return f"TLS: the node's certificate failed verification: {exc.verify_message}"
+    reason = exc.reason or ""
+    if reason == "TLSV13_ALERT_CERTIFICATE_REQUIRED" or reason == "PEER_DID_NOT_RETURN_A_CERTIFICATE":
+        return (
+            "TLS: the node requires a client certificate (mutual TLS) and we sent none -- "
+            "set MEMKV_TLS_CERT and MEMKV_TLS_KEY"
+        )
+    if reason in ("TLSV1_ALERT_UNKNOWN_CA", "SSLV3_ALERT_BAD_CERTIFICATE"):
+        return "TLS: the node does not trust our client certificate (unknown CA) -- use a certificate signed by its --tls-ca"
+    if reason == "SSLV3_ALERT_CERTIFICATE_EXPIRED":
+        return "TLS: the node refused our client certificate: it has expired -- renew MEMKV_TLS_CERT"
+    if reason in _NOT_TLS_REASONS:
+        return (
+            "TLS: the node answered without TLS: this port serves plain MemKV (a TLS client on a plain port) -- "
+            "use the node's TLS port (its --tls-listen) or unset MEMKV_TLS_CA/MEMKV_TLS_CERT"
+        )
+    if isinstance(exc, ssl.SSLEOFError) or reason == "UNEXPECTED_EOF_WHILE_READING":
+        return "TLS: the node closed the connection during the TLS handshake (is this a TLS port? does it need a client certificate?)"
+    return f"TLS: handshake failed: {reason or exc}"
+
+
+__all__ = ["ServerTls", "TLS_HANDSHAKE_BYTE", "client_connect", "client_context", "explain", "handshake"]
