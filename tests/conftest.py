@@ -153,3 +153,11 @@ def poll_until(predicate: Callable[[], object], timeout_s: float, interval_s: fl
 @pytest.fixture
 def wait_until() -> Callable[..., object]:
     return poll_until
+
+
+@pytest.fixture(scope="session")
+def pki(tmp_path_factory: pytest.TempPathFactory):
+    """A CA and certificates for TLS tests (tests/tlscerts.py), made once per session."""
+    from tests.tlscerts import make_pki
+
+    return make_pki(tmp_path_factory.mktemp("pki"))

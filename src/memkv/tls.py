@@ -147,10 +147,40 @@ class ServerTls:
         tls = self.context.wrap_socket(sock, server_side=True, do_handshake_on_connect=False)
         try:
             handshake(tls, deadline)
+        except OSError:
+            _linger(tls, min(deadline, time.monotonic() + LINGER_S))
+            raise
         except BaseException:
             tls.close()
             raise
         return tls
+
+
+# How long a refused handshake's socket drains the client's bytes before closing (see _linger).
+LINGER_S = 1.0
+
+
+def _linger(tls: ssl.SSLSocket, until: float) -> None:
+    """Close after a failed handshake without losing the alert that says why. Under TLS 1.3
+    the client believes the handshake done and sends its MemKV hello at once; closing with
+    those bytes unread makes the kernel send a reset, which can discard the alert (unknown
+    CA, certificate required) before the client reads it. So: FIN after the alert, read and
+    drop what comes until the client closes or `until`, then close."""
+    try:
+        raw = socket.socket(fileno=tls.detach())
+    except OSError:
+        tls.close()
+        return
+    try:
+        raw.shutdown(socket.SHUT_WR)
+        while (left := until - time.monotonic()) > 0:
+            raw.settimeout(left)
+            if not raw.recv(4096):
+                break
+    except OSError:
+        pass
+    finally:
+        raw.close()
 
 
 def handshake(tls: ssl.SSLSocket, deadline: float) -> None:

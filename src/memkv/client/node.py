@@ -16,6 +16,7 @@ import contextlib
 import hmac
 import os
 import socket
+import ssl
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -205,27 +206,41 @@ class NodeConnection:
 
     def send_ready(self) -> bool:
         """Send what the socket takes now; True once nothing queued is left."""
-        with self._io("write"):
+        with self._io("write"), self._no_wait() as flags:
             while self._unsent:
                 try:
-                    sent = self.sock.send(self._unsent, socket.MSG_DONTWAIT)
-                except BlockingIOError:
+                    sent = self.sock.send(self._unsent, flags)
+                except (BlockingIOError, ssl.SSLWantWriteError, ssl.SSLWantReadError):
                     return False
                 del self._unsent[:sent]
         return True
 
+    @contextlib.contextmanager
+    def _no_wait(self) -> Iterator[int]:
+        """The flags for a send or recv that must not wait. An SSLSocket takes no flags: it is
+        made non-blocking for the block instead (its would-block is SSLWantRead/WriteError;
+        OpenSSL keeps a partly written record and resumes it on the next send)."""
+        if not isinstance(self.sock, ssl.SSLSocket):
+            yield socket.MSG_DONTWAIT
+            return
+        self.sock.settimeout(0.0)
+        try:
+            yield 0
+        finally:
+            set_timeouts(self.sock, self.io_timeout_s)
+
     def recv_ready(self) -> p.Message | None:
         """Take the bytes of the next reply that have arrived; the reply once it is whole, else
         None. Reads exactly up to the end of that reply, never into the next one."""
-        with self._io("read"):
+        with self._io("read"), self._no_wait() as flags:
             while True:
                 header = self._rx_header
                 want = p.FRAME_PREFIX_BYTES + (header.meta_len if header is not None else 0)
                 if len(self._rx) == want and header is not None:
                     break
                 try:
-                    piece = self.sock.recv(want - len(self._rx), socket.MSG_DONTWAIT)
-                except BlockingIOError:
+                    piece = self.sock.recv(want - len(self._rx), flags)
+                except (BlockingIOError, ssl.SSLWantReadError, ssl.SSLWantWriteError):
                     return None
                 if not piece:
                     raise PeerClosed(len(self._rx), want)
