@@ -68,9 +68,7 @@ def _ca(directory: Path, cn: str) -> tuple[x509.Certificate, ec.EllipticCurvePri
         .not_valid_before(now - datetime.timedelta(days=1))
         .not_valid_after(now + datetime.timedelta(days=30))
         .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
-        .add_extension(
-            x509.KeyUsage(False, False, False, False, False, True, True, False, False), critical=True
-        )
+        .add_extension(x509.KeyUsage(False, False, False, False, False, True, True, False, False), critical=True)
         .sign(key, hashes.SHA256())
     )
     path = directory / f"{cn}.pem"
@@ -89,9 +87,13 @@ def _leaf(
     ca_cert, ca_key, _ = issuer
     key = ec.generate_private_key(ec.SECP256R1())
     now = datetime.datetime.now(datetime.timezone.utc)
-    start, end = (now - datetime.timedelta(days=10), now - datetime.timedelta(days=1)) if expired else (
-        now - datetime.timedelta(days=1),
-        now + datetime.timedelta(days=30),
+    start, end = (
+        (now - datetime.timedelta(days=10), now - datetime.timedelta(days=1))
+        if expired
+        else (
+            now - datetime.timedelta(days=1),
+            now + datetime.timedelta(days=30),
+        )
     )
     sans: list[x509.GeneralName] = []
     for n in names:

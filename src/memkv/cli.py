@@ -172,7 +172,10 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--tls-cert", default=None, metavar="FILE", help="PEM certificate (chain) of the node: turns TLS on")
     t.add_argument("--tls-key", default=None, metavar="FILE", help="PEM private key of --tls-cert")
     t.add_argument(
-        "--tls-ca", default=None, metavar="FILE", help="PEM CA: clients must present a certificate it signed (mutual TLS)"
+        "--tls-ca",
+        default=None,
+        metavar="FILE",
+        help="PEM CA: clients must present a certificate it signed (mutual TLS)",
     )
     t.add_argument(
         "--tls-listen",
@@ -489,14 +492,13 @@ def fetch_status(host: str, admin_port: int, timeout_s: float = 2.0, tls: Client
         resp = conn.getresponse()
         if resp.status != 200:
             raise urllib.error.URLError(f"HTTP {resp.status}")
-        return json.load(resp)
+        doc: dict = json.load(resp)
+        return doc
     finally:
         conn.close()
 
 
-def _status_row(
-    server: ServerAddress, offset: int, timeout_s: float, node=None, tls: ClientTls | None = None
-) -> dict:
+def _status_row(server: ServerAddress, offset: int, timeout_s: float, node=None, tls: ClientTls | None = None) -> dict:
     """One server's admin status, then (with `node`, its NodeClient) an authenticated PING on
     its data port: the admin port takes no key, so only the ping shows that ours is right."""
     row: dict = {"server": server.name, "admin": f"{_fmt(server.host)}:{server.port + offset}"}

@@ -21,11 +21,12 @@ from pathlib import Path
 import pytest
 
 from memkv import Client, ClientConfig
-from memkv.client.node import NodeConnection
+from memkv import protocol as p
+from memkv.client.node import NodeConnection, tcp_connect
 from memkv.config import AuthKey, ClientTls, ServerAddress
 from memkv.errors import AuthError, ConnectError, MemKVTimeout, ProtocolError, ServerError, TlsError
 from memkv.local import LocalNode
-from memkv.tls import client_context
+from memkv.tls import client_connect, client_context
 from tests.conftest import poll_until
 from tests.tlscerts import Cert, Pki
 
@@ -95,7 +96,10 @@ def test_values_round_trip_over_tls_into_the_callers_buffers(tls_node: LocalNode
     with client_for(tls_node, auth_key_hex, ClientTls(ca=pki.ca)) as client:
         big = bytes(range(256)) * (16 * MiB // 256)
         small = b"tiny value"
-        assert client.batch_put_views([(b"tls/big", memoryview(big)), (b"tls/small", memoryview(small))]) == [True, True]
+        assert client.batch_put_views([(b"tls/big", memoryview(big)), (b"tls/small", memoryview(small))]) == [
+            True,
+            True,
+        ]
         into_big, into_small = bytearray(len(big)), bytearray(len(small))
         assert client.batch_get_into([(b"tls/big", memoryview(into_big)), (b"tls/small", memoryview(into_small))]) == [
             True,
@@ -155,9 +159,8 @@ def test_mutual_tls_refuses_a_client_certificate_of_another_ca(mtls_node, auth_k
 
 def test_tls_does_not_replace_the_auth_key(tls_node, pki):
     wrong = "ab" * 32
-    with pytest.raises(AuthError, match="MEMKV_AUTH_KEY"):
-        with client_for(tls_node, wrong, ClientTls(ca=pki.ca)) as client:
-            client.probe()
+    with pytest.raises(AuthError, match="MEMKV_AUTH_KEY"), client_for(tls_node, wrong, ClientTls(ca=pki.ca)) as client:
+        client.probe()
 
 
 def test_tls_listen_serves_tls_beside_the_plain_port(start_node, auth_key_hex, pki):
@@ -174,9 +177,7 @@ def test_sighup_rotates_the_certificate_and_keeps_open_connections(start_node, a
     shutil.copy(pki.server.cert, cert)
     shutil.copy(pki.server.key, key)
     node = start_node(capacity="64MiB", extra_args=["--tls-cert", str(cert), "--tls-key", str(key)])
-    connect = __import__("memkv.tls", fromlist=["client_connect"]).client_connect(
-        ClientTls(ca=pki.ca), __import__("memkv.client.node", fromlist=["tcp_connect"]).tcp_connect
-    )
+    connect = client_connect(ClientTls(ca=pki.ca), tcp_connect)
     address = ServerAddress(node.host, node.port)
     opened = NodeConnection(address, bytes.fromhex(auth_key_hex), 2.0, 5.0, connect=connect)
     try:
@@ -194,25 +195,23 @@ def test_sighup_rotates_the_certificate_and_keeps_open_connections(start_node, a
             lambda: peer_serial(node.host, node.port, pki.ca) == pki.server2.serial, 10.0, what="the new certificate"
         )
         # The connection opened before the rotation still works, on its old session.
-        from memkv import protocol as p
-
         assert isinstance(opened.request(p.PingRequest()), p.PingReply)
     finally:
         opened.close()
 
 
 def test_admin_port_speaks_https_and_memkv_status_verifies_it(start_node, auth_key_hex, pki, tmp_path: Path):
-    node = start_node(
-        capacity="64MiB", extra_args=[*tls_args(pki.server, ca=pki.ca), "--admin-port", "0"]
-    )
+    node = start_node(capacity="64MiB", extra_args=[*tls_args(pki.server, ca=pki.ca), "--admin-port", "0"])
     assert node.admin_url.startswith("https://")
     ctx = client_context(ClientTls(ca=pki.ca))  # no client certificate: the admin port asks for none
-    with socket.create_connection((node.host, node.admin_port), timeout=5.0) as raw:
-        with ctx.wrap_socket(raw, server_hostname=node.host) as s:
-            s.sendall(b"GET /v1/ready HTTP/1.0\r\n\r\n")
-            answer = b""
-            while chunk := s.recv(4096):
-                answer += chunk
+    with (
+        socket.create_connection((node.host, node.admin_port), timeout=5.0) as raw,
+        ctx.wrap_socket(raw, server_hostname=node.host) as s,
+    ):
+        s.sendall(b"GET /v1/ready HTTP/1.0\r\n\r\n")
+        answer = b""
+        while chunk := s.recv(4096):
+            answer += chunk
     assert answer.startswith(b"HTTP/1.0 200") and b'"ready": true' in answer
     # Plain HTTP on the HTTPS port gets no answer, and the port keeps serving.
     with socket.create_connection((node.host, node.admin_port), timeout=5.0) as raw:
@@ -277,6 +276,5 @@ def test_ssl_module_refuses_tls_below_1_3(tls_node, pki):
     ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
     ctx.load_verify_locations(pki.ca)
     ctx.maximum_version = ssl.TLSVersion.TLSv1_2
-    with socket.create_connection((tls_node.host, tls_node.port), timeout=5.0) as raw:
-        with pytest.raises(ssl.SSLError):
-            ctx.wrap_socket(raw, server_hostname=tls_node.host)
+    with socket.create_connection((tls_node.host, tls_node.port), timeout=5.0) as raw, pytest.raises(ssl.SSLError):
+        ctx.wrap_socket(raw, server_hostname=tls_node.host)

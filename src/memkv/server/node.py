@@ -49,8 +49,8 @@ from memkv.errors import AuthError, LocalProtocolError, RemoteProtocolError
 from memkv.server.metrics import NodeMetrics
 from memkv.server.rdma import RdmaResponder, RequestContext
 from memkv.server.store import NoSpace, Store
-from memkv.tls import TLS_HANDSHAKE_BYTE, ServerTls
 from memkv.sockio import PeerClosed, discard, recv_exactly, recv_exactly_into, send_all, set_recv_timeout, set_timeouts
+from memkv.tls import TLS_HANDSHAKE_BYTE, ServerTls
 
 log = logging.getLogger("memkv.node")
 
