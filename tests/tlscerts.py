@@ -17,6 +17,8 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import ipaddress
+import socket
+import ssl
 from pathlib import Path
 
 from cryptography import x509
@@ -141,3 +143,51 @@ def make_pki(directory: Path) -> Pki:
         client=_leaf(directory, "client", ca, [], client=True),
         rogue_client=_leaf(directory, "rogue-client", other, [], client=True),
     )
+
+
+_SESSION: list[Pki] = []
+
+
+def session_pki() -> Pki:
+    """One Pki per test process, in a temporary folder removed at exit."""
+    if not _SESSION:
+        import atexit
+        import shutil
+        import tempfile
+
+        directory = Path(tempfile.mkdtemp(prefix="memkv-pki-"))
+        atexit.register(shutil.rmtree, directory, True)
+        _SESSION.append(make_pki(directory))
+    return _SESSION[0]
+
+
+def node_tls_args(pki: Pki) -> list[str]:
+    """`memkv serve` flags for a TLS-only data port with the test CA's node certificate."""
+    return ["--tls-cert", pki.server.cert, "--tls-key", pki.server.key]
+
+
+def connect_to(node: object, timeout_s: float) -> socket.socket:
+    """A TCP connection to `node` (a LocalNode), wrapped in TLS when the node serves TLS
+    (`node.client_tls`, set by tests/conftest.py's NodeFactory)."""
+    host, port = node.host, node.port  # type: ignore[attr-defined]
+    sock = socket.create_connection((host, port), timeout=timeout_s)
+    tls = getattr(node, "client_tls", None)
+    if tls is None:
+        return sock
+    from memkv.tls import client_context
+
+    try:
+        return client_context(tls).wrap_socket(sock, server_hostname=host)
+    except BaseException:
+        sock.close()
+        raise
+
+
+def admin_context(node: object) -> ssl.SSLContext | None:
+    """The context that verifies `node`'s HTTPS admin port, or None for plain HTTP."""
+    tls = getattr(node, "client_tls", None)
+    if tls is None:
+        return None
+    from memkv.tls import client_context
+
+    return client_context(tls)
