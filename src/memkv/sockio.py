@@ -33,6 +33,10 @@ from collections.abc import Sequence
 _GATHER_BELOW = 64 << 10
 # A TLS send re-arms the deadline this often: one SSL_write per piece (each many records).
 _TLS_SEND_PIECE = 4 << 20
+# A TLS receive takes one record (16 KiB) per call; cutting the timeout before each would cost a
+# syscall per record (settimeout sets O_NONBLOCK again). It is cut at most this often instead, so
+# a transfer may outlive its deadline by at most this much.
+_TLS_REARM_S = 0.05
 
 
 def set_timeouts(sock: socket.socket, recv_s: float, send_s: float | None = None) -> None:
@@ -114,11 +118,15 @@ def _tls_recv_into(sock: ssl.SSLSocket, view: memoryview, deadline: float | None
                 raise PeerClosed(got, total)
             got += n
         return
+    armed = -1.0  # when the timeout was last cut to the time left
     while got < total:
-        left = deadline - time.monotonic()
-        if left <= 0:
-            raise TimeoutError(f"deadline passed after {got} of {total} bytes")
-        sock.settimeout(left)
+        now = time.monotonic()
+        if now - armed > _TLS_REARM_S:  # each call may block for the timeout set at `armed`
+            left = deadline - now
+            if left <= 0:
+                raise TimeoutError(f"deadline passed after {got} of {total} bytes")
+            sock.settimeout(left)
+            armed = now
         n = sock.recv_into(view[got:])
         if n == 0:
             raise PeerClosed(got, total)
