@@ -53,6 +53,10 @@ CLIENT_ENV_VARS = (
     ENV_PROMETHEUS_BIND,
     ENV_TRANSPORT,
     ENV_INTEGRITY,
+    ENV_TLS_CA,
+    ENV_TLS_CERT,
+    ENV_TLS_KEY,
+    ENV_TLS_SERVER_NAME,
 )
 
 # Units are case-sensitive and spelled out, so that none is ambiguous: KiB/MiB/GiB/TiB are binary
