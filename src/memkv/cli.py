@@ -53,7 +53,7 @@ import sys
 import threading
 import urllib.error
 import urllib.request
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from memkv import __version__
 from memkv.config import (
@@ -492,7 +492,7 @@ def fetch_status(host: str, admin_port: int, timeout_s: float = 2.0, tls: Client
         resp = conn.getresponse()
         if resp.status != 200:
             raise urllib.error.URLError(f"HTTP {resp.status}")
-        doc: dict = json.load(resp)
+        doc: dict[str, Any] = json.load(resp)
         return doc
     finally:
         conn.close()

@@ -34,19 +34,12 @@ from collections.abc import Callable
 
 from memkv.config import ClientTls, ServerAddress
 from memkv.errors import ConfigError
+from memkv.errors import explain_tls as explain
 
 log = logging.getLogger("memkv.tls")
 
 # The first byte of every TLS record that opens a connection (a handshake record).
 TLS_HANDSHAKE_BYTE = 0x16
-
-# OpenSSL's X509 verify codes (x509_vfy.h) that name a cause we can explain.
-_UNKNOWN_CA_CODES = {2, 18, 19, 20, 21}  # issuer unknown, self-signed, self-signed in chain, ...
-_EXPIRED = 10
-_NOT_YET_VALID = 9
-_HOSTNAME_MISMATCH = 62
-# OpenSSL reasons that mean "the bytes that came back are not TLS": the peer speaks plain MemKV.
-_NOT_TLS_REASONS = {"WRONG_VERSION_NUMBER", "RECORD_LAYER_FAILURE", "PACKET_LENGTH_TOO_LONG", "HTTP_REQUEST"}
 
 
 def server_context(cert: str, key: str, ca: str | None) -> ssl.SSLContext:
@@ -230,45 +223,6 @@ def client_connect(
         return tls
 
     return connect
-
-
-def explain(exc: ssl.SSLError) -> str:
-    """What went wrong in a TLS handshake, in words an operator can act on."""
-    if isinstance(exc, ssl.SSLCertVerificationError):
-        code = exc.verify_code
-        if code in _UNKNOWN_CA_CODES:
-            return (
-                "TLS: the node's certificate is not signed by a CA we trust (unknown CA) -- "
-                "set MEMKV_TLS_CA to the CA certificate that signed the node's certificate"
-            )
-        if code == _HOSTNAME_MISMATCH:
-            return (
-                f"TLS: the node's certificate does not name the host we connected to (hostname mismatch: "
-                f"{exc.verify_message}) -- connect by a name in its certificate or set MEMKV_TLS_SERVER_NAME"
-            )
-        if code == _EXPIRED:
-            return "TLS: the node's certificate has expired -- renew it, then send the node SIGHUP to reload it"
-        if code == _NOT_YET_VALID:
-            return "TLS: the node's certificate is not valid yet -- check the clocks of client and node"
-        return f"TLS: the node's certificate failed verification: {exc.verify_message}"
-    reason = exc.reason or ""
-    if reason == "TLSV13_ALERT_CERTIFICATE_REQUIRED" or reason == "PEER_DID_NOT_RETURN_A_CERTIFICATE":
-        return (
-            "TLS: the node requires a client certificate (mutual TLS) and we sent none -- "
-            "set MEMKV_TLS_CERT and MEMKV_TLS_KEY"
-        )
-    if reason in ("TLSV1_ALERT_UNKNOWN_CA", "SSLV3_ALERT_BAD_CERTIFICATE"):
-        return "TLS: the node does not trust our client certificate (unknown CA) -- use a certificate signed by its --tls-ca"
-    if reason == "SSLV3_ALERT_CERTIFICATE_EXPIRED":
-        return "TLS: the node refused our client certificate: it has expired -- renew MEMKV_TLS_CERT"
-    if reason in _NOT_TLS_REASONS:
-        return (
-            "TLS: the node answered without TLS: this port serves plain MemKV (a TLS client on a plain port) -- "
-            "use the node's TLS port (its --tls-listen) or unset MEMKV_TLS_CA/MEMKV_TLS_CERT"
-        )
-    if isinstance(exc, ssl.SSLEOFError) or reason == "UNEXPECTED_EOF_WHILE_READING":
-        return "TLS: the node closed the connection during the TLS handshake (is this a TLS port? does it need a client certificate?)"
-    return f"TLS: handshake failed: {reason or exc}"
 
 
 __all__ = ["ServerTls", "TLS_HANDSHAKE_BYTE", "client_connect", "client_context", "explain", "handshake"]
