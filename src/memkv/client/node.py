@@ -44,6 +44,10 @@ from memkv.sockio import PeerClosed, recv_exactly, recv_exactly_into, send_all, 
 # locality: every piece costs two GIL hand-offs, and in a busy process (vLLM's engine loop holds
 # the GIL) 1 MiB pieces cut a 16-thread load from 8 to 2 GB/s on the GPU host (bench/gpu/xfer.py).
 _VERIFY_CHUNK = 16 << 20
+# Over TLS a receive takes one 16 KiB record per call (a GIL hand-off each) whatever the piece
+# size, so pieces this small cost no extra hand-offs and are hashed while still in L2 cache
+# (16 MiB pieces were hashed from DRAM: 10% of a TLS GET on the 2-vCPU VM, docs/performance.md).
+_TLS_VERIFY_CHUNK = 256 << 10
 
 # The socket seam: how a connection's socket comes to be. `Client(config, connect=...)` hands
 # one down to every NodeConnection; tests pass an in-memory fake (tests/unit/fakenet.py), so
@@ -295,9 +299,10 @@ class NodeConnection:
             hasher = checksummer.hasher(algo)
         except ValueError:  # unknown algorithm: receive (to keep the stream in step), then fail
             hasher = None
+        step = _TLS_VERIFY_CHUNK if isinstance(self.sock, ssl.SSLSocket) else _VERIFY_CHUNK
         with self._io("read"):
-            for off in range(0, len(view), _VERIFY_CHUNK):
-                chunk = view[off : off + _VERIFY_CHUNK]
+            for off in range(0, len(view), step):
+                chunk = view[off : off + step]
                 recv_exactly_into(self.sock, chunk, deadline)
                 if hasher is not None:
                     hasher.update(chunk)
