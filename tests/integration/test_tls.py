@@ -63,8 +63,17 @@ def probe_error(client: Client) -> TlsError:
         # The vLLM tier's explain_probe_failure adds a hint only for these classes; a TlsError
         # is none of them, so the tier's startup message is this text unchanged.
         assert not isinstance(exc, (AuthError, ConnectError, MemKVTimeout, ProtocolError, ServerError))
+        assert tier_explain()(exc) == str(exc)
         return exc
     pytest.fail("the probe passed where it must fail")
+
+
+def tier_explain():
+    """The tier's own explain_probe_failure (tests/ops/test_docs_troubleshooting.py compiles it
+    from tier.py's source: importing tier.py needs vLLM)."""
+    from tests.ops.test_docs_troubleshooting import explain_probe_failure
+
+    return explain_probe_failure()
 
 
 def assert_serves(node: LocalNode, key_hex: str, tls: ClientTls | None, **kw) -> None:
