@@ -213,8 +213,11 @@ def explain_tls(exc: ssl.SSLError) -> str:
             "use the node's TLS port (its --tls-listen) or unset MEMKV_TLS_CA/MEMKV_TLS_CERT"
         )
     if isinstance(exc, ssl.SSLEOFError) or reason == "UNEXPECTED_EOF_WHILE_READING":
-        return "TLS: the node closed the connection during the TLS handshake (is this a TLS port? does it need a client certificate?)"
-    return f"TLS: handshake failed: {reason or exc}"
+        return (
+            "TLS: the node closed the connection without a TLS close (in a handshake: is this a TLS port, "
+            "and does it need a client certificate?)"
+        )
+    return f"TLS: {reason or exc}"
 
 
 __all__ = [
