@@ -24,7 +24,7 @@ from memkv import Client, ClientConfig
 from memkv import protocol as p
 from memkv.client.node import NodeConnection, tcp_connect
 from memkv.config import AuthKey, ClientTls, ServerAddress
-from memkv.errors import AuthError, ConnectError, MemKVTimeout, ProtocolError, ServerError, TlsError
+from memkv.errors import AuthError, ConnectError, MemKVError, MemKVTimeout, ProtocolError, ServerError, TlsError
 from memkv.local import LocalNode
 from memkv.tls import client_connect, client_context
 from tests.conftest import poll_until
@@ -287,3 +287,20 @@ def test_ssl_module_refuses_tls_below_1_3(tls_node, pki):
     ctx.maximum_version = ssl.TLSVersion.TLSv1_2
     with socket.create_connection((tls_node.host, tls_node.port), timeout=5.0) as raw, pytest.raises(ssl.SSLError):
         ctx.wrap_socket(raw, server_hostname=tls_node.host)
+
+
+def test_sigterm_closes_open_tls_connections_and_the_node_exits_cleanly(start_node, auth_key_hex, pki):
+    """shutdown() must reach the TLS sockets (they replace the TCP ones in the node's set): the
+    node exits 0 on SIGTERM, not by the SIGKILL that follows a hung stop, and an open client
+    connection sees the close (a failed request, never a hang)."""
+    node = start_node(capacity="64MiB", extra_args=tls_args(pki.server))
+    connect = client_connect(ClientTls(ca=pki.ca), tcp_connect)
+    opened = NodeConnection(ServerAddress(node.host, node.port), bytes.fromhex(auth_key_hex), 2.0, 5.0, connect=connect)
+    try:
+        assert isinstance(opened.request(p.PingRequest()), p.PingReply)
+        assert node.stop(timeout_s=10.0) == 0, node.output
+        assert any("node stopped" in line for line in node.output)
+        with pytest.raises(MemKVError):
+            opened.request(p.PingRequest())
+    finally:
+        opened.close()
