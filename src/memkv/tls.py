@@ -9,8 +9,8 @@ swaps it in; connections already up keep the context they were made with, new ha
 the new certificate. A reload that fails (a half-written file) keeps the old context.
 
 Client side: `client_connect(settings)` is a `memkv.client.node.Connect` seam that wraps each
-TCP connection in TLS, hostname verification on. `explain(exc)` turns OpenSSL's errors into a
-sentence naming the cause (unknown CA, hostname mismatch, expired certificate, a client
+TCP connection in TLS, hostname verification on. `memkv.errors.explain_tls(exc)` turns
+OpenSSL's errors into a sentence naming the cause (unknown CA, hostname mismatch, expired certificate, a client
 certificate required, TLS against a plain port); `errors.map_os_error` uses it, so every
 caller (the startup probe of the vLLM tier included) gets that sentence.
 
@@ -25,6 +25,7 @@ hold a connection slot past it.
 from __future__ import annotations
 
 import logging
+import os
 import select
 import socket
 import ssl
@@ -72,9 +73,10 @@ def client_context(settings: ClientTls) -> ssl.SSLContext:
 def _load_chain(ctx: ssl.SSLContext, cert: str, key: str, cert_setting: str, key_setting: str) -> None:
     try:
         ctx.load_cert_chain(cert, key)
-    except FileNotFoundError as exc:
-        which = cert_setting if exc.filename in (None, cert) else key_setting
-        raise ConfigError(f"{which}: no such file {exc.filename or cert}") from None
+    except FileNotFoundError:
+        # ssl does not say which file is missing
+        which, path = (cert_setting, cert) if not os.path.exists(cert) else (key_setting, key)
+        raise ConfigError(f"{which}: no such file {path}") from None
     except ssl.SSLError as exc:
         raise ConfigError(
             f"{cert_setting} {cert} / {key_setting} {key}: not a PEM certificate and its matching private key "
@@ -192,9 +194,9 @@ def handshake(tls: ssl.SSLSocket, deadline: float) -> None:
         left = deadline - time.monotonic()
         if left <= 0:
             raise TimeoutError("TLS handshake timed out")
-        fd = [tls.fileno()]
-        ready = select.select([], fd, [], left) if want_write else select.select(fd, [], [], left)
-        if not any(ready):
+        poller = select.poll()  # not select(): a node's descriptors go past FD_SETSIZE (1024)
+        poller.register(tls.fileno(), select.POLLOUT if want_write else select.POLLIN)
+        if not poller.poll(max(1, int(left * 1000 + 0.999))):
             raise TimeoutError("TLS handshake timed out")
     tls.setblocking(True)
 

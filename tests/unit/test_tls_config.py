@@ -106,6 +106,8 @@ def test_unusable_files_name_the_file_and_never_print_key_material(tmp_path: Pat
     pki = session_pki()
     with pytest.raises(ConfigError, match="--tls-cert: no such file"):
         server_context(str(tmp_path / "none.crt"), pki.server.key, None)
+    with pytest.raises(ConfigError, match="--tls-key: no such file .*none.key"):
+        server_context(pki.server.cert, str(tmp_path / "none.key"), None)
     with pytest.raises(ConfigError, match="matching private key") as info:
         server_context(pki.server.cert, pki.server2.key, None)
     key_pem = Path(pki.server2.key).read_text()
