@@ -13,6 +13,15 @@ slow state, so only same-repetition ratios mean anything):
   * redis: a real `redis-server` started by the bench (skipped if not installed; `apt-get
     install redis-server`), driven by redis-py with SET/GET of the same values.
 Targets (16 MiB): memkv >= 0.8 x raw, >= 2 x Redis. Results: bench/out/datapath.json.
+
+    python bench/datapath.py --tls                 # TLS: bench/out/datapath_tls.json
+
+--tls measures, in each repetition: a raw `ssl` socket moving the same bytes (the raw design
+above inside TLS 1.3, same certificate and cipher), MemKV over TLS (`--tls-cert`, the client
+with MEMKV_TLS_CA), and plain MemKV. Target: memkv-tls >= 0.9 x raw-tls. It also reports CPU
+seconds per GB moved (client and server processes together: user + system time), i.e. how many
+cores one GB/s costs. `--ktls` asks OpenSSL for kernel TLS (OP_ENABLE_KTLS) on both sides and
+says whether the kernel offers it (the `tls` ULP).
 """
 
 from __future__ import annotations
@@ -34,6 +43,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+sys.path.insert(1, str(Path(__file__).resolve().parents[1]))  # tests/tlscerts.py for --tls
 
 from memkv.benchmark import fill_pattern, prefaulted_pool  # noqa: E402
 from memkv.client.cluster import Client  # noqa: E402
@@ -47,13 +57,46 @@ _REQ = struct.Struct(">cI")  # op b"P"/b"G", slot
 # -- raw baseline --------------------------------------------------------------------------------------
 
 
-def raw_server(port_file: str, value_bytes: int, slots: int) -> None:
+def raw_server(port_file: str, value_bytes: int, slots: int, tls: list[str] | None = None) -> None:
+    """`tls`: [cert, key, ktls(0/1)]: the same server inside TLS 1.3 (no MSG_WAITALL there)."""
     pool = memoryview(prefaulted_pool(value_bytes * slots))
     lsock = socket.create_server(("127.0.0.1", 0))
     Path(port_file).write_text(str(lsock.getsockname()[1]))
+    ctx = None
+    if tls:
+        import ssl
+
+        ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        ctx.minimum_version = ssl.TLSVersion.TLSv1_3
+        ctx.load_cert_chain(tls[0], tls[1])
+        if tls[2] == "1":
+            ctx.options |= OP_ENABLE_KTLS
+
+    def serve_tls(conn) -> None:
+        hdr = bytearray(_REQ.size)
+        with conn:
+            while True:
+                got = 0
+                while got < len(hdr):
+                    n = conn.recv_into(memoryview(hdr)[got:])
+                    if not n:
+                        return
+                    got += n
+                op, slot = _REQ.unpack(hdr)
+                view = pool[slot * value_bytes : (slot + 1) * value_bytes]
+                if op == b"P":
+                    got = 0
+                    while got < value_bytes:
+                        got += conn.recv_into(view[got:])
+                    conn.sendall(b"k")
+                else:
+                    conn.sendall(view)
 
     def serve(conn: socket.socket) -> None:
         conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        if ctx is not None:
+            serve_tls(ctx.wrap_socket(conn, server_side=True))
+            return
         hdr = bytearray(_REQ.size)
         with conn:
             while conn.recv_into(hdr, len(hdr), socket.MSG_WAITALL) == len(hdr):
@@ -72,17 +115,24 @@ def raw_server(port_file: str, value_bytes: int, slots: int) -> None:
         threading.Thread(target=serve, args=(conn,), daemon=True).start()
 
 
+# OpenSSL 3's SSL_OP_ENABLE_KTLS; Python's ssl names it only from 3.12.
+OP_ENABLE_KTLS = 1 << 3
+
+
 class RawClient:
-    def __init__(self, port: int) -> None:
+    def __init__(self, port: int, tls_ctx=None) -> None:
         self._local = threading.local()
         self.port = port
         self._socks: list[socket.socket] = []
+        self._tls_ctx = tls_ctx
 
     def _sock(self) -> socket.socket:
         s = getattr(self._local, "sock", None)
         if s is None:
             s = socket.create_connection(("127.0.0.1", self.port))
             s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            if self._tls_ctx is not None:
+                s = self._tls_ctx.wrap_socket(s, server_hostname="127.0.0.1")
             self._local.sock = s
             self._socks.append(s)
         return s
@@ -97,6 +147,10 @@ class RawClient:
         s = self._sock()
         s.sendall(_REQ.pack(b"G", slot))
         got = 0
+        if self._tls_ctx is not None:  # an SSLSocket takes no flags: one record per call
+            while got < len(view):
+                got += s.recv_into(view[got:])
+            return
         while got < len(view):
             got += s.recv_into(view[got:], len(view) - got, socket.MSG_WAITALL)
 
@@ -105,9 +159,10 @@ class RawClient:
             s.close()
 
 
-def start_raw(value_bytes: int, slots: int) -> tuple[subprocess.Popen, int]:
+def start_raw(value_bytes: int, slots: int, tls: list[str] | None = None) -> tuple[subprocess.Popen, int]:
     port_file = Path(tempfile.mkdtemp()) / "port"
-    proc = subprocess.Popen([sys.executable, __file__, "--value-size", str(value_bytes), "--raw-server", str(port_file), str(slots)])
+    extra = ["--raw-tls", *tls] if tls else []
+    proc = subprocess.Popen([sys.executable, __file__, "--value-size", str(value_bytes), "--raw-server", str(port_file), str(slots), *extra])
     deadline = time.monotonic() + 60
     while not (port_file.exists() and port_file.read_text()):
         if time.monotonic() > deadline or proc.poll() is not None:
@@ -228,6 +283,119 @@ def measure(value_bytes: int, n: int, threads: int, n_nodes: int, reps: int, bpo
             "reps": reps, "gbps": rates, "ratios": ratios, "redis": redis_note}
 
 
+def cpu_seconds(pid: int | None = None) -> float:
+    """User + system CPU seconds of `pid` (from /proc), or of this process."""
+    if pid is None:
+        t = os.times()
+        return t.user + t.system
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def ktls_available() -> str:
+    """Whether this kernel offers kernel TLS: the `tls` TCP ULP must attach to a socket."""
+    with socket.create_server(("127.0.0.1", 0)) as lsock:
+        with socket.create_connection(lsock.getsockname()) as c:
+            try:
+                c.setsockopt(socket.IPPROTO_TCP, getattr(socket, "TCP_ULP", 31), b"tls")
+            except OSError as exc:
+                return f"no: setsockopt(TCP_ULP, 'tls') failed: {exc.strerror} (no tls kernel module)"
+    return "yes"
+
+
+def measure_tls(value_bytes: int, n: int, threads: int, reps: int, ktls: bool) -> dict:
+    """raw-tls vs memkv-tls vs plain memkv, same values, same run (see the module docstring)."""
+    import ssl
+
+    from memkv.config import ClientTls
+    from tests.tlscerts import make_pki
+
+    pki = make_pki(Path(tempfile.mkdtemp(prefix="memkv-bench-pki-")))
+    raw, raw_port = start_raw(value_bytes, n, [pki.server.cert, pki.server.key, "1" if ktls else "0"])
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    ctx.minimum_version = ssl.TLSVersion.TLSv1_3
+    ctx.load_verify_locations(pki.ca)
+    if ktls:
+        ctx.options |= OP_ENABLE_KTLS
+    key = new_key_hex()
+    capacity = str(int(value_bytes * n * 1.3) + (64 << 20))
+    tls_node = LocalNode(key, capacity=capacity, extra_args=["--tls-cert", pki.server.cert, "--tls-key", pki.server.key])
+    plain_node = LocalNode(key, capacity=capacity)
+    rawc = RawClient(raw_port, ctx)
+    try:
+        auth = AuthKey.from_hex(key, "bench")
+        tls_client = Client(ClientConfig(servers=parse_servers(tls_node.address, "bench"), auth_key=auth,
+                                         pool_size=max(8, threads), tls=ClientTls(ca=pki.ca)))
+        plain_client = Client(ClientConfig(servers=parse_servers(plain_node.address, "bench"), auth_key=auth,
+                                           pool_size=max(8, threads)))
+        src = memoryview(prefaulted_pool(value_bytes * n))
+        dst = memoryview(prefaulted_pool(value_bytes * n))
+        for i in range(n):
+            fill_pattern(src[i * value_bytes : (i + 1) * value_bytes], i)
+        keys = [f"bench/{i}".encode() for i in range(n)]
+
+        def slot(v, i):
+            return v[i * value_bytes : (i + 1) * value_bytes]
+
+        per_thread = [list(range(t, n, threads)) for t in range(threads)]
+        ops = {
+            "raw-tls put": (lambda idx: [rawc.put(i, slot(src, i)) for i in idx], raw.pid),
+            "memkv-tls put": (lambda idx: [tls_client.batch_put_views([(keys[i], slot(src, i))]) for i in idx], tls_node.pid),
+            "memkv put": (lambda idx: [plain_client.batch_put_views([(keys[i], slot(src, i))]) for i in idx], plain_node.pid),
+            "raw-tls get": (lambda idx: [rawc.get(i, slot(dst, i)) for i in idx], raw.pid),
+            "memkv-tls get": (lambda idx: [tls_client.batch_get_into([(keys[i], slot(dst, i))]) for i in idx], tls_node.pid),
+            "memkv get": (lambda idx: [plain_client.batch_get_into([(keys[i], slot(dst, i))]) for i in idx], plain_node.pid),
+        }
+        rates: dict[str, list[float]] = {name: [] for name in ops}
+        cpu: dict[str, list[float]] = {name: [] for name in ops}  # CPU seconds per GB moved
+        with concurrent.futures.ThreadPoolExecutor(threads) as ex:
+            for fn, _ in ops.values():
+                list(ex.map(fn, per_thread))
+            for _ in range(reps):
+                for name, (fn, pid) in ops.items():
+                    c0, s0 = cpu_seconds(), cpu_seconds(pid)
+                    t = time.perf_counter()
+                    list(ex.map(fn, per_thread))
+                    dt = time.perf_counter() - t
+                    used = cpu_seconds() - c0 + cpu_seconds(pid) - s0
+                    rates[name].append(value_bytes * n / dt / 1e9)
+                    cpu[name].append(used / (value_bytes * n / 1e9))
+                    if name.endswith("get"):
+                        assert dst == src, f"{name} returned wrong bytes"
+                        dst[:8] = b"\0" * 8
+        tls_client.close()
+        plain_client.close()
+    finally:
+        rawc.close()
+        raw.kill()
+        tls_node.stop()
+        plain_node.stop()
+
+    def per_rep(a: str, b: str) -> list[float]:
+        return [x / y for x, y in zip(rates[a], rates[b])]
+
+    ratios = {}
+    for op in ("put", "get"):
+        ratios[f"memkv-tls/raw-tls {op}"] = per_rep(f"memkv-tls {op}", f"raw-tls {op}")
+        ratios[f"memkv-tls/memkv {op}"] = per_rep(f"memkv-tls {op}", f"memkv {op}")
+    return {"value_bytes": value_bytes, "values": n, "threads": threads, "nodes": 1, "blocks_per_op": 1, "reps": reps,
+            "gbps": rates, "cpu_s_per_gb": cpu, "ratios": ratios, "openssl": ssl.OPENSSL_VERSION,
+            "ktls_requested": ktls, "ktls_kernel": ktls_available(), "redis": "not run"}
+
+
+def print_tls(r: dict) -> None:
+    print(f"\n{format_size(r['value_bytes'])} values x {r['values']}, {r['threads']} threads, {r['reps']} reps; "
+          f"{r['openssl']}; kTLS requested: {r['ktls_requested']}, kernel: {r['ktls_kernel']}")
+    print(f"  {'':<11}" + "".join(f"{h:>12}" for h in ("put GB/s", "get GB/s", "put cpu-s/GB", "get cpu-s/GB")))
+    for who in ("raw-tls", "memkv-tls", "memkv"):
+        med = [statistics.median(r["gbps"][f"{who} {op}"]) for op in ("put", "get")]
+        cpu = [statistics.median(r["cpu_s_per_gb"][f"{who} {op}"]) for op in ("put", "get")]
+        print(f"  {who:<11}" + "".join(f"{x:>12.2f}" for x in med + cpu))
+    for name, vals in r["ratios"].items():
+        print(f"  {name:<24} median {statistics.median(vals):.2f}  (per rep {min(vals):.2f}-{max(vals):.2f})")
+
+
 def print_config(r: dict) -> None:
     print(f"\n{format_size(r['value_bytes'])} values x {r['values']}, {r['threads']} threads, {r['nodes']} node(s), "
           f"{r['blocks_per_op']} per batch, {r['reps']} reps; redis: {r['redis']}")
@@ -275,15 +443,25 @@ def main() -> None:
     ap.add_argument("--blocks-per-op", type=int, default=1, help="values per client batch call")
     ap.add_argument("--no-redis", action="store_true")
     ap.add_argument("--sweep", action="store_true", help="sizes 1-64 MiB, threads 1-16, nodes 1-4")
+    ap.add_argument("--tls", action="store_true", help="raw ssl socket vs MemKV over TLS vs plain MemKV")
+    ap.add_argument("--ktls", action="store_true", help="with --tls: ask OpenSSL for kernel TLS on both sides")
     ap.add_argument("--raw-server", nargs=2, metavar=("PORT_FILE", "SLOTS"), help=argparse.SUPPRESS)
+    ap.add_argument("--raw-tls", nargs=3, metavar=("CERT", "KEY", "KTLS"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     value_bytes = parse_size(args.value_size, "--value-size")
     if args.raw_server:
-        raw_server(args.raw_server[0], value_bytes, int(args.raw_server[1]))
+        raw_server(args.raw_server[0], value_bytes, int(args.raw_server[1]), args.raw_tls)
         return
     machine = f"{platform.node()} {platform.machine()} {os.cpu_count()} cpus, Python {platform.python_version()}"
     stamp = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     OUT.mkdir(exist_ok=True)
+    if args.tls:
+        r = measure_tls(value_bytes, args.values, args.threads, args.reps, args.ktls)
+        print(f"datapath --tls -- {machine} -- {stamp}")
+        print_tls(r)
+        name = "datapath_ktls.json" if args.ktls else "datapath_tls.json"
+        (OUT / name).write_text(json.dumps({"benchmark": "datapath-tls", "date": stamp, "machine": machine, **r}, indent=2))
+        return
     if not args.sweep:
         r = measure(value_bytes, args.values, args.threads, args.nodes, args.reps, args.blocks_per_op, not args.no_redis)
         print(f"datapath -- {machine} -- {stamp}")

@@ -21,8 +21,9 @@ from collections.abc import Callable, Iterator, Sequence
 import pytest
 
 from memkv import Client, ClientConfig
-from memkv.config import AuthKey, ServerAddress
+from memkv.config import AuthKey, ClientTls, ServerAddress
 from memkv.local import LocalNode, new_key_hex
+from tests.tlscerts import node_tls_args, session_pki
 
 DEFAULT_CAPACITY = "256MiB"
 
@@ -35,9 +36,10 @@ def auth_key_hex() -> str:
 class NodeFactory:
     """Starts LocalNodes and remembers them so that `stop_all` can stop every one."""
 
-    def __init__(self, auth_key_hex: str) -> None:
+    def __init__(self, auth_key_hex: str, tls: bool = False) -> None:
         self.auth_key_hex = auth_key_hex
         self.nodes: list[LocalNode] = []
+        self.tls = tls  # the default of __call__'s `tls`
 
     def __call__(
         self,
@@ -46,15 +48,21 @@ class NodeFactory:
         auth_key_hex: str | None = None,
         env: dict | None = None,
         preexec_fn: Callable[[], None] | None = None,
+        tls: bool | None = None,
     ) -> LocalNode:
+        """`tls=True`: a TLS-only data port with the session's test certificate; the node's
+        `client_tls` then holds the settings that trust it (build_client, RawSession and
+        tests/faults/nodeops.py pick them up)."""
+        pki = session_pki() if (self.tls if tls is None else tls) else None
         node = LocalNode(
             self.auth_key_hex if auth_key_hex is None else auth_key_hex,
             capacity=capacity,
-            extra_args=extra_args,
+            extra_args=[*extra_args, *(node_tls_args(pki) if pki else ())],
             ready_timeout_s=30.0,
             env=env,
             preexec_fn=preexec_fn,
         )
+        node.client_tls = ClientTls(ca=pki.ca) if pki else None  # type: ignore[attr-defined]
         self.nodes.append(node)
         return node
 
@@ -69,8 +77,8 @@ class NodeFactory:
                 node.kill()
 
 
-def _node_factory(auth_key_hex: str) -> Iterator[NodeFactory]:
-    factory = NodeFactory(auth_key_hex)
+def _node_factory(auth_key_hex: str, tls: bool = False) -> Iterator[NodeFactory]:
+    factory = NodeFactory(auth_key_hex, tls)
     try:
         yield factory
     finally:
@@ -99,6 +107,8 @@ def build_client(
     down_for_s: float = 0.5,
     **kwargs,
 ) -> Client:
+    if "tls" not in kwargs:  # a TLS node (NodeFactory(tls=True)) is reached over TLS
+        kwargs["tls"] = next((n.client_tls for n in nodes if getattr(n, "client_tls", None)), None)
     return Client(
         ClientConfig(
             servers=tuple(server_address(n) for n in nodes),
@@ -153,3 +163,9 @@ def poll_until(predicate: Callable[[], object], timeout_s: float, interval_s: fl
 @pytest.fixture
 def wait_until() -> Callable[..., object]:
     return poll_until
+
+
+@pytest.fixture(scope="session")
+def pki():
+    """A CA and certificates for TLS tests (tests/tlscerts.py), made once per session."""
+    return session_pki()

@@ -40,12 +40,15 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import hashlib
+import http.client
 import json
 import logging
 import os
 import re
 import secrets
 import signal
+import socket
+import ssl
 import sys
 import threading
 import urllib.error
@@ -62,6 +65,7 @@ from memkv.config import (
     SIZE_UNITS_HELP,
     AuthKey,
     ClientConfig,
+    ClientTls,
     LaneSpec,
     ServerAddress,
     ServerConfig,
@@ -78,6 +82,7 @@ from memkv.errors import AuthError, ConfigError, MemKVError
 if TYPE_CHECKING:  # the CLI imports the client lazily: `memkv serve` never loads it
     from memkv.client.cluster import Client
     from memkv.client.node import NodeClient
+    from memkv.server.node import Node
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 ENV_LOG_LEVEL = "MEMKV_LOG_LEVEL"
@@ -165,6 +170,21 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--idle-timeout", type=float, default=300.0, help="seconds an idle connection is kept (default 300)")
     s.add_argument("--io-timeout", type=float, default=30.0, help="seconds a started frame may take (default 30)")
     s.add_argument("--node-id", default="", help="name reported to clients and in status (default host:port)")
+    t = s.add_argument_group("TLS (docs/operations.md, 'Encryption in transit'); SIGHUP re-reads the files")
+    t.add_argument("--tls-cert", default=None, metavar="FILE", help="PEM certificate (chain) of the node: turns TLS on")
+    t.add_argument("--tls-key", default=None, metavar="FILE", help="PEM private key of --tls-cert")
+    t.add_argument(
+        "--tls-ca",
+        default=None,
+        metavar="FILE",
+        help="PEM CA: clients must present a certificate it signed (mutual TLS)",
+    )
+    t.add_argument(
+        "--tls-listen",
+        default=None,
+        metavar="HOST:PORT",
+        help="serve TLS on this second port and keep --listen plain (default: --listen itself is TLS-only)",
+    )
     s.set_defaults(func=cmd_serve)
 
     k = sub.add_parser("keygen", help="print a new auth key (64 hex characters)")
@@ -276,6 +296,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
         idle_timeout_s=args.idle_timeout,
         io_timeout_s=args.io_timeout,
         node_id=args.node_id,
+        tls_cert=args.tls_cert,
+        tls_key=args.tls_key,
+        tls_ca=args.tls_ca,
+        tls_listen=parse_address(args.tls_listen, "--tls-listen") if args.tls_listen else None,
     )
     key = _server_key(args)
     try:
@@ -296,6 +320,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
+    _serve_tls_lines(node)
     ah, ap = admin.address
     print(f"memkv node listening on {_fmt(node.address[0])}:{node.address[1]} (admin {_fmt(ah)}:{ap})", flush=True)
     print(
@@ -309,6 +334,22 @@ def cmd_serve(args: argparse.Namespace) -> int:
         admin.shutdown()
     print("memkv: node stopped", flush=True)
     return EXIT_OK
+
+
+def _serve_tls_lines(node: Node) -> None:
+    """With TLS: SIGHUP re-reads the certificate files (cert-manager rotates them in place),
+    and a line says where TLS is served (memkv.local parses it)."""
+    tls, where = node.tls, node.tls_address
+    if tls is None or where is None:
+        return
+
+    def on_hup(signum: int, frame: object) -> None:
+        threading.Thread(target=tls.reload, name="memkv-tls-reload", daemon=True).start()
+
+    signal.signal(signal.SIGHUP, on_hup)
+    mode = "mutual TLS" if tls.mutual else "TLS"
+    plain = f"; plain on {_fmt(node.address[0])}:{node.address[1]}" if where != node.address else ""
+    print(f"memkv: TLS on {_fmt(where[0])}:{where[1]} ({mode}, TLS 1.3; admin HTTPS{plain})", flush=True)
 
 
 def _fmt(host: str) -> str:
@@ -431,19 +472,43 @@ def cmd_probe(args: argparse.Namespace) -> int:
 # -- status -----------------------------------------------------------------------------------------
 
 
-def fetch_status(host: str, admin_port: int, timeout_s: float = 2.0) -> dict[str, Any]:
-    url = f"http://{_fmt(host)}:{admin_port}/v1/status"
-    with urllib.request.urlopen(url, timeout=timeout_s) as resp:
+def fetch_status(host: str, admin_port: int, timeout_s: float = 2.0, tls: ClientTls | None = None) -> dict[str, Any]:
+    """GET /v1/status; over HTTPS when the client has TLS settings (the node's certificate is
+    verified against MEMKV_TLS_CA, its name against MEMKV_TLS_SERVER_NAME or `host`)."""
+    if tls is None:
+        with urllib.request.urlopen(f"http://{_fmt(host)}:{admin_port}/v1/status", timeout=timeout_s) as resp:
+            plain: dict[str, Any] = json.load(resp)
+            return plain
+    from memkv.tls import client_context
+
+    ctx = client_context(tls)
+    sock = socket.create_connection((host, admin_port), timeout=timeout_s)
+    try:
+        wrapped = ctx.wrap_socket(sock, server_hostname=tls.server_name or host)
+    except BaseException:
+        sock.close()
+        raise
+    conn = http.client.HTTPConnection(host, admin_port, timeout=timeout_s)
+    conn.sock = wrapped  # http.client sends on a socket already set instead of connecting
+    try:
+        conn.request("GET", "/v1/status")
+        resp = conn.getresponse()
+        if resp.status != 200:
+            raise urllib.error.URLError(f"HTTP {resp.status}")
         doc: dict[str, Any] = json.load(resp)
         return doc
+    finally:
+        conn.close()
 
 
-def _status_row(server: ServerAddress, offset: int, timeout_s: float, node: NodeClient | None = None) -> dict[str, Any]:
+def _status_row(
+    server: ServerAddress, offset: int, timeout_s: float, node: NodeClient | None = None, tls: ClientTls | None = None
+) -> dict[str, Any]:
     """One server's admin status, then (with `node`, its NodeClient) an authenticated PING on
     its data port: the admin port takes no key, so only the ping shows that ours is right."""
     row: dict[str, Any] = {"server": server.name, "admin": f"{_fmt(server.host)}:{server.port + offset}"}
     try:
-        s = fetch_status(server.host, server.port + offset, timeout_s)
+        s = fetch_status(server.host, server.port + offset, timeout_s, tls)
         hits, misses = int(s["hits"]), int(s["misses"])
         row.update(
             {
@@ -475,6 +540,10 @@ def _status_row(server: ServerAddress, offset: int, timeout_s: float, node: Node
         )
     except urllib.error.URLError as exc:
         row.update({"health": "down", "error": f"admin port {row['admin']}: {getattr(exc, 'reason', exc)}"})
+    except ssl.SSLError as exc:
+        from memkv.tls import explain
+
+        row.update({"health": "down", "error": f"admin port {row['admin']} (HTTPS): {explain(exc)}"})
     except (OSError, ValueError, KeyError, TypeError) as exc:
         row.update({"health": "down", "error": f"admin port {row['admin']}: bad answer ({type(exc).__name__}: {exc})"})
     if "error" in row or node is None:
@@ -526,7 +595,9 @@ def cmd_status(args: argparse.Namespace) -> int:
     with Client(config) as client, concurrent.futures.ThreadPoolExecutor(min(16, len(servers))) as pool:
         nodes = {n.name: n for n in client._nodes}  # a dead node costs one timeout, not N
         rows = list(
-            pool.map(lambda s: _status_row(s, args.admin_port_offset, args.timeout, nodes.get(s.name)), servers)
+            pool.map(
+                lambda s: _status_row(s, args.admin_port_offset, args.timeout, nodes.get(s.name), config.tls), servers
+            )
         )
     totals = _cluster_totals(rows)
     ok = totals["healthy"] == len(rows)

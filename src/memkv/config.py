@@ -36,6 +36,12 @@ ENV_RDMA_DEVICES = "MEMKV_RDMA_DEVICES"
 ENV_PROMETHEUS_BIND = "MEMKV_PROMETHEUS_BIND"
 ENV_TRANSPORT = "MEMKV_TRANSPORT"
 ENV_INTEGRITY = "MEMKV_INTEGRITY"
+# TLS (memkv/tls.py): any of them set turns TLS on for every server.
+ENV_TLS_CA = "MEMKV_TLS_CA"
+ENV_TLS_CERT = "MEMKV_TLS_CERT"
+ENV_TLS_KEY = "MEMKV_TLS_KEY"
+ENV_TLS_SERVER_NAME = "MEMKV_TLS_SERVER_NAME"
+TLS_ENV = {"ca": ENV_TLS_CA, "cert": ENV_TLS_CERT, "key": ENV_TLS_KEY, "server_name": ENV_TLS_SERVER_NAME}
 
 CLIENT_ENV_VARS = (
     ENV_CONFIG,
@@ -47,6 +53,10 @@ CLIENT_ENV_VARS = (
     ENV_PROMETHEUS_BIND,
     ENV_TRANSPORT,
     ENV_INTEGRITY,
+    ENV_TLS_CA,
+    ENV_TLS_CERT,
+    ENV_TLS_KEY,
+    ENV_TLS_SERVER_NAME,
 )
 
 # Units are case-sensitive and spelled out, so that none is ambiguous: KiB/MiB/GiB/TiB are binary
@@ -288,7 +298,29 @@ YAML_KEYS = {
     "io_timeout_s": "seconds",
     "pool_size": "connections per server",
     "down_for_s": "seconds a failed server is skipped",
+    "tls": "mapping: ca, cert, key, server_name (TLS on; docs/configuration.md)",
 }
+
+
+@dataclasses.dataclass(frozen=True)
+class ClientTls:
+    """A client's TLS settings (MEMKV_TLS_* or client.yaml's `tls:` block). `ca`: PEM file of
+    the CA(s) that sign the nodes' certificates (None: the system's trust store). `cert` and
+    `key`: the client's certificate for nodes that require one (mutual TLS). `server_name`:
+    the name checked against the node's certificate (None: the host of each server address)."""
+
+    ca: str | None = None
+    cert: str | None = None
+    key: str | None = None
+    server_name: str | None = None
+
+    def __post_init__(self) -> None:
+        if (self.cert is None) != (self.key is None):
+            raise ConfigError("MEMKV_TLS_CERT and MEMKV_TLS_KEY (tls.cert, tls.key) must be set together")
+        for name in ("ca", "cert", "key", "server_name"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, str) or not v.strip()):
+                raise ConfigError(f"tls.{name}: expected a non-empty string, got {v!r}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -307,6 +339,7 @@ class ClientConfig:
     io_timeout_s: float = 10.0
     pool_size: int = 8
     down_for_s: float = 2.0
+    tls: ClientTls | None = None  # None: plain TCP
 
     def __post_init__(self) -> None:
         if not self.servers:
@@ -365,10 +398,32 @@ class ClientConfig:
         for key in ("connect_timeout_s", "io_timeout_s", "down_for_s", "pool_size"):
             if key in doc:
                 fields[key] = doc[key]
+        fields["tls"] = _client_tls(env, doc, path)
         try:
             return cls(**fields)
         except ConfigError as exc:
             raise ConfigError(f"{path + ': ' if path else ''}{exc}") from None
+
+
+def _client_tls(env: Mapping[str, str], doc: Mapping[str, Any], path: str | None) -> ClientTls | None:
+    """MEMKV_TLS_* over client.yaml's `tls:` block, setting by setting; TLS is on when either
+    names anything (an empty `tls: {}` block too: the system's CAs, hostname checked)."""
+    block = doc.get("tls")
+    if block is not None and not isinstance(block, dict):
+        raise ConfigError(f"{ENV_CONFIG} ({path}): tls must be a mapping with keys {sorted(TLS_ENV)}")
+    block = block or {}
+    unknown = set(block) - set(TLS_ENV)
+    if unknown:
+        raise ConfigError(f"{ENV_CONFIG} ({path}): tls has unknown keys {sorted(unknown)}; known: {sorted(TLS_ENV)}")
+    values: dict[str, str | None] = {}
+    for name, env_name in TLS_ENV.items():
+        value = env_value(env, env_name)
+        if value is None and block.get(name) is not None:
+            value = str(block[name])
+        values[name] = value.strip() if value is not None else None
+    if "tls" not in doc and all(v is None for v in values.values()):
+        return None
+    return ClientTls(**values)
 
 
 def _load_yaml(path: str) -> dict[str, Any]:
@@ -533,8 +588,15 @@ class ServerConfig:
     # RDMA (memkv/server/rdma.py, docs/rdma.md); by default from the node's environment.
     transport: str = dataclasses.field(default_factory=node_transport_from_env)  # "tcp": refuse attaches
     rdma_devices: tuple[str, ...] = dataclasses.field(default_factory=node_rdma_devices_from_env)
+    # TLS (memkv/tls.py): with cert and key, the data port speaks TLS only, unless tls_listen
+    # names a second port for it (the data port then stays plain). tls_ca: mutual TLS.
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    tls_ca: str | None = None
+    tls_listen: tuple[str, int] | None = None
 
     def __post_init__(self) -> None:
+        self._check_tls()
         if self.transport not in TRANSPORTS:
             raise ConfigError(f"{ENV_TRANSPORT}: expected one of {', '.join(TRANSPORTS)}, got {self.transport!r}")
         if self.max_value_bytes > self.capacity_bytes:
@@ -548,3 +610,13 @@ class ServerConfig:
         names = [lane.name for lane in self.lanes]
         if len(set(names)) != len(names) or "default" in names:
             raise ConfigError("--lane: lane names must be unique and not 'default'")
+
+    def _check_tls(self) -> None:
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ConfigError("--tls-cert and --tls-key must be given together")
+        if self.tls_cert is None and (self.tls_ca is not None or self.tls_listen is not None):
+            raise ConfigError("--tls-ca and --tls-listen need --tls-cert and --tls-key")
+
+    @property
+    def tls(self) -> bool:
+        return self.tls_cert is not None

@@ -14,7 +14,9 @@
     │   │   └── PoolTimeout
     │   ├── ConnectError
     │   ├── ReadError          the peer closed or reset mid-frame
-    │   └── WriteError
+    │   ├── WriteError
+    │   └── TlsError           TLS failed: unknown CA, hostname mismatch, expired or missing
+    │                          certificate, TLS against a plain port (the message says which)
     ├── NodeUnavailable        the node is marked down; the call failed fast without I/O
     ├── ServerError            the node answered with an error code (see protocol.ErrorCode)
     ├── IntegrityError         a value's checksum did not match its bytes
@@ -36,6 +38,7 @@ from __future__ import annotations
 
 import errno
 import socket
+import ssl
 
 
 class MemKVError(Exception):
@@ -108,6 +111,11 @@ class WriteError(TransportError):
     pass
 
 
+class TlsError(TransportError):
+    """The TLS layer failed; the message names the cause and the setting to fix
+    (memkv/tls.py `explain`). Not a ConnectError: no address or reachability hint applies."""
+
+
 class NodeUnavailable(MemKVError):
     """The node is marked down after a failure; the call failed fast without touching it."""
 
@@ -144,6 +152,8 @@ class ClientClosed(RuntimeError):
 
 def map_os_error(exc: OSError, op: str, server: str | None = None) -> TransportError:
     """Translate a socket-level OSError raised during `op` ("connect", "read", "write")."""
+    if isinstance(exc, ssl.SSLError):  # before the timeouts: SSLError is no timeout
+        return TlsError(explain_tls(exc), server)
     # BlockingIOError: a kernel timeout (SO_RCVTIMEO/SO_SNDTIMEO) expired on a blocking socket.
     if isinstance(exc, (socket.timeout, TimeoutError, BlockingIOError)):
         timeout: type[MemKVTimeout] = {"connect": ConnectTimeout, "read": ReadTimeout, "write": WriteTimeout}[op]
@@ -157,6 +167,57 @@ def map_os_error(exc: OSError, op: str, server: str | None = None) -> TransportE
         return ConnectError(f"connect failed: {exc.strerror or exc}{hint}", server)
     cls = ReadError if op == "read" else WriteError
     return cls(f"{op} failed: {exc.strerror or exc}", server)
+
+
+# OpenSSL's X509 verify codes (x509_vfy.h) that name a cause we can explain.
+_UNKNOWN_CA_CODES = {2, 18, 19, 20, 21}  # issuer unknown, self-signed, self-signed in chain, ...
+_EXPIRED = 10
+_NOT_YET_VALID = 9
+_HOSTNAME_MISMATCH = 62
+# OpenSSL reasons that mean "the bytes that came back are not TLS": the peer speaks plain MemKV.
+_NOT_TLS_REASONS = {"WRONG_VERSION_NUMBER", "RECORD_LAYER_FAILURE", "PACKET_LENGTH_TOO_LONG", "HTTP_REQUEST"}
+
+
+def explain_tls(exc: ssl.SSLError) -> str:
+    """What went wrong in a TLS handshake, in words an operator can act on."""
+    if isinstance(exc, ssl.SSLCertVerificationError):
+        code = exc.verify_code
+        if code in _UNKNOWN_CA_CODES:
+            return (
+                "TLS: the node's certificate is not signed by a CA we trust (unknown CA) -- "
+                "set MEMKV_TLS_CA to the CA certificate that signed the node's certificate"
+            )
+        if code == _HOSTNAME_MISMATCH:
+            return (
+                f"TLS: the node's certificate does not name the host we connected to (hostname mismatch: "
+                f"{exc.verify_message}) -- connect by a name in its certificate or set MEMKV_TLS_SERVER_NAME"
+            )
+        if code == _EXPIRED:
+            return "TLS: the node's certificate has expired -- renew it, then send the node SIGHUP to reload it"
+        if code == _NOT_YET_VALID:
+            return "TLS: the node's certificate is not valid yet -- check the clocks of client and node"
+        return f"TLS: the node's certificate failed verification: {exc.verify_message}"
+    reason = exc.reason or ""
+    if reason == "TLSV13_ALERT_CERTIFICATE_REQUIRED" or reason == "PEER_DID_NOT_RETURN_A_CERTIFICATE":
+        return (
+            "TLS: the node requires a client certificate (mutual TLS) and we sent none -- "
+            "set MEMKV_TLS_CERT and MEMKV_TLS_KEY"
+        )
+    if reason in ("TLSV1_ALERT_UNKNOWN_CA", "SSLV3_ALERT_BAD_CERTIFICATE"):
+        return "TLS: the node does not trust our client certificate (unknown CA) -- use a certificate signed by its --tls-ca"
+    if reason == "SSLV3_ALERT_CERTIFICATE_EXPIRED":
+        return "TLS: the node refused our client certificate: it has expired -- renew MEMKV_TLS_CERT"
+    if reason in _NOT_TLS_REASONS:
+        return (
+            "TLS: the node answered without TLS: this port serves plain MemKV (a TLS client on a plain port) -- "
+            "use the node's TLS port (its --tls-listen) or unset MEMKV_TLS_CA/MEMKV_TLS_CERT"
+        )
+    if isinstance(exc, ssl.SSLEOFError) or reason == "UNEXPECTED_EOF_WHILE_READING":
+        return (
+            "TLS: the node closed the connection without a TLS close (in a handshake: is this a TLS port, "
+            "and does it need a client certificate?)"
+        )
+    return f"TLS: {reason or exc}"
 
 
 __all__ = [
@@ -175,6 +236,7 @@ __all__ = [
     "ConnectError",
     "ReadError",
     "WriteError",
+    "TlsError",
     "NodeUnavailable",
     "ServerError",
     "IntegrityError",

@@ -17,6 +17,7 @@ import time
 from collections.abc import Callable, Sequence
 
 READY_RE = re.compile(r"memkv node listening on (\S+):(\d+) \(admin (\S+):(\d+)\)")
+TLS_RE = re.compile(r"memkv: TLS on (\S+):(\d+) ")  # printed before READY_RE's line
 
 
 class LocalNode:
@@ -52,6 +53,7 @@ class LocalNode:
         self.output: list[str] = []
         self.host = host
         self.port = self.admin_port = 0
+        self.tls_port: int | None = None  # where TLS is served (the data port when TLS-only)
         deadline = time.monotonic() + ready_timeout_s
         ready = threading.Event()
 
@@ -59,6 +61,9 @@ class LocalNode:
             assert self.proc.stdout is not None
             for line in self.proc.stdout:
                 self.output.append(line)
+                t = TLS_RE.search(line)
+                if t:
+                    self.tls_port = int(t.group(2))
                 m = READY_RE.search(line)
                 if m and not ready.is_set():
                     self.port, self.admin_port = int(m.group(2)), int(m.group(4))
@@ -78,7 +83,7 @@ class LocalNode:
 
     @property
     def admin_url(self) -> str:
-        return f"http://{self.host}:{self.admin_port}"
+        return f"{'https' if self.tls_port is not None else 'http'}://{self.host}:{self.admin_port}"
 
     @property
     def pid(self) -> int:

@@ -124,6 +124,7 @@ class ErrorCode(enum.IntEnum):
     SERVER_BUSY = 12
     SHUTTING_DOWN = 13
     INTERNAL = 14
+    TLS_REQUIRED = 15  # ServerHello status: a plain hello reached a TLS-only port
 
 
 class ItemStatus(enum.IntEnum):

@@ -10,17 +10,33 @@ before each timeout expires (or reads a byte at a time) would keep a transfer al
 Pass `deadline` (a `time.monotonic()` instant) to bound the whole transfer: before each syscall
 the socket's kernel timeout is cut to the time left, and a transfer still unfinished at the
 deadline raises socket.timeout. Costs one setsockopt per syscall (per MiB of a value).
+
+TLS (`ssl.SSLSocket`, memkv/tls.py). Kernel timeouts do not reach through OpenSSL (a read
+that times out is retried inside `_ssl`), and an SSLSocket takes no flags (no MSG_WAITALL) and
+has no sendmsg. So on an SSLSocket the same functions use Python's socket timeout, cut to the
+time left before each call. Receives still land in the caller's memoryview (`recv_into`
+decrypts into it, one TLS record, up to 16 KiB, per call). Sends encrypt from the caller's
+memory into OpenSSL's record buffer: that is the one copy per byte (the ciphertext has to be
+written somewhere); large values are sent in _TLS_SEND_PIECE pieces so the deadline is
+checked between them.
 """
 
 from __future__ import annotations
 
 import socket
+import ssl
 import struct
 import time
 from collections.abc import Sequence
 
 # Pieces smaller than this are joined into one send; larger ones go out as they are.
 _GATHER_BELOW = 64 << 10
+# A TLS send re-arms the deadline this often: one SSL_write per piece (each many records).
+_TLS_SEND_PIECE = 4 << 20
+# A TLS receive takes one record (16 KiB) per call; cutting the timeout before each would cost a
+# syscall per record (settimeout sets O_NONBLOCK again). It is cut at most this often instead, so
+# a transfer may outlive its deadline by at most this much.
+_TLS_REARM_S = 0.05
 
 
 def set_timeouts(sock: socket.socket, recv_s: float, send_s: float | None = None) -> None:
@@ -32,12 +48,18 @@ def set_timeouts(sock: socket.socket, recv_s: float, send_s: float | None = None
     whole value in one call, and an expired timeout surfaces as EAGAIN, which the functions
     below turn into socket.timeout.
     """
+    if isinstance(sock, ssl.SSLSocket):  # see the module docstring, "TLS"
+        sock.settimeout(recv_s if send_s is None else min(recv_s, send_s))
+        return
     sock.settimeout(None)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, _timeval(recv_s))
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, _timeval(recv_s if send_s is None else send_s))
 
 
 def set_recv_timeout(sock: socket.socket, recv_s: float) -> None:
+    if isinstance(sock, ssl.SSLSocket):
+        sock.settimeout(recv_s)
+        return
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, _timeval(recv_s))
 
 
@@ -60,6 +82,9 @@ def _arm(sock: socket.socket, option: int, deadline: float, got: int, total: int
     left = deadline - time.monotonic()
     if left <= 0:
         raise TimeoutError(f"deadline passed after {got} of {total} bytes")
+    if isinstance(sock, ssl.SSLSocket):
+        sock.settimeout(max(left, 0.001))
+        return
     sock.setsockopt(socket.SOL_SOCKET, option, _timeval(max(left, 0.001)))  # 0 would mean "no timeout"
 
 
@@ -68,6 +93,9 @@ def recv_exactly_into(sock: socket.socket, view: memoryview, deadline: float | N
     expired kernel timeout, or `deadline` passing, raises socket.timeout."""
     got = 0
     total = len(view)
+    if isinstance(sock, ssl.SSLSocket):
+        _tls_recv_into(sock, view, deadline)
+        return
     while got < total:
         if deadline is not None:
             _arm(sock, socket.SO_RCVTIMEO, deadline, got, total)
@@ -75,6 +103,31 @@ def recv_exactly_into(sock: socket.socket, view: memoryview, deadline: float | N
             n = sock.recv_into(view[got:], total - got, socket.MSG_WAITALL)
         except BlockingIOError:
             raise TimeoutError(f"timed out after {got} of {total} bytes") from None
+        if n == 0:
+            raise PeerClosed(got, total)
+        got += n
+
+
+def _tls_recv_into(sock: ssl.SSLSocket, view: memoryview, deadline: float | None) -> None:
+    """recv_exactly_into on TLS: one record per call, decrypted into `view` in place."""
+    got, total = 0, len(view)
+    if deadline is None:
+        while got < total:
+            n = sock.recv_into(view[got:])
+            if n == 0:
+                raise PeerClosed(got, total)
+            got += n
+        return
+    armed = -1.0  # when the timeout was last cut to the time left
+    while got < total:
+        now = time.monotonic()
+        if now - armed > _TLS_REARM_S:  # each call may block for the timeout set at `armed`
+            left = deadline - now
+            if left <= 0:
+                raise TimeoutError(f"deadline passed after {got} of {total} bytes")
+            sock.settimeout(left)
+            armed = now
+        n = sock.recv_into(view[got:])
         if n == 0:
             raise PeerClosed(got, total)
         got += n
@@ -97,6 +150,9 @@ def discard(sock: socket.socket, n: int, scratch: memoryview, deadline: float | 
 
 
 def _send_one(sock: socket.socket, buf: bytes | bytearray | memoryview, deadline: float | None) -> None:
+    if isinstance(sock, ssl.SSLSocket):
+        _tls_send(sock, buf, deadline)
+        return
     if deadline is None:
         sock.sendall(buf)  # loops in C
         return
@@ -105,6 +161,15 @@ def _send_one(sock: socket.socket, buf: bytes | bytearray | memoryview, deadline
     while sent < total:  # a blocking send queues all of it unless the (cut) timeout expires
         _arm(sock, socket.SO_SNDTIMEO, deadline, sent, total)
         sent += sock.send(view[sent:])
+
+
+def _tls_send(sock: ssl.SSLSocket, buf: bytes | bytearray | memoryview, deadline: float | None) -> None:
+    view = memoryview(buf).cast("B")
+    total = len(view)
+    for off in range(0, total, _TLS_SEND_PIECE):
+        if deadline is not None:
+            _arm(sock, socket.SO_SNDTIMEO, deadline, off, total)
+        sock.sendall(view[off : off + _TLS_SEND_PIECE])  # encrypts from `view`: the one copy
 
 
 def send_all(

@@ -162,16 +162,29 @@ def test_readme_config_promotes_the_whole_prompt_after_pool_eviction_and_restart
 # -------------------------------------------------------------------------------------------------
 
 
+def prefill_with_nodes_stopped_after_the_first_job(engine: ch.ConnectorEngine, tag: str, tokens: int, nodes):
+    """Prefill one prompt with store reports on time (one job per step), the nodes stopped from
+    the step its first store job is made until every job of it reached the tier: the first job
+    meets an empty backlog and stays in it, the later ones find it full."""
+    req = engine.add_request(tag, tokens)
+    engine._run(lambda: bool(req.store_jobs), 5000, 60.0, lambda: "no store job was made")
+    with stopped(nodes):
+        engine._run(lambda: req.is_finished() and engine.held_store_reports() == 0, 5000, 60.0,
+                    lambda: "the prompt's store jobs were not all reported")
+    engine.run_until_idle()
+    return req
+
+
 def test_backlog_smaller_than_prompt_holds_exactly_the_prefix_that_a_revisit_matches(nodes):
     """1 MiB backlog, a 48 MiB prompt in 3 jobs of 16 chunks (2 tasks of blocks_per_op 8 each),
-    all reported in one step while the nodes are stopped: the first job meets an empty backlog,
-    the others a full one. Before the whole-job fix the tier kept its first *task*, 8 chunks in
-    hash-set order, and the revisit matched only the run of them that happened to lead."""
+    one job per step, the nodes stopped while they arrive: the first job meets an empty
+    backlog, the others a full one. Before the whole-job fix the tier kept its first *task*, 8
+    chunks in hash-set order, and the revisit matched only the run of them that happened to lead."""
     chunks = 48
     tag, tokens = f"long/{uuid.uuid4().hex}", chunks * TPC + TAIL
     tier = {**README_TIER, "max_store_backlog_mb": 1}
     with ch.ConnectorEngine([tier], GEOMETRY, token_budget=16 * TPC) as engine:
-        (cold,) = prefill_with_bulk_reports(engine, {tag: tokens}, nodes=nodes)
+        cold = prefill_with_nodes_stopped_after_the_first_job(engine, tag, tokens, nodes)
         assert [len(job.chunks) for job in cold.store_jobs] == [16, 16, 16]
         assert any(job.key_order != job.chunks for job in cold.store_jobs)  # sets: not prompt order
         held = held_chunks(engine, cold)
@@ -260,18 +273,16 @@ def test_cold_run_stores_the_same_chunks_in_the_pool_with_and_without_the_tier(n
 
 
 # -------------------------------------------------------------------------------------------------
-# e. Known gap: jobs that complete out of order (tensor parallel, one rank behind)
+# e. Jobs that complete out of order (tensor parallel, one rank behind): admitted together
 # -------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "whole-job admission assumes a request's store jobs reach the tier in prompt order; with TP>1 "
-    "vLLM's KVOutputAggregator merges worker reports rank 0 first, so when rank 1 lags, the last "
-    "job can complete first (here 2, 0, 1): it meets an empty backlog and is kept, the earlier "
-    "ones are shed, and the tier holds only the prompt's tail"))
 def test_store_jobs_completed_out_of_order_across_ranks_still_leave_a_prefix(nodes):
     """TP=2, 1 MiB backlog, a 48-chunk prompt in 3 jobs. Rank 1 lags: it reports nothing until
-    the prompt is done, then all three jobs in the step in which rank 0 reports the last one."""
+    the prompt is done, then all three jobs in the step in which rank 0 reports the last one, so
+    they complete in the order 2, 0, 1. Per-job admission kept the tail (job 2 met an empty
+    backlog) and shed the head; the tier admits a request's jobs of one step together, so the
+    prompt is kept whole (admission.py: across steps each rank's order holds)."""
     geometry = dataclasses.replace(GEOMETRY, world_size=2, worker_kv_bytes_per_block=256 << 10)
     chunks = 48
     tag, tokens = f"tp2/{uuid.uuid4().hex}", chunks * TPC  # no tail: the last job comes last

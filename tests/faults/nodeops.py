@@ -15,11 +15,12 @@ import urllib.request
 
 from memkv.client import metrics as client_metrics
 from memkv.local import LocalNode
+from tests.tlscerts import admin_context, node_tls_args, session_pki
 
 
 def admin_get(node: LocalNode, path: str, timeout_s: float = 5.0) -> tuple[int, bytes]:
     try:
-        with urllib.request.urlopen(node.admin_url + path, timeout=timeout_s) as resp:
+        with urllib.request.urlopen(node.admin_url + path, timeout=timeout_s, context=admin_context(node)) as resp:
             return resp.status, resp.read()
     except urllib.error.HTTPError as exc:
         return exc.code, exc.read()
@@ -82,7 +83,12 @@ def restart_empty(node: LocalNode, capacity: str = "256MiB", extra_args=()) -> L
     """SIGKILL `node` and start an empty one on the same port. The caller stops the new one."""
     port = node.port
     node.kill()
-    return start_on_port(node.auth_key_hex, port, capacity, extra_args)
+    tls = getattr(node, "client_tls", None)  # a TLS node comes back with the same certificate
+    if tls is not None:
+        extra_args = [*extra_args, *node_tls_args(session_pki())]
+    fresh = start_on_port(node.auth_key_hex, port, capacity, extra_args)
+    fresh.client_tls = tls  # type: ignore[attr-defined]
+    return fresh
 
 
 def open_fds(pid: int) -> int:

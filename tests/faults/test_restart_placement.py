@@ -22,6 +22,7 @@ import pytest
 from tests.faults.nodeops import restart_empty
 
 pytestmark = pytest.mark.faults
+OVER_TLS_TOO = True  # tests/faults/conftest.py: each test also runs against TLS-only nodes
 
 VALUE_BYTES = 8192
 

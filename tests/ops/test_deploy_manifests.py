@@ -526,3 +526,98 @@ def test_the_systemd_unit_exposure_score_is_low(tmp_path: Path) -> None:
     if proc.returncode != 0 and not m:
         pytest.skip(f"this systemd-analyze cannot score offline units: {proc.stderr.strip()[:200]}")
     assert m and float(m.group(1)) <= 2.0, proc.stdout[-2000:]
+
+
+# --------------------------------------------------------------------------------------------
+# The TLS variant (deploy/kubernetes/tls/)
+# --------------------------------------------------------------------------------------------
+
+K8S_TLS = K8S / "tls"
+
+
+def tls_docs() -> list[tuple[str, dict]]:
+    return [
+        (path.name, doc)
+        for path in sorted(K8S_TLS.glob("*.yaml"))
+        for doc in yaml.safe_load_all(path.read_text())
+        if doc
+    ]
+
+
+def tls_one(kind: str, name: str) -> dict:
+    (found,) = [d for _, d in tls_docs() if d["kind"] == kind and d["metadata"]["name"] == name]
+    return found
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("version", K8S_VERSIONS)
+def test_the_tls_variant_validates_against_the_kubernetes_schemas(version: str) -> None:
+    docs = tls_docs()
+    assert sorted((d["kind"], d["metadata"]["name"]) for _, d in docs) == [("Secret", "memkv-tls"), ("StatefulSet", "memkv")]
+    for name, doc in docs:
+        kubernetes_validate.validate(doc, version, strict=True)
+
+
+@pytest.mark.unit
+def test_the_tls_statefulset_is_the_plain_one_plus_tls_and_https_probes() -> None:
+    plain, tls = one("StatefulSet", "memkv"), tls_one("StatefulSet", "memkv")
+    # It replaces the plain StatefulSet: same selector, Service and pod labels, same container
+    # bounds; only the arguments, the probes' scheme and the TLS volume differ.
+    for field in ("serviceName", "selector", "replicas", "podManagementPolicy"):
+        assert tls["spec"][field] == plain["spec"][field], field
+    assert tls["spec"]["template"]["metadata"]["labels"] == plain["spec"]["template"]["metadata"]["labels"]
+    pc, tc = container(plain, "memkv"), container(tls, "memkv")
+    for field in ("image", "ports", "resources", "securityContext", "env"):
+        assert tc[field] == pc[field], field
+    assert tc["livenessProbe"]["httpGet"] == {"path": "/v1/health", "port": "admin", "scheme": "HTTPS"}
+    assert tc["readinessProbe"]["httpGet"] == {"path": "/v1/ready", "port": "admin", "scheme": "HTTPS"}
+    args = serve_args([k8s_expand(a, literal_env(tc)) for a in tc["args"]])
+    plain_args = serve_args([k8s_expand(a, literal_env(pc)) for a in pc["args"]])
+    assert (args.listen, args.capacity, args.key_file) == (plain_args.listen, plain_args.capacity, plain_args.key_file)
+    assert args.tls_listen is None, "the data port itself is TLS-only"
+    secret = tls_one("Secret", "memkv-tls")
+    assert secret["type"] == "kubernetes.io/tls"
+    volumes = {v["name"]: v for v in tls["spec"]["template"]["spec"]["volumes"]}
+    for path, key in ((args.tls_cert, "tls.crt"), (args.tls_key, "tls.key"), (args.tls_ca, "ca.crt")):
+        (mount,) = [m for m in tc["volumeMounts"] if path.startswith(m["mountPath"].rstrip("/") + "/")]
+        assert mount["readOnly"] is True
+        src = volumes[mount["name"]]["secret"]
+        assert src["secretName"] == "memkv-tls" and src["defaultMode"] & 0o007 == 0
+        (item,) = [i for i in src["items"] if os.path.join(mount["mountPath"], i["path"]) == path]
+        assert item["key"] == key and key in secret["stringData"]
+    # Secret volumes are read-only: a mount nested inside another one could not be created.
+    mounts = [m["mountPath"].rstrip("/") + "/" for m in tc["volumeMounts"]]
+    assert not any(a != b and b.startswith(a) for a in mounts for b in mounts), mounts
+
+
+@pytest.mark.unit
+def test_the_tls_secret_template_is_refused_by_the_node(tmp_path: Path) -> None:
+    secret = tls_one("Secret", "memkv-tls")
+    for key in ("tls.crt", "tls.key", "ca.crt"):
+        (tmp_path / key).write_text(secret["stringData"][key])
+    from memkv.tls import server_context
+
+    with pytest.raises(ConfigError, match="not a PEM certificate"):
+        server_context(str(tmp_path / "tls.crt"), str(tmp_path / "tls.key"), str(tmp_path / "ca.crt"))
+
+
+@pytest.mark.integration
+def test_the_tls_variants_probes_pass_against_a_live_tls_node(tmp_path: Path) -> None:
+    """What the kubelet does for `scheme: HTTPS`: TLS without verifying the certificate, then GET."""
+    import ssl
+    import urllib.request
+
+    from tests.tlscerts import session_pki
+
+    pki = session_pki()
+    tc = container(tls_one("StatefulSet", "memkv"), "memkv")
+    with LocalNode(new_key_hex(), capacity="64MiB", extra_args=["--tls-cert", pki.server.cert, "--tls-key",
+                                                                pki.server.key, "--tls-ca", pki.ca]) as node:
+        kubelet = ssl.create_default_context()
+        kubelet.check_hostname = False
+        kubelet.verify_mode = ssl.CERT_NONE
+        for probe in ("livenessProbe", "readinessProbe"):
+            get = tc[probe]["httpGet"]
+            url = f"{get['scheme'].lower()}://127.0.0.1:{node.admin_port}{get['path']}"
+            with urllib.request.urlopen(url, timeout=5, context=kubelet) as resp:
+                assert resp.status == 200

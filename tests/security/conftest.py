@@ -16,7 +16,12 @@ def figures(request):
     return lambda **values: record(request.node.nodeid, **values)
 
 
-@pytest.fixture
-def hostile_node(start_node) -> LocalNode:
-    """A node for bad input: 1 s --io-timeout, 64 MiB capacity, 16 MiB values."""
-    return start_node(capacity="64MiB", extra_args=["--io-timeout", str(IO_TIMEOUT_S), "--max-value-size", "16MiB"])
+@pytest.fixture(params=["plain", "tls"])
+def hostile_node(start_node, request) -> LocalNode:
+    """A node for bad input: 1 s --io-timeout, 64 MiB capacity, 16 MiB values; each test runs
+    against a plain node and a TLS-only one (the hostile bytes then arrive inside TLS)."""
+    return start_node(
+        capacity="64MiB",
+        extra_args=["--io-timeout", str(IO_TIMEOUT_S), "--max-value-size", "16MiB"],
+        tls=request.param == "tls",
+    )

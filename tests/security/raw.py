@@ -19,12 +19,13 @@ import struct
 from memkv import protocol as p
 from memkv.local import LocalNode
 from memkv.sockio import recv_exactly
+from tests.tlscerts import connect_to
 
 
 class RawSession:
     def __init__(self, node: LocalNode, key_hex: str, timeout_s: float = 5.0) -> None:
         self.key = bytes.fromhex(key_hex)
-        self.sock = socket.create_connection((node.host, node.port), timeout=timeout_s)
+        self.sock = connect_to(node, timeout_s)  # over TLS when the node serves TLS
         self.client_nonce = os.urandom(p.NONCE_BYTES)
         self.send_seq = 0
         self.c2s_key = b""

@@ -25,6 +25,7 @@ from memkv.local import LocalNode
 from tests.faults.nodeops import metric_value, metrics_of, status_of
 from tests.security.conftest import IO_TIMEOUT_S
 from tests.security.raw import RawSession
+from tests.tlscerts import connect_to
 
 pytestmark = pytest.mark.integration
 
@@ -64,7 +65,7 @@ def test_hello_trickled_one_byte_at_a_time_is_closed_within_io_timeout(hostile_n
     baseline = status_of(hostile_node)["connections"]
     before = metric_value(metrics_of(hostile_node), "memkv_node_auth_failures_total", reason="incomplete")
     hello = p.ClientHandshake(os.urandom(32), os.urandom(32)).hello()
-    with socket.create_connection((hostile_node.host, hostile_node.port), timeout=5) as sock:
+    with connect_to(hostile_node, 5.0) as sock:
         closed, took = trickle(sock, hello, every_s=0.3, budget_s=BUDGET_S)
     assert closed, f"a hello trickled at 1 B / 0.3 s kept its connection for {took:.1f}s (io-timeout {IO_TIMEOUT_S}s)"
     assert took < IO_TIMEOUT_S + SLACK_S

@@ -39,9 +39,9 @@ STALLED = 12
 IO_TIMEOUT_S = 4.0
 
 
-@pytest.fixture
-def full_node(start_node, make_client):
-    node = start_node(capacity="256MiB", extra_args=["--io-timeout", str(IO_TIMEOUT_S)])
+@pytest.fixture(params=["plain", "tls"])
+def full_node(start_node, make_client, request):
+    node = start_node(capacity="256MiB", extra_args=["--io-timeout", str(IO_TIMEOUT_S)], tls=request.param == "tls")
     client = make_client([node], io_timeout_s=10.0)
     values = {f"stored/{i}": os.urandom(VALUE) for i in range(STORED)}
     for key, value in values.items():

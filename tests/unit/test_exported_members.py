@@ -44,6 +44,7 @@ PUBLIC = [
     "ConnectError",
     "ReadError",
     "WriteError",
+    "TlsError",
     "NodeUnavailable",
     "ServerError",
     "IntegrityError",

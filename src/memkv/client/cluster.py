@@ -140,8 +140,14 @@ class Client:
 
     def __init__(self, config: ClientConfig, *, connect: Connect = tcp_connect) -> None:
         """Build a client; nothing connects until the first call. `connect` is the socket seam
-        (`memkv.client.node.Connect`): how each connection's socket is made, TCP by default."""
+        (`memkv.client.node.Connect`): how each connection's socket is made, TCP by default.
+        With `config.tls` each socket it makes is wrapped in TLS (memkv/tls.py); the CA and
+        certificate files are read here (a ConfigError names a missing one)."""
         self.config = config
+        if config.tls is not None:
+            from memkv.tls import client_connect
+
+            connect = client_connect(config.tls, connect)
         self.checksummer = Checksummer(config.auth_key.raw, parse_integrity(config.integrity))
         nodes = [
             NodeClient(

@@ -16,6 +16,7 @@ import contextlib
 import hmac
 import os
 import socket
+import ssl
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -32,6 +33,7 @@ from memkv.errors import (
     ProtocolError,
     RemoteProtocolError,
     ServerError,
+    TlsError,
     TransportError,
     map_os_error,
 )
@@ -42,6 +44,10 @@ from memkv.sockio import PeerClosed, recv_exactly, recv_exactly_into, send_all, 
 # locality: every piece costs two GIL hand-offs, and in a busy process (vLLM's engine loop holds
 # the GIL) 1 MiB pieces cut a 16-thread load from 8 to 2 GB/s on the GPU host (bench/gpu/xfer.py).
 _VERIFY_CHUNK = 16 << 20
+# Over TLS a receive takes one 16 KiB record per call (a GIL hand-off each) whatever the piece
+# size, so pieces this small cost no extra hand-offs and are hashed while still in L2 cache
+# (16 MiB pieces were hashed from DRAM: 10% of a TLS GET on the 2-vCPU VM, docs/performance.md).
+_TLS_VERIFY_CHUNK = 256 << 10
 
 # The socket seam: how a connection's socket comes to be. `Client(config, connect=...)` hands
 # one down to every NodeConnection; tests pass an in-memory fake (tests/unit/fakenet.py), so
@@ -106,6 +112,12 @@ class NodeConnection:
             try:
                 auth = hs.receive_server_hello(server_hello)
             except ProtocolError as exc:
+                if exc.code == p.ErrorCode.TLS_REQUIRED:
+                    raise TlsError(
+                        "TLS: this port serves MemKV over TLS only and we connected without TLS (a plain client "
+                        "on a TLS port) -- set MEMKV_TLS_CA (or a tls: block in client.yaml)",
+                        self.name,
+                    ) from None
                 if exc.code == p.ErrorCode.SERVER_BUSY:
                     raise ServerError(
                         f"{self.name}: node refused the connection: too many connections", exc.code
@@ -164,10 +176,13 @@ class NodeConnection:
 
     # -- requests -------------------------------------------------------------------------------
 
-    def request(self, msg: p.Request, payload: Sequence[memoryview] = ()) -> p.Message:
-        """Send one request (plus value payload) and read a reply that carries no payload."""
+    def request(self, msg: p.Request, payload: Sequence[memoryview] = (), timeout_s: float | None = None) -> p.Message:
+        """Send one request (plus value payload) and read a reply that carries no payload, within
+        io_timeout_s (or `timeout_s`, for control requests the node may take longer to answer)."""
         self.send(msg, payload)
-        return self.read_reply()
+        if timeout_s is None:
+            return self.read_reply()
+        return self._read_reply(self.codec, deadline=time.monotonic() + timeout_s)
 
     def send(self, msg: p.Request, payload: Sequence[memoryview] = ()) -> None:
         frame = self.codec.encode(msg)
@@ -198,27 +213,41 @@ class NodeConnection:
 
     def send_ready(self) -> bool:
         """Send what the socket takes now; True once nothing queued is left."""
-        with self._io("write"):
+        with self._io("write"), self._no_wait() as flags:
             while self._unsent:
                 try:
-                    sent = self.sock.send(self._unsent, socket.MSG_DONTWAIT)
-                except BlockingIOError:
+                    sent = self.sock.send(self._unsent, flags)
+                except (BlockingIOError, ssl.SSLWantWriteError, ssl.SSLWantReadError):
                     return False
                 del self._unsent[:sent]
         return True
 
+    @contextlib.contextmanager
+    def _no_wait(self) -> Iterator[int]:
+        """The flags for a send or recv that must not wait. An SSLSocket takes no flags: it is
+        made non-blocking for the block instead (its would-block is SSLWantRead/WriteError;
+        OpenSSL keeps a partly written record and resumes it on the next send)."""
+        if not isinstance(self.sock, ssl.SSLSocket):
+            yield socket.MSG_DONTWAIT
+            return
+        self.sock.settimeout(0.0)
+        try:
+            yield 0
+        finally:
+            set_timeouts(self.sock, self.io_timeout_s)
+
     def recv_ready(self) -> p.Message | None:
         """Take the bytes of the next reply that have arrived; the reply once it is whole, else
         None. Reads exactly up to the end of that reply, never into the next one."""
-        with self._io("read"):
+        with self._io("read"), self._no_wait() as flags:
             while True:
                 header = self._rx_header
                 want = p.FRAME_PREFIX_BYTES + (header.meta_len if header is not None else 0)
                 if len(self._rx) == want and header is not None:
                     break
                 try:
-                    piece = self.sock.recv(want - len(self._rx), socket.MSG_DONTWAIT)
-                except BlockingIOError:
+                    piece = self.sock.recv(want - len(self._rx), flags)
+                except (BlockingIOError, ssl.SSLWantReadError, ssl.SSLWantWriteError):
                     return None
                 if not piece:
                     raise PeerClosed(len(self._rx), want)
@@ -273,9 +302,10 @@ class NodeConnection:
             hasher = checksummer.hasher(algo)
         except ValueError:  # unknown algorithm: receive (to keep the stream in step), then fail
             hasher = None
+        step = _TLS_VERIFY_CHUNK if isinstance(self.sock, ssl.SSLSocket) else _VERIFY_CHUNK
         with self._io("read"):
-            for off in range(0, len(view), _VERIFY_CHUNK):
-                chunk = view[off : off + _VERIFY_CHUNK]
+            for off in range(0, len(view), step):
+                chunk = view[off : off + step]
                 recv_exactly_into(self.sock, chunk, deadline)
                 if hasher is not None:
                     hasher.update(chunk)

@@ -14,6 +14,12 @@ has not yet sent its request (so idle connections cannot lock a health check out
 connection is busy answering it is refused with a 503. Closes and refusals are counted in
 `memkv_node_admin_connections_refused_total{reason}`.
 
+TLS: when the node has a certificate (--tls-cert), the admin port speaks HTTPS only, with the
+same certificate (re-read on SIGHUP with the data port's), and never asks for a client
+certificate, even under --tls-ca: kubelet's HTTPS probes and Prometheus scrapes present none,
+and nothing here is secret. Each connection's TLS handshake runs on its own thread on a
+duplicate of the accepted socket, so the reaper's shutdown of the original still ends it.
+
 A MemKV client pointed here by mistake sends a ClientHello: it is answered at once with an HTTP
 400 naming the data port, so the client can say what is wrong instead of timing out.
 
@@ -26,6 +32,7 @@ from __future__ import annotations
 import json
 import logging
 import socket
+import ssl
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -37,6 +44,7 @@ from memkv import __version__
 from memkv.protocol import HELLO_MAGIC
 from memkv.server.metrics import NodeMetrics
 from memkv.server.node import ACCEPT_BACKOFF_S, ADMIN_MAX_CONNECTIONS, EXHAUSTED_ERRNOS, Node
+from memkv.tls import ServerTls, handshake
 
 log = logging.getLogger("memkv.admin")
 
@@ -189,6 +197,7 @@ class AdminServer:
         timeout_s: float = ADMIN_TIMEOUT_S,
     ) -> None:
         self.node = node
+        self.tls: ServerTls | None = node.tls  # the data port's certificate, reloads included
         handler = _make_handler(self)
         self.httpd = BoundedHTTPServer((host, port), handler, node.metrics, max_connections, timeout_s)
         host_bound, port_bound = self.httpd.server_address[:2]
@@ -205,10 +214,52 @@ class AdminServer:
         self.httpd.server_close()
 
 
+def _admin_tls(tls: ServerTls, sock: socket.socket) -> ssl.SSLSocket | None:
+    """HTTPS on a duplicate of `sock` (server certificate only), or None when the handshake
+    failed (a scan, a plain-HTTP client): the connection is then closed unanswered."""
+    dup = sock.dup()
+    try:
+        wrapped = tls.admin_context.wrap_socket(dup, server_side=True, do_handshake_on_connect=False)
+    except OSError:
+        dup.close()
+        return None
+    try:
+        handshake(wrapped, time.monotonic() + ADMIN_TLS_HANDSHAKE_S)
+    except OSError:
+        wrapped.close()
+        return None
+    return wrapped
+
+
+# The admin TLS handshake's bound (the reaper's ADMIN_TIMEOUT_S bounds the whole connection).
+ADMIN_TLS_HANDSHAKE_S = 5.0
+
+
 def _make_handler(admin: AdminServer) -> type[BaseHTTPRequestHandler]:
     class Handler(BaseHTTPRequestHandler):
         server_version = f"memkv/{__version__}"
         timeout = 2 * ADMIN_TIMEOUT_S  # each read and write: a backstop; the reaper bounds the whole connection
+
+        def setup(self) -> None:
+            self.tracked = self.request  # the socket BoundedHTTPServer knows this connection by
+            self.tls_failed = False
+            if admin.tls is not None:
+                self.request = _admin_tls(admin.tls, self.request)
+                self.tls_failed = self.request is None
+                if self.request is None:
+                    self.request = self.tracked
+            super().setup()
+
+        def handle(self) -> None:
+            if not self.tls_failed:
+                super().handle()
+
+        def finish(self) -> None:
+            try:
+                super().finish()
+            finally:
+                if self.request is not self.tracked:
+                    self.request.close()  # the TLS duplicate; socketserver closes the original
 
         def handle_one_request(self) -> None:
             try:
@@ -232,7 +283,7 @@ def _make_handler(admin: AdminServer) -> type[BaseHTTPRequestHandler]:
             super().handle_one_request()
 
         def parse_request(self) -> bool:
-            admin.httpd.mark_busy(self.request)  # a request line arrived: no longer idle
+            admin.httpd.mark_busy(self.tracked)  # a request line arrived: no longer idle
             return super().parse_request()
 
         def do_GET(self) -> None:

@@ -19,6 +19,13 @@ loop sheds the newest connection (accepted on a spare descriptor kept for that, 
 counts it in `memkv_node_connections_refused_total{reason}`, backs off briefly and keeps
 accepting.
 
+TLS (memkv/tls.py, docs/operations.md "Encryption in transit"): with --tls-cert/--tls-key the
+data port speaks TLS only; with --tls-listen a second listener speaks TLS and the data port
+stays plain. Each connection's TLS handshake runs on its own thread, bounded by io_timeout_s,
+before the MemKV handshake, which (with every frame MAC) stays on inside TLS. A plain MemKV
+client on a TLS port is answered with a plain ServerHello refusing it (TLS_REQUIRED), so it can
+say what is wrong; a TLS ClientHello on a plain port is counted as `tls_on_plain_port`.
+
 Threading: `serve_forever` runs the accept loop in the calling thread; each connection gets a
 daemon thread. `shutdown()` may be called from any thread (e.g. a SIGTERM handler) and is
 idempotent; it closes the listener and every client socket, so clients see a closed
@@ -32,6 +39,7 @@ import logging
 import os
 import resource
 import socket
+import ssl
 import threading
 import time
 
@@ -42,6 +50,7 @@ from memkv.server.metrics import NodeMetrics
 from memkv.server.rdma import RdmaResponder, RequestContext
 from memkv.server.store import NoSpace, Store
 from memkv.sockio import PeerClosed, discard, recv_exactly, recv_exactly_into, send_all, set_recv_timeout, set_timeouts
+from memkv.tls import TLS_HANDSHAKE_BYTE, ServerTls
 
 log = logging.getLogger("memkv.node")
 
@@ -128,13 +137,22 @@ class Node:
         self.metrics = NodeMetrics(self.store)
         self.rdma = RdmaResponder(self.store, config.transport, config.rdma_devices)  # NIXL loads on the first attach
         self.limits = p.Limits(max_value_bytes=config.max_value_bytes)
-        self._listener = socket.create_server(
-            (config.host, config.port),
-            family=socket.AF_INET6 if ":" in config.host else socket.AF_INET,
-            reuse_port=False,
-            backlog=256,
-        )
+        self.tls: ServerTls | None = None
+        if config.tls_cert is not None and config.tls_key is not None:
+            self.tls = ServerTls(config.tls_cert, config.tls_key, config.tls_ca)
+        self._listener = _listen(config.host, config.port)
         self.address = self._listener.getsockname()[:2]
+        # The data port is TLS unless a separate TLS port takes that role (then both serve).
+        self._listener_tls = self.tls is not None and config.tls_listen is None
+        self._tls_listener: socket.socket | None = None
+        self.tls_address: tuple[str, int] | None = self.address if self._listener_tls else None
+        if config.tls_listen is not None:
+            try:
+                self._tls_listener = _listen(*config.tls_listen)
+            except BaseException:
+                self._listener.close()
+                raise
+            self.tls_address = self._tls_listener.getsockname()[:2]
         self.node_id = config.node_id or f"{socket.gethostname()}:{self.address[1]}"
         self._stopping = threading.Event()
         self._stopped = threading.Event()
@@ -152,11 +170,28 @@ class Node:
         return not self._stopping.is_set()
 
     def serve_forever(self) -> None:
-        self._listener.settimeout(0.25)  # wake up to notice shutdown()
+        tls_loop: threading.Thread | None = None
+        if self._tls_listener is not None:
+            tls_loop = threading.Thread(
+                target=self._accept_loop, args=(self._tls_listener, True), name="memkv-accept-tls", daemon=True
+            )
+            tls_loop.start()
+        try:
+            self._accept_loop(self._listener, self._listener_tls)
+        finally:
+            if tls_loop is not None:
+                tls_loop.join(timeout=1.0)
+            if self._spare_fd is not None:
+                os.close(self._spare_fd)
+                self._spare_fd = None
+            self._stopped.set()
+
+    def _accept_loop(self, listener: socket.socket, tls: bool) -> None:
+        listener.settimeout(0.25)  # wake up to notice shutdown()
         try:
             while not self._stopping.is_set():
                 try:
-                    sock, peer = self._listener.accept()
+                    sock, peer = listener.accept()
                 except TimeoutError:
                     continue
                 except OSError as exc:
@@ -164,18 +199,14 @@ class Node:
                         break
                     if exc.errno not in EXHAUSTED_ERRNOS:
                         raise
-                    self._shed_newest(EXHAUSTED_ERRNOS[exc.errno])
+                    self._shed_newest(EXHAUSTED_ERRNOS[exc.errno], listener, tls)
                     self._stopping.wait(ACCEPT_BACKOFF_S)  # descriptors free up as connections end
                     continue
-                self._start_connection(sock, peer)
+                self._start_connection(sock, peer, tls)
         finally:
-            self._listener.close()
-            if self._spare_fd is not None:
-                os.close(self._spare_fd)
-                self._spare_fd = None
-            self._stopped.set()
+            listener.close()
 
-    def _shed_newest(self, reason: str) -> None:
+    def _shed_newest(self, reason: str, listener: socket.socket, tls: bool = False) -> None:
         """accept() failed for want of resources: count it, and take the newest connection off
         the backlog on the spare descriptor and close it, so that the peer learns at once
         instead of waiting in the backlog for a slot that may not come."""
@@ -185,14 +216,15 @@ class Node:
         os.close(self._spare_fd)
         self._spare_fd = None
         try:
-            self._listener.setblocking(False)
+            listener.setblocking(False)
             try:
-                sock, _ = self._listener.accept()
+                sock, _ = listener.accept()
             finally:
-                self._listener.settimeout(0.25)
+                listener.settimeout(0.25)
             try:
                 sock.setblocking(False)
-                sock.send(p.ServerHandshake.refusal(p.ErrorCode.SERVER_BUSY))  # "too many connections"
+                if not tls:  # a TLS client could not read a plain refusal: it sees the close
+                    sock.send(p.ServerHandshake.refusal(p.ErrorCode.SERVER_BUSY))  # "too many connections"
             finally:
                 sock.close()
         except OSError:
@@ -219,39 +251,46 @@ class Node:
         with self._conns_lock:
             return len(self._conns)
 
-    def _start_connection(self, sock: socket.socket, peer: tuple[str, int]) -> None:
+    def _start_connection(self, sock: socket.socket, peer: tuple[str, int], tls: bool = False) -> None:
         if not self._slots.acquire(blocking=False):
-            self._refuse(sock, "max_connections")
+            self._refuse(sock, "max_connections", tls)
             return
         with self._conns_lock:
             self._conns.add(sock)
         try:
             threading.Thread(
-                target=self._run_connection, args=(sock, peer), name=f"memkv-conn-{peer[1]}", daemon=True
+                target=self._run_connection, args=(sock, peer, tls), name=f"memkv-conn-{peer[1]}", daemon=True
             ).start()
         except RuntimeError:  # "can't start new thread": out of memory or of the task limit
             with self._conns_lock:
                 self._conns.discard(sock)
             self._slots.release()
-            self._refuse(sock, "no_thread")
+            self._refuse(sock, "no_thread", tls)
             return
         self.metrics.connections_total.inc()
 
-    def _refuse(self, sock: socket.socket, reason: str) -> None:
-        """A refusal ServerHello (SERVER_BUSY) sent without waiting, then close; counted."""
+    def _refuse(self, sock: socket.socket, reason: str, tls: bool = False) -> None:
+        """A refusal ServerHello (SERVER_BUSY) sent without waiting, then close; counted. A TLS
+        port sends nothing (its client could not read a plain refusal): the close says it."""
         self.metrics.refused_connections.labels(reason).inc()
         try:
             sock.setblocking(False)  # the accept loop never waits on a refused peer
-            sock.send(p.ServerHandshake.refusal(p.ErrorCode.SERVER_BUSY))
+            if not tls:
+                sock.send(p.ServerHandshake.refusal(p.ErrorCode.SERVER_BUSY))
         except OSError:
             pass
         sock.close()
 
-    def _run_connection(self, sock: socket.socket, peer: tuple[str, int]) -> None:
+    def _run_connection(self, sock: socket.socket, peer: tuple[str, int], tls: bool = False) -> None:
         self.metrics.connections.inc()
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             set_timeouts(sock, self.config.io_timeout_s)
+            if tls:
+                wrapped = self._tls_accept(sock)
+                if wrapped is None:
+                    return
+                sock = wrapped
             Connection(self, sock, peer).run()
         except Exception:  # never let one connection take the node down
             log.exception("connection from %s failed", peer)
@@ -265,6 +304,45 @@ class Node:
             except OSError:
                 pass
             self._slots.release()
+
+    def _tls_accept(self, sock: socket.socket) -> ssl.SSLSocket | None:
+        """The TLS side of an accepted connection, or None once it was refused. A first byte
+        that cannot open TLS (a plain MemKV hello) is answered with a plain refusal naming
+        TLS_REQUIRED; otherwise the TLS handshake runs, bounded by io_timeout_s. The TLS socket
+        replaces the TCP one in `_conns`, so that shutdown() reaches it."""
+        assert self.tls is not None
+        deadline = time.monotonic() + self.config.io_timeout_s
+        try:
+            first = sock.recv(1, socket.MSG_PEEK)  # bounded by SO_RCVTIMEO (io_timeout_s)
+        except OSError:
+            self.metrics.auth_failures.labels("incomplete").inc()
+            return None
+        if not first:
+            return None
+        if first[0] != TLS_HANDSHAKE_BYTE:
+            self.metrics.auth_failures.labels("plain_on_tls_port").inc()
+            try:
+                sock.sendall(p.ServerHandshake.refusal(p.ErrorCode.TLS_REQUIRED))
+            except OSError:
+                pass
+            return None
+        try:
+            tls = self.tls.wrap(sock, deadline)
+        except OSError as exc:  # ssl.SSLError and TimeoutError included
+            self.metrics.auth_failures.labels("tls_handshake").inc()
+            log.info("TLS handshake failed: %s", getattr(exc, "reason", None) or exc)
+            return None
+        set_timeouts(tls, self.config.io_timeout_s)
+        with self._conns_lock:
+            self._conns.discard(sock)
+            self._conns.add(tls)
+        return tls
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    return socket.create_server(
+        (host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET, reuse_port=False, backlog=256
+    )
 
 
 class Connection:
@@ -319,6 +397,8 @@ class Connection:
                 send_all(self.sock, [hs.receive_hello(bytes(hello))], deadline)
             except RemoteProtocolError as exc:
                 reason = "unsupported_version" if exc.code == p.ErrorCode.UNSUPPORTED_VERSION else "bad_hello"
+                if hello[:1] == bytes([TLS_HANDSHAKE_BYTE]) and not isinstance(self.sock, ssl.SSLSocket):
+                    reason = "tls_on_plain_port"  # a TLS client: it cannot read the refusal below
                 self.metrics.auth_failures.labels(reason).inc()
                 self.sock.sendall(p.ServerHandshake.refusal(exc.code or p.ErrorCode.BAD_MAGIC))
                 return False

@@ -55,6 +55,7 @@ log = logging.getLogger("memkv.client")
 # the request, so its reply (sent when the write completed or the window closed) arrives
 # before the client's read timeout.
 WINDOW_SHARE = 0.5
+ATTACH_TIMEOUT_S = 10.0  # at least this long for an RDMA_ATTACH reply (see _attach)
 _NOTIF_BACKLOG = 4096  # notifications kept for requests nobody waits for any more
 
 
@@ -191,7 +192,10 @@ class RdmaTransport(Transport):
         if peer is not None:
             return peer
         try:
-            reply = conn.request(p.RdmaAttachRequest(p.RdmaBackend.NIXL_UCX, self._metadata))
+            # The node builds its NIXL agent on the first attach and loads our metadata: hundreds
+            # of ms on a busy host. Once per connection, so not held to the data path's timeout.
+            timeout_s = max(conn.io_timeout_s, ATTACH_TIMEOUT_S)
+            reply = conn.request(p.RdmaAttachRequest(p.RdmaBackend.NIXL_UCX, self._metadata), timeout_s=timeout_s)
         except ServerError as exc:
             if exc.code != p.ErrorCode.UNKNOWN_OPCODE:
                 raise
