@@ -43,6 +43,7 @@ Output: a table on stdout and <out-dir>/direct.json.
 from __future__ import annotations
 
 import argparse
+import glob
 import json
 import os
 import subprocess
@@ -217,12 +218,16 @@ def main() -> int:
                 with open(spec["out"] + ".spec", "w") as f:
                     json.dump(spec, f)
                 t = time.perf_counter()
+                before = set(glob.glob("/dev/shm/memkv_direct_*.staging"))
                 try:
                     rc = subprocess.run([sys.executable, os.path.abspath(__file__), "--engine-child", spec["out"] + ".spec"],
                                         env=env, timeout=args.child_timeout_s).returncode
                 except subprocess.TimeoutExpired:
                     rc = "timeout"
                 log(f"{mode}/{role}: exit {rc} after {time.perf_counter() - t:.0f} s")
+                for path in set(glob.glob("/dev/shm/memkv_direct_*.staging")) - before:  # a killed child's
+                    os.unlink(path)
+                    log(f"removed leftover {path}")
                 try:
                     with open(spec["out"]) as f:
                         engines.append(json.load(f))

@@ -34,6 +34,9 @@ if os.environ.get("TTFT_FAKE_LLM"):
             self.dh = dh
             self.engine = dh.DirectEngine(dh.Geometry(block_size=64, num_gpu_blocks=4096), extra, token_budget=4096)
             engine = self.engine
+            import atexit
+
+            atexit.register(engine.shutdown)  # vLLM shuts its connector down; the bench's child just exits
             sched = NS(connector=NS(connector_scheduler=engine.connector.connector_scheduler,
                                     has_pending_push_work=engine.connector.has_pending_push_work))
             self.llm_engine = NS(engine_core=NS(engine_core=NS(scheduler=sched)), step=engine.step)
