@@ -8,7 +8,7 @@ fall back to a default on a production fleet.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 from memkv.errors import ConfigError
 
@@ -41,24 +41,7 @@ class TierSettings:
         def fail(key: str, want: str) -> None:
             raise ConfigError(f"memkv tier: {key} must be {want}, got {getattr(self, key)!r}")
 
-        if not isinstance(self.prefix, str) or len(self.prefix.encode()) > 128:
-            fail("prefix", "a string of at most 128 bytes")
-        for key, lo, hi in (("n_read_threads", 1, 256), ("n_write_threads", 1, 256), ("blocks_per_op", 1, 4096),
-                            ("max_store_backlog_mb", 1, 1 << 30)):
-            v = getattr(self, key)
-            if key == "max_store_backlog_mb" and v is None:
-                continue
-            if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
-                fail(key, f"an integer in {lo}..{hi}")
-        for key in ("load_failure_grace_s", "lookup_timeout_s"):
-            v = getattr(self, key)
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or v != v:
-                fail(key, "a number")
-        if self.load_failure_grace_s < 0:
-            fail("load_failure_grace_s", ">= 0")
-        v = self.step_yield_ms
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v <= 50:
-            fail("step_yield_ms", "a number in 0..50")
+        check_common_keys(self, fail, (("max_store_backlog_mb", 1, 1 << 30),), optional=("max_store_backlog_mb",))
         if self.locality not in (None, "LOCAL", "REMOTE"):
             fail("locality", '"LOCAL" or "REMOTE"')
 
@@ -72,3 +55,28 @@ class TierSettings:
     @property
     def lookup_deadline_s(self) -> float | None:
         return self.lookup_timeout_s if self.lookup_timeout_s > 0 else None
+
+
+def check_common_keys(settings: Any, fail: Callable[[str, str], None], int_ranges: tuple[tuple[str, int, int], ...] = (),
+                      optional: tuple[str, ...] = ()) -> None:
+    """The checks the tier's keys and direct mode's keys share (prefix, threads, blocks_per_op,
+    deadlines, step_yield_ms), plus `int_ranges` of the caller's own; `optional` keys may be None.
+    `fail(key, want)` raises the caller's ConfigError naming the key."""
+    if not isinstance(settings.prefix, str) or len(settings.prefix.encode()) > 128:
+        fail("prefix", "a string of at most 128 bytes")
+    for key, lo, hi in (("n_read_threads", 1, 256), ("n_write_threads", 1, 256), ("blocks_per_op", 1, 4096),
+                        *int_ranges):
+        v = getattr(settings, key)
+        if key in optional and v is None:
+            continue
+        if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
+            fail(key, f"an integer in {lo}..{hi}")
+    for key in ("load_failure_grace_s", "lookup_timeout_s"):
+        v = getattr(settings, key)
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or v != v:
+            fail(key, "a number")
+    if settings.load_failure_grace_s < 0:
+        fail("load_failure_grace_s", ">= 0")
+    v = settings.step_yield_ms
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v <= 50:
+        fail("step_yield_ms", "a number in 0..50")

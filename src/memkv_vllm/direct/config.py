@@ -15,6 +15,7 @@ import dataclasses
 from typing import Any, Mapping
 
 from memkv.errors import ConfigError
+from memkv_vllm.config import check_common_keys
 
 EXTRA_CONFIG_KEY = "memkv"
 DEFAULT_STAGING_MB = 512
@@ -52,22 +53,7 @@ class DirectSettings:
         def fail(key: str, want: str) -> None:
             raise ConfigError(f"MemKV direct mode: {EXTRA_CONFIG_KEY}.{key} must be {want}, got {getattr(self, key)!r}")
 
-        if not isinstance(self.prefix, str) or len(self.prefix.encode()) > 128:
-            fail("prefix", "a string of at most 128 bytes")
-        for key, lo, hi in (("staging_mb", 1, 1 << 20), ("n_read_threads", 1, 256), ("n_write_threads", 1, 256),
-                            ("blocks_per_op", 1, 4096)):
-            v = getattr(self, key)
-            if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
-                fail(key, f"an integer in {lo}..{hi}")
-        for key in ("lookup_timeout_s", "load_failure_grace_s"):
-            v = getattr(self, key)
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or v != v:
-                fail(key, "a number")
-        if self.load_failure_grace_s < 0:
-            fail("load_failure_grace_s", ">= 0")
-        v = self.step_yield_ms
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v <= 50:
-            fail("step_yield_ms", "a number in 0..50")
+        check_common_keys(self, fail, (("staging_mb", 1, 1 << 20),))
 
     @property
     def staging_bytes(self) -> int:
