@@ -6,7 +6,7 @@
 
 Baselines, measured in every repetition next to MemKV (the host drifts between a fast and a
 slow state, so only same-repetition ratios mean anything):
-  * raw: the fastest plain Python design on this machine (../shared/ref/limits.md): a blocking
+  * raw: the fastest plain Python design on this machine (measured by the team beforehand): a blocking
     socket per thread, `sendall` of a slot of a pre-faulted pool into `recv_into` a slot of the
     server's pre-faulted pool, one ack byte per value. No framing, authentication, checksums or
     store: what MemKV adds costs the difference.

@@ -147,7 +147,7 @@ def block_hash_reuse_problem() -> str | None:
 HAS_CONFIG_INFO = hasattr(SecondaryTierManager, "config_info_keys")
 
 
-# -- direct mode: the OffloadingSpec API (../shared/ref/vllm-spec-api.md) ----------------------------
+# -- direct mode: the OffloadingSpec API (section 9) ----------------------------------------------
 @dataclasses.dataclass(frozen=True)
 class SpecGeometry:
     """What a direct-mode spec needs from vLLM's spec base, in one release-neutral shape."""
@@ -162,7 +162,7 @@ class SpecGeometry:
 def spec_geometry(spec) -> SpecGeometry:
     """0.26+: `spec.config` (OffloadingConfig) and `blocks_per_chunk`; 0.25: the spec keeps
     `vllm_config`/`kv_cache_config` and `block_size_factor`, and bytes per block come from
-    the KV cache tensors (section 3.1)."""
+    the KV cache tensors (section 9)."""
     config = getattr(spec, "config", None)
     if config is not None and hasattr(config, "worker_kv_bytes_per_block"):
         parallel = config.parallel

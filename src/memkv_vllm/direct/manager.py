@@ -67,8 +67,8 @@ from memkv_vllm.transfers import LOAD, STORE, TaskResult, TransferPool
 log = logging.getLogger("vllm.memkv_vllm.direct")
 
 FILLING, READY, WRITING, PUTTING = "filling", "ready", "writing", "putting"
-RESET_FENCE_STEPS = 2
-PUT_RECENTLY_MAX = 1 << 16  # keys this engine stored, answered without a probe (a prefetch still verifies)  # <= 0.32: steps after a reset before flushed jobs' slots are reused
+RESET_FENCE_STEPS = 2  # <= 0.32: steps after a reset before flushed jobs' slots are reused
+PUT_RECENTLY_MAX = 1 << 16  # keys this engine stored, answered without a probe (a prefetch still verifies)
 
 
 class DirectStartupError(RuntimeError):
