@@ -72,6 +72,8 @@ import time
 import traceback
 import urllib.request
 
+from tier_probe import ENV_FILE as PROBE_ENV, FileProbe, TierProbe, stages
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(os.path.dirname(HERE))
 BLOCK_TOKENS = 64
@@ -186,7 +188,7 @@ def parse_prom(text: str, keep=lambda name: True) -> dict:
 
 
 NODE_SERIES = ("memkv_node_sent_bytes_total", "memkv_node_received_bytes_total", "memkv_node_keys_total",
-               "memkv_node_stored_bytes", "memkv_node_values")
+               "memkv_node_stored_bytes", "memkv_node_values", "memkv_node_requests_total")
 
 
 def node_counters(admin_ports: list, host: str = "127.0.0.1", timeout_s: float = 3.0) -> dict:
@@ -194,6 +196,7 @@ def node_counters(admin_ports: list, host: str = "127.0.0.1", timeout_s: float =
     received (PUT value bytes), get_ok / get_miss keys, stored bytes. `errors` lists the nodes
     that did not answer (then the sums are incomplete and an origin check must fail)."""
     tot = {"sent": 0.0, "received": 0.0, "get_ok": 0.0, "get_miss": 0.0, "stored": 0.0, "values": 0.0,
+           "get_requests": 0.0, "rdma_get_requests": 0.0,
            "per_node_sent": [], "errors": []}
     for port in admin_ports:
         try:
@@ -211,11 +214,13 @@ def node_counters(admin_ports: list, host: str = "127.0.0.1", timeout_s: float =
         tot["get_miss"] += v.get('memkv_node_keys_total{op="get",result="miss"}', 0.0)
         tot["stored"] += v.get("memkv_node_stored_bytes", 0.0)
         tot["values"] += v.get("memkv_node_values", 0.0)
+        tot["get_requests"] += v.get('memkv_node_requests_total{op="get"}', 0.0)
+        tot["rdma_get_requests"] += v.get('memkv_node_requests_total{op="rdma_get"}', 0.0)  # which transport served
     return tot
 
 
 def node_delta(after: dict, before: dict) -> dict:
-    d = {k: after[k] - before.get(k, 0.0) for k in ("sent", "received", "get_ok", "get_miss")}
+    d = {k: after[k] - before.get(k, 0.0) for k in ("sent", "received", "get_ok", "get_miss", "get_requests", "rdma_get_requests")}
     d["stored_after"] = after["stored"]
     d["per_node_sent"] = [None if a is None or b is None else a - b
                           for a, b in zip(after["per_node_sent"], before["per_node_sent"])]
@@ -258,7 +263,10 @@ def write_entry_point(root: str) -> str:
     with open(os.path.join(d, "METADATA"), "w") as f:
         f.write(f"Metadata-Version: 2.1\nName: memkv\nVersion: {version}\n")
     with open(os.path.join(d, "entry_points.txt"), "w") as f:
-        f.write("[vllm.general_plugins]\nmemkv_tier = memkv_vllm:register\n\n[console_scripts]\nmemkv = memkv.cli:main\n")
+        # ttft_probe: this benchmark's stage timestamps in the engine core (tier_probe.py; a no-op
+        # unless TTFT_PROBE_FILE is set). Not part of what `pip install memkv` installs.
+        f.write("[vllm.general_plugins]\nmemkv_tier = memkv_vllm:register\nttft_probe = tier_probe:install_plugin\n\n"
+                "[console_scripts]\nmemkv = memkv.cli:main\n")
     return root
 
 
@@ -298,137 +306,6 @@ def prompt_seed(length: int, rep: int) -> int:
 
 def sweep_seed(length: int) -> int:
     return 7_777_777 + length
-
-
-class TierProbe:
-    """Wrappers installed on the secondary tier object (in-process engine) to timestamp the
-    stages of a promotion: first lookup, exists rounds (memkv), submit_load, job completion
-    (the tier's own job clock), and when the manager took the finished job."""
-
-    def __init__(self, tier, kind: str) -> None:
-        self.tier = tier
-        self.kind = kind
-        self.events: list[tuple] = []
-        self._lock = threading.Lock()
-        self._first_lookup = None
-        self.installed: list[str] = []
-        self._install()
-
-    def ev(self, *e) -> None:
-        with self._lock:
-            self.events.append((time.perf_counter(), *e))
-
-    def reset(self) -> None:
-        with self._lock:
-            self.events = []
-        self._first_lookup = None
-
-    def _install(self) -> None:
-        tier = self.tier
-        try:
-            orig_lookup = tier.lookup
-
-            def lookup(key, req_context, _o=orig_lookup):
-                if self._first_lookup is None:
-                    self._first_lookup = time.perf_counter()
-                    self.ev("first_lookup")
-                return _o(key, req_context)
-
-            tier.lookup = lookup
-            self.installed.append("lookup")
-        except Exception as exc:
-            log(f"probe: lookup wrapper failed: {exc}")
-        try:
-            orig_submit = tier.submit_load
-
-            def submit_load(job, _o=orig_submit):
-                self.ev("submit_load", len(job.keys))
-                return _o(job)
-
-            tier.submit_load = submit_load
-            self.installed.append("submit_load")
-        except Exception as exc:
-            log(f"probe: submit_load wrapper failed: {exc}")
-        try:
-            orig_gfj = tier.get_finished_jobs
-
-            def get_finished_jobs(_o=orig_gfj):
-                res = list(_o())
-                for r in res:
-                    self.ev("job_taken", getattr(r, "job_id", None), bool(getattr(r, "success", True)),
-                            getattr(r, "transfer_time", None), getattr(r, "transfer_bytes", None))
-                return res
-
-            tier.get_finished_jobs = get_finished_jobs
-            self.installed.append("get_finished_jobs")
-        except Exception as exc:
-            log(f"probe: get_finished_jobs wrapper failed: {exc}")
-        if self.kind == "memkv":
-            try:
-                lk = tier._lookup
-                orig_probe = lk._probe
-
-                def probe(keys, _o=orig_probe):
-                    t = time.perf_counter()
-                    r = _o(keys)
-                    self.ev("probe", t, len(keys), int(sum(bool(x) for x in r)))
-                    return r
-
-                lk._probe = probe
-                self.installed.append("exists_probe")
-            except Exception as exc:
-                log(f"probe: exists wrapper failed: {exc}")
-            self.wrap_pool(tier._pool)
-
-    def wrap_pool(self, pool) -> None:
-        try:
-            orig_take = pool.take_finished
-
-            def take_finished(_o=orig_take):
-                fins = _o()
-                for f in fins:
-                    self.ev("job_done", f.kind, f.seconds, len(f.keys), int(sum(f.ok)))
-                return fins
-
-            pool.take_finished = take_finished
-            self.installed.append("pool")
-        except Exception as exc:
-            log(f"probe: pool wrapper failed: {exc}")
-
-    def timeline(self, t0: float, t1: float) -> dict:
-        """Stages of the run that started at t0 and returned at t1 (seconds from t0)."""
-        with self._lock:
-            evs = list(self.events)
-        out: dict = {"total_s": t1 - t0}
-        first = [e for e in evs if e[1] == "first_lookup"]
-        if first:
-            out["first_lookup_s"] = first[0][0] - t0
-        probes = [e for e in evs if e[1] == "probe"]
-        if probes:
-            out["exists_rounds"] = len(probes)
-            out["exists_keys"] = sum(e[3] for e in probes)
-            out["exists_hits"] = sum(e[4] for e in probes)
-            out["exists_round_s"] = [round(e[0] - e[2], 6) for e in probes]
-            out["last_exists_end_s"] = probes[-1][0] - t0
-        subs = [e for e in evs if e[1] == "submit_load"]
-        if subs:
-            out["load_jobs"] = len(subs)
-            out["load_blocks"] = sum(e[2] for e in subs)
-            out["first_submit_load_s"] = subs[0][0] - t0
-            out["last_submit_load_s"] = subs[-1][0] - t0
-        done = [e for e in evs if e[1] == "job_done" and e[2] == "load"]
-        if done:
-            out["load_job_s"] = [round(e[3], 6) for e in done]
-            out["load_done_s"] = max(e[0] for e in done) - t0  # when the tier handed it over
-            out["load_job_blocks_ok"] = sum(e[5] for e in done)
-        taken = [e for e in evs if e[1] == "job_taken"]
-        if taken:
-            out["jobs_taken"] = len(taken)
-            out["last_job_taken_s"] = taken[-1][0] - t0
-            tt = [e[4] for e in taken if e[4] is not None]
-            if tt:
-                out["job_transfer_time_s"] = [round(x, 6) for x in tt]
-        return out
 
 
 def find_manager(llm):
@@ -587,6 +464,9 @@ def engine_child(spec: dict) -> int:
     mgr = sched = conn = tier = probe = None
     if not inproc:
         log(f"[{spec['role']}] engine core in its own process: no tier object here; origin from the nodes' counters")
+        if tier_kind == "memkv" and os.environ.get(PROBE_ENV):  # the engine core's tier writes its stages there
+            probe = FileProbe(os.environ[PROBE_ENV])
+            result["probe_installed"] = probe.installed
     elif tier_kind == "none":
         mgr, sched, conn = find_manager(llm)
     else:
@@ -666,9 +546,9 @@ def engine_child(spec: dict) -> int:
         before_n = nodes_now()
         if probe:
             probe.reset()
-        t0 = time.perf_counter()
+        w0, t0 = time.time(), time.perf_counter()
         out = generate(ids)
-        t1 = time.perf_counter()
+        t1, w1 = time.perf_counter(), time.time()
         comp = out.outputs[0]
         rec = {"phase": phase, "tokens": tokens, "rep": rep, "seconds": t1 - t0, "token_ids": list(comp.token_ids),
                "num_cached_tokens": getattr(out, "num_cached_tokens", None),
@@ -679,7 +559,8 @@ def engine_child(spec: dict) -> int:
                 rec["top5"] = [[int(k), float(v.logprob)] for k, v in sorted(lp.items(), key=lambda kv: -kv[1].logprob)]
         except Exception as exc:
             rec["top5_error"] = repr(exc)
-        rec["timeline"] = probe.timeline(t0, t1) if probe else {"total_s": t1 - t0}
+        rec["timeline"] = probe.timeline(w0, w1) if probe else {"total_s": t1 - t0}
+        rec["stages"] = stages(rec["timeline"])
         rec["tier_counters"] = diff(tier_totals(tier), before_t) if tier is not None else {}
         rec["prom"] = diff(metrics_snapshot(llm), before_m)
         if before_n is not None:
@@ -952,6 +833,10 @@ def run_child(spec: dict, env: dict, timeout_s: float) -> dict | None:
     spec_path = spec["out"] + ".spec"
     with open(spec_path, "w") as f:
         json.dump(spec, f)
+    probe_file = spec["out"] + ".probe.jsonl"  # the engine core's stage timestamps (tier_probe.py)
+    if os.path.exists(probe_file):
+        os.unlink(probe_file)
+    env = {**env, PROBE_ENV: probe_file}
     t = time.perf_counter()
     # Own session: on a timeout the whole group goes (engine core and workers included), so a
     # hung engine cannot hold the GPU into the next phase or call.
@@ -1022,6 +907,42 @@ def fmt_times(v) -> str:
     if not v:
         return "-"
     return " / ".join(f"{x:.2f}" for x in v)
+
+
+def breakdown_rows(engines: dict) -> list[dict]:
+    """Per promotion run: the stages (tier_probe.stages) and the ratio to the median CPU-pool hit
+    of the same prompt length in the same engine (the main engine's for a restarted engine,
+    which has no CPU-pool hit of its own; marked)."""
+    cpu = {}
+    for role, res in engines.items():
+        for r in res.get("runs", []):
+            if r["phase"] == "cpu_hit":
+                cpu.setdefault((role, r["tokens"]), []).append(r["seconds"])
+    out = []
+    for role, res in engines.items():
+        for r in res.get("runs", []):
+            if r["phase"] not in ("memkv", "restart_memkv", "fs"):
+                continue
+            hit, same = cpu.get((role, r["tokens"])), True
+            if not hit:
+                hit, same = cpu.get(("main", r["tokens"])), False
+            st = r.get("stages") or {}
+            out.append({"engine": role, "phase": r["phase"], "tokens": r["tokens"], "rep": r["rep"], "total_s": r["seconds"],
+                        **st, "cpu_hit_s": statistics.median(hit) if hit else None, "cpu_hit_same_engine": same,
+                        "ratio_to_cpu_hit": r["seconds"] / statistics.median(hit) if hit else None})
+    return out
+
+
+def print_breakdown(rows: list[dict]) -> None:
+    if not rows:
+        return
+    f = lambda v: "-" if v is None else f"{v:.3f}"  # noqa: E731
+    print("\n| engine | phase | tokens | rep | total s | lookup s | MemKV -> pool s | pool -> GPU + token s | CPU-pool hit s | x CPU-pool hit |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for r in rows:
+        ratio = "-" if r["ratio_to_cpu_hit"] is None else f"{r['ratio_to_cpu_hit']:.2f}x" + ("" if r["cpu_hit_same_engine"] else " (main's)")
+        print(f"| {r['engine']} | {r['phase']} | {r['tokens']:,} | {r['rep']} | {f(r['total_s'])} | {f(r.get('lookup_s'))} | "
+              f"{f(r.get('memkv_to_pool_s'))} | {f(r.get('pool_to_gpu_token_s'))} | {f(r['cpu_hit_s'])} | {ratio} |")
 
 
 def print_table(rows: list) -> None:
@@ -1135,7 +1056,7 @@ def main() -> int:
     env = {**os.environ, "PYTHONHASHSEED": "0", "VLLM_ENABLE_V1_MULTIPROCESSING": "0" if args.inproc else "1",
            "VLLM_USE_FLASHINFER_SAMPLER": "0", "VLLM_NO_USAGE_STATS": "1", "PYTHONUNBUFFERED": "1",
            "TOKENIZERS_PARALLELISM": "false",
-           "PYTHONPATH": os.pathsep.join(filter(None, [ep_dir, os.environ.get("PYTHONPATH")]))}
+           "PYTHONPATH": os.pathsep.join(filter(None, [ep_dir, HERE, os.environ.get("PYTHONPATH")]))}
     meta["process_layout"] = "in-process engine core" if args.inproc else "engine core in its own process (vLLM default)"
     if state:
         cfg_path = os.path.join(args.state_dir, "client.yaml")
@@ -1166,7 +1087,7 @@ def main() -> int:
         rows, problems, top5 = summarize(engines)
         doc = {"meta": meta, "engines": engines, "rows": rows, "output_mismatches": problems,
                "origin_errors": [e for res in engines.values() for e in res.get("origin_errors", [])],
-               "top5_agreement": top5, "elapsed_s": time.time() - t_start}
+               "top5_agreement": top5, "breakdown": breakdown_rows(engines), "elapsed_s": time.time() - t_start}
         with open(out_json, "w") as f:
             json.dump(doc, f, indent=1)
         return rows, problems
@@ -1226,6 +1147,7 @@ def main() -> int:
         rows, problems = save()
     print()
     print_table(rows)
+    print_breakdown(breakdown_rows(engines))
     for role, res in engines.items():
         if res.get("sweep"):
             print(f"\nsweep ({role}, {args.sweep_tokens} tokens, MemKV promotion seconds):")

@@ -61,13 +61,15 @@ def main() -> int:
     ap.add_argument("--variants", default="16x4,16x4:noverify,16x4:c4,16x4:busy,16x4:busy:noverify,16x4:busy:c4,"
                                           "16x4:busy:c16,16x4:busy:si0.5,16x1:busy,32x4:busy:c4")
     ap.add_argument("--transport", default="tcp", choices=["tcp", "rdma"], help="MEMKV_TRANSPORT of client and nodes")
+    ap.add_argument("--tag", default="", help="output name: xfer-<transport>[-<tag>].json (several runs in one call)")
     ap.add_argument("--state-dir", default="/tmp/xfer-state")
     ap.add_argument("--out-dir", default=os.environ.get("OUT", "bench/out"))
     args = ap.parse_args()
     os.makedirs(args.out_dir, exist_ok=True)
     vb = args.value_mib << 20
     total = vb * args.values
-    result = {"host": host_info(), "args": vars(args), "variants": []}
+    result = {"host": host_info(), "args": vars(args), "variants": [],
+              "env": {k: os.environ.get(k) for k in ("UCX_TLS", "UCX_NET_DEVICES", "MEMKV_NIXL_SYNC", "MEMKV_NIXL_WORKERS")}}
 
     os.environ["MEMKV_TRANSPORT"] = args.transport  # nodes inherit it
     capacity = max((total // args.nodes) * 3 // 2, 4 * vb)
@@ -183,7 +185,7 @@ def main() -> int:
         client.close()
     finally:
         stop_nodes(state)
-        with open(os.path.join(args.out_dir, f"xfer-{args.transport}.json"), "w") as f:
+        with open(os.path.join(args.out_dir, f"xfer-{args.transport}{'-' + args.tag if args.tag else ''}.json"), "w") as f:
             json.dump(result, f, indent=1)
     return 0
 

@@ -72,6 +72,33 @@ def test_rdma_mode_with_a_missing_device_or_bad_delay_refuses_to_start(monkeypat
     with pytest.raises(ConfigError) as info:
         Client(config("rdma"))
     assert "MEMKV_NIXL_PROGRESS_DELAY_US" in str(info.value)
+    monkeypatch.delenv("MEMKV_NIXL_PROGRESS_DELAY_US")
+    for name, bad in (("MEMKV_NIXL_WORKERS", "0"), ("MEMKV_NIXL_WORKERS", "many"), ("MEMKV_NIXL_SYNC", "none")):
+        monkeypatch.setenv(name, bad)
+        with pytest.raises(ConfigError) as info:
+            Client(config("rdma"))
+        assert name in str(info.value) and repr(bad) in str(info.value)
+        monkeypatch.delenv(name)
+
+
+@requires_nixl
+@pytest.mark.integration
+def test_agents_get_parallel_ucx_workers_and_concurrent_transfers(monkeypatch):
+    """Over cma the copy runs inside the call that posts a WRITE: NIXL's strict sync mode and
+    one UCX worker made a node copy one value at a time (issue 16). The defaults are rw and 4
+    workers; the setting reaches NIXL (read back from the backend's own parameters)."""
+    monkeypatch.setenv("UCX_TLS", nixl_adapter.ucx_tls_for_host("tcp"))
+    monkeypatch.setenv("UCX_NET_DEVICES", "lo")
+    for env, workers, sync in (({}, 4, "rw"), ({"MEMKV_NIXL_WORKERS": "2", "MEMKV_NIXL_SYNC": "strict"}, 2, "strict")):
+        for k in ("MEMKV_NIXL_WORKERS", "MEMKV_NIXL_SYNC"):
+            monkeypatch.delenv(k, raising=False)
+        for k, v in env.items():
+            monkeypatch.setenv(k, v)
+        agent = nixl_adapter.NixlAgent("client")
+        try:
+            assert (agent.ucx_workers, agent.thread_sync) == (workers, sync)
+        finally:
+            agent.close()
 
 
 @requires_nixl

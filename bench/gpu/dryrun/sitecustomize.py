@@ -25,6 +25,8 @@ if os.environ.get("TTFT_FAKE_LLM"):
 
     class FakeLLM:
         def __init__(self, model, kv_transfer_config, **kw):
+            from vllm.plugins import load_general_plugins
+            load_general_plugins()  # as every vLLM process does (the entry points of ttft.py's dist-info)
             extra = kv_transfer_config["kv_connector_extra_config"]
             geo = H.Geometry(worker_kv_bytes_per_block=1 << 16, gpu_block_size=16, block_size=64, num_rows=96)
             self.he = H.HeadlessEngine(extra["secondary_tiers"], geo)

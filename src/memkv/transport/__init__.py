@@ -58,7 +58,10 @@ def select_transport(nodes: NodeSet, config: ClientConfig) -> Transport:
             f"MEMKV_RDMA_DEVICES: no RDMA device named {', '.join(missing)} on this host "
             f"(present: {', '.join(present) or 'none'})"
         )
-    nixl_adapter.progress_delay_us()  # a bad MEMKV_NIXL_PROGRESS_DELAY_US fails here, at startup
+    # A bad MEMKV_NIXL_PROGRESS_DELAY_US / _WORKERS / _SYNC fails here, at startup.
+    nixl_adapter.progress_delay_us()
+    nixl_adapter.ucx_workers()
+    nixl_adapter.thread_sync()
     from memkv.transport.rdma import RdmaTransport
 
     log.info("MemKV: %s: RDMA loads with %s once the pool is registered", f"MEMKV_TRANSPORT={mode}", why)

@@ -36,10 +36,13 @@ Traps handled here (measured on this project's machines; docs/rdma.md has the fi
   libibverbs (the UCX `efa` module loads the system libefa). Not something code can fix here;
   docs/rdma.md has the workaround.
 
-Threading: a `NixlAgent` is shared by every thread of its process. It is created with NIXL's
-STRICT thread-sync mode (NIXL serialises calls into the agent; the default mode for an agent
-without a listener thread is "no locking"). The data itself moves in UCX (progress thread, the
-kernel for cma, the NIC for RDMA), not under that lock.
+Threading: a `NixlAgent` is shared by every thread of its process. NIXL's thread-sync mode
+is `MEMKV_NIXL_SYNC`: `rw` (default) lets transfers of different threads run concurrently and
+makes registrations and peer changes exclusive; `strict` serialises every call into the agent.
+Over UCX cma the copy itself (process_vm_writev) runs inside the call that posts a WRITE, so
+under `strict` a node copied one value at a time, whatever the number of connections. The UCX
+backend gets `MEMKV_NIXL_WORKERS` workers (default 4; NIXL binds each thread to one), so posts
+of different threads do not share one UCX worker either.
 """
 
 from __future__ import annotations
@@ -60,6 +63,11 @@ log = logging.getLogger("memkv.transport")
 
 ENV_PROGRESS_DELAY_US = "MEMKV_NIXL_PROGRESS_DELAY_US"
 DEFAULT_PROGRESS_DELAY_US = 100
+ENV_WORKERS = "MEMKV_NIXL_WORKERS"
+DEFAULT_WORKERS = 4
+ENV_SYNC = "MEMKV_NIXL_SYNC"
+DEFAULT_SYNC = "rw"
+_SYNC_MODES = {"rw": "NIXL_THREAD_SYNC_RW", "strict": "NIXL_THREAD_SYNC_STRICT"}
 _IB_SYSFS = Path("/sys/class/infiniband")
 INSTALL_HINT = "pip install --no-deps nixl-cu12==1.5.1 numpy"
 
@@ -135,6 +143,29 @@ def progress_delay_us() -> int:
     if not text.isdigit() or int(text) > 1_000_000:
         raise ConfigError(f"{ENV_PROGRESS_DELAY_US}: expected microseconds in 0..1000000, got {text!r}")
     return int(text)
+
+
+def ucx_workers() -> int:
+    """MEMKV_NIXL_WORKERS, checked: UCX workers per agent (writes of different threads run in parallel)."""
+    from memkv.errors import ConfigError
+
+    text = os.environ.get(ENV_WORKERS, "").strip()
+    if not text:
+        return DEFAULT_WORKERS
+    if not text.isdigit() or not 1 <= int(text) <= 64:
+        raise ConfigError(f"{ENV_WORKERS}: expected a number of UCX workers in 1..64, got {text!r}")
+    return int(text)
+
+
+def thread_sync() -> str:
+    """MEMKV_NIXL_SYNC, checked: `rw` (transfers run concurrently, registrations exclusive) or
+    `strict` (every call into the agent serialised)."""
+    from memkv.errors import ConfigError
+
+    text = os.environ.get(ENV_SYNC, "").strip() or DEFAULT_SYNC
+    if text not in _SYNC_MODES:
+        raise ConfigError(f"{ENV_SYNC}: expected one of {sorted(_SYNC_MODES)}, got {text!r}")
+    return text
 
 
 def buffer_address(view: memoryview) -> int:
@@ -254,7 +285,7 @@ class _BindingsWithTamedConfig:
         return getattr(self._real, name)
 
 
-def _tamed_agent(api: Any, name: str, delay_us: int) -> Any:
+def _tamed_agent(api: Any, name: str, delay_us: int, workers: int) -> Any:
     real = api.nixlBind
     base: Any = real.nixlAgentConfig
 
@@ -264,18 +295,23 @@ def _tamed_agent(api: Any, name: str, delay_us: int) -> Any:
                 value = delay_us
             super().__setattr__(field, value)
 
+    sync = thread_sync()
     config = api.nixl_agent_config(
         enable_prog_thread=True,  # UCX over tcp needs the *target's* thread to land a WRITE
         enable_listen_thread=False,  # metadata goes over MemKV's authenticated connection
-        backends=["UCX"],
-        sync_mode=api.nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT,
+        backends=[],
+        sync_mode=getattr(api.nixl_thread_sync_t, _SYNC_MODES[sync]),
     )
     with _build_lock:
         api.nixlBind = _BindingsWithTamedConfig(real, TamedConfig)
         try:
-            return api.nixl_agent(name, config)
+            agent = api.nixl_agent(name, config)
         finally:
             api.nixlBind = real
+    # UCX's params are strings; num_workers UCX workers, each thread sticks to one (NIXL picks).
+    with _translate("create the UCX backend"):
+        agent.create_backend("UCX", {"num_workers": str(workers)})
+    return agent
 
 
 class Registration:
@@ -331,20 +367,27 @@ class NixlAgent:
     def __init__(self, role: str, devices: Sequence[str] = ()) -> None:
         api = _import_api()
         delay_us = progress_delay_us()
+        workers = ucx_workers()
+        thread_sync()  # a bad value fails here, before NIXL starts
         _apply_devices(devices)
         self.name = f"memkv-{role}-{uuid.uuid4().hex[:16]}"
         try:
             with _native_output() as native, _translate("create an agent with the UCX backend"):
-                self._agent = _tamed_agent(api, self.name, delay_us)
+                self._agent = _tamed_agent(api, self.name, delay_us, workers)
         except RdmaError as exc:
             reason = _reason(native)
             raise RdmaError(f"{exc}{' -- NIXL/UCX said: ' + reason if reason else ''}{_ucx_tls_hint()}") from exc
         if "UCX" not in self._agent.backends:
             raise RdmaError(f"NIXL: the UCX backend did not load (plugins: {self._agent.plugin_list})")
         self.progress_delay_us = delay_us
+        self.thread_sync = thread_sync()
+        with _translate("read the UCX backend's parameters"):  # what NIXL took, not what we asked
+            self.ucx_workers = int(self._agent.get_backend_params("UCX").get("num_workers", "0"))
         log.debug(
-            "NIXL agent %s up (UCX, progress delay %d us, UCX_TLS=%s, UCX_NET_DEVICES=%s)",
+            "NIXL agent %s up (UCX, %d workers, sync %s, progress delay %d us, UCX_TLS=%s, UCX_NET_DEVICES=%s)",
             self.name,
+            self.ucx_workers,
+            self.thread_sync,
             delay_us,
             os.environ.get("UCX_TLS", "(default)"),
             os.environ.get("UCX_NET_DEVICES", "(all)"),

@@ -1,0 +1,221 @@
+"""Timestamps of a promotion's stages, taken by wrapping the live MemKV (or fs) tier's methods.
+
+Two ways in, the same events:
+  * in-process engine core (ttft.py --inproc): ttft.py wraps the tier object it finds;
+  * vLLM's default layout (engine core in its own process, as `vllm serve` runs it): ttft.py
+    adds the entry point `ttft_probe = tier_probe:install_plugin` to the `vllm.general_plugins`
+    group of the dist-info it writes. vLLM loads it in every process it starts; in the engine
+    core it wraps each `MemKVSecondaryTierManager` when it is built, and the events go, one JSON
+    line each, to the file named by TTFT_PROBE_FILE. ttft.py reads the lines a run appended.
+Times are wall-clock (`time.time()`): both processes are on one host.
+
+Benchmark instrumentation only: nothing in src/ knows about it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+
+ENV_FILE = "TTFT_PROBE_FILE"
+
+
+class TierProbe:
+    """Wraps lookup, the exists probe (memkv), submit_load, the transfer pool's finished jobs and
+    get_finished_jobs; `events` holds (time, name, ...) tuples, or `sink` gets each one."""
+
+    def __init__(self, tier, kind: str, sink=None) -> None:
+        self.tier = tier
+        self.kind = kind
+        self.events: list[tuple] = []
+        self._sink = sink
+        self._lock = threading.Lock()
+        self._first_lookup = None
+        self._requests_seen: set = set()  # file mode: a first_lookup per request (no reset() there)
+        self.installed: list[str] = []
+        self._install()
+
+    def ev(self, *e) -> None:
+        rec = (time.time(), *e)
+        with self._lock:
+            if self._sink is not None:
+                self._sink(rec)
+            else:
+                self.events.append(rec)
+
+    def reset(self) -> None:
+        with self._lock:
+            self.events = []
+        self._first_lookup = None
+
+    def _wrap(self, obj, name: str, label: str, make) -> None:
+        try:
+            setattr(obj, name, make(getattr(obj, name)))
+            self.installed.append(label)
+        except Exception as exc:  # a release without the attribute: that stage is not timed
+            print(f"probe: {label} wrapper failed: {exc!r}", flush=True)
+
+    def _install(self) -> None:
+        def lookup(orig):
+            def wrapped(key, req_context):
+                rid = getattr(req_context, "req_id", None)
+                if self._sink is not None and rid not in self._requests_seen:
+                    self._requests_seen.add(rid)
+                    self.ev("first_lookup", rid)
+                elif self._sink is None and self._first_lookup is None:
+                    self._first_lookup = time.time()
+                    self.ev("first_lookup")
+                return orig(key, req_context)
+            return wrapped
+
+        def submit_load(orig):
+            def wrapped(job):
+                self.ev("submit_load", len(job.keys))
+                return orig(job)
+            return wrapped
+
+        def get_finished_jobs(orig):
+            def wrapped():
+                res = list(orig())
+                for r in res:
+                    self.ev("job_taken", getattr(r, "job_id", None), bool(getattr(r, "success", True)),
+                            getattr(r, "transfer_time", None), getattr(r, "transfer_bytes", None))
+                return res
+            return wrapped
+
+        self._wrap(self.tier, "lookup", "lookup", lookup)
+        self._wrap(self.tier, "submit_load", "submit_load", submit_load)
+        self._wrap(self.tier, "get_finished_jobs", "get_finished_jobs", get_finished_jobs)
+        if self.kind == "memkv":
+            def probe(orig):
+                def wrapped(keys):
+                    t = time.time()
+                    r = orig(keys)
+                    self.ev("probe", t, len(keys), int(sum(bool(x) for x in r)))
+                    return r
+                return wrapped
+
+            self._wrap(self.tier._lookup, "_probe", "exists_probe", probe)
+            self.wrap_pool(self.tier._pool)
+
+    def wrap_pool(self, pool) -> None:
+        def take_finished(orig):
+            def wrapped():
+                fins = orig()
+                for f in fins:
+                    self.ev("job_done", f.kind, f.seconds, len(f.keys), int(sum(f.ok)))
+                return fins
+            return wrapped
+
+        self._wrap(pool, "take_finished", "pool", take_finished)
+
+    def timeline(self, t0: float, t1: float) -> dict:
+        with self._lock:
+            evs = list(self.events)
+        return timeline(evs, t0, t1)
+
+
+class FileProbe:
+    """The engine-core side's events, read back from TTFT_PROBE_FILE by the engine's driver:
+    `reset()` marks the file's end, `timeline()` reads what was appended since."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.installed = ["file:" + path]
+        self._offset = 0
+
+    def reset(self) -> None:
+        self._offset = os.path.getsize(self.path) if os.path.exists(self.path) else 0
+
+    def timeline(self, t0: float, t1: float) -> dict:
+        evs = []
+        if os.path.exists(self.path):
+            with open(self.path) as f:
+                f.seek(self._offset)
+                for line in f:
+                    if line.endswith("\n"):
+                        evs.append(tuple(json.loads(line)))
+        return timeline(evs, t0, t1)
+
+
+def timeline(evs: list[tuple], t0: float, t1: float) -> dict:
+    """Stages of the run that started at t0 and returned at t1 (seconds from t0)."""
+    evs = [e for e in evs if e[0] >= t0 - 1e-3]
+    out: dict = {"total_s": t1 - t0}
+    first = [e for e in evs if e[1] == "first_lookup"]
+    if first:
+        out["first_lookup_s"] = first[0][0] - t0
+    probes = [e for e in evs if e[1] == "probe"]
+    if probes:
+        out["exists_rounds"] = len(probes)
+        out["exists_keys"] = sum(e[3] for e in probes)
+        out["exists_hits"] = sum(e[4] for e in probes)
+        out["exists_round_s"] = [round(e[0] - e[2], 6) for e in probes]
+        out["last_exists_end_s"] = probes[-1][0] - t0
+    subs = [e for e in evs if e[1] == "submit_load"]
+    if subs:
+        out["load_jobs"] = len(subs)
+        out["load_blocks"] = sum(e[2] for e in subs)
+        out["first_submit_load_s"] = subs[0][0] - t0
+        out["last_submit_load_s"] = subs[-1][0] - t0
+    done = [e for e in evs if e[1] == "job_done" and e[2] == "load"]
+    if done:
+        out["load_job_s"] = [round(e[3], 6) for e in done]
+        out["load_done_s"] = max(e[0] for e in done) - t0  # when the tier handed it over
+        out["load_job_blocks_ok"] = sum(e[5] for e in done)
+    taken = [e for e in evs if e[1] == "job_taken"]
+    if taken:
+        out["jobs_taken"] = len(taken)
+        out["last_job_taken_s"] = taken[-1][0] - t0
+        tt = [e[4] for e in taken if e[4] is not None]
+        if tt:
+            out["job_transfer_time_s"] = [round(x, 6) for x in tt]
+    return out
+
+
+def stages(tl: dict) -> dict:
+    """The three stages the issue asks for, from one run's timeline (seconds, None if unseen):
+    lookup = first lookup -> promotion submitted; memkv_to_pool = submitted -> the tier's last
+    load job done; pool_to_gpu_token = the manager took the job -> generate() returned."""
+    def get(k):
+        return tl.get(k)
+    lookup = memkv = rest = None
+    if get("first_lookup_s") is not None and get("first_submit_load_s") is not None:
+        lookup = get("first_submit_load_s") - get("first_lookup_s")
+    if get("first_submit_load_s") is not None and get("load_done_s") is not None:
+        memkv = get("load_done_s") - get("first_submit_load_s")
+    if get("last_job_taken_s") is not None:
+        rest = tl["total_s"] - get("last_job_taken_s")
+    return {"lookup_s": lookup, "memkv_to_pool_s": memkv, "pool_to_gpu_token_s": rest}
+
+
+def install_plugin() -> None:
+    """vLLM general plugin (every vLLM process): wrap each MemKV tier built in this process."""
+    path = os.environ.get(ENV_FILE)
+    if not path:
+        return
+    try:
+        from memkv_vllm.tier import MemKVSecondaryTierManager
+    except Exception as exc:  # not a process that builds tiers, or the tier is absent
+        print(f"probe plugin: no tier class ({exc!r})", flush=True)
+        return
+    if getattr(MemKVSecondaryTierManager, "_ttft_probed", False):
+        return
+    lock = threading.Lock()
+    out = open(path, "a", buffering=1)
+
+    def sink(rec: tuple) -> None:
+        with lock:
+            out.write(json.dumps(rec) + "\n")
+
+    orig_init = MemKVSecondaryTierManager.__init__
+
+    def init(self, *args, **kwargs):
+        orig_init(self, *args, **kwargs)
+        TierProbe(self, "memkv", sink=sink)
+        sink((time.time(), "probe_installed", os.getpid()))
+
+    MemKVSecondaryTierManager.__init__ = init
+    MemKVSecondaryTierManager._ttft_probed = True
