@@ -85,11 +85,11 @@ def test_rdma_mode_with_a_missing_device_or_bad_delay_refuses_to_start(monkeypat
 @pytest.mark.integration
 def test_agents_get_parallel_ucx_workers_and_concurrent_transfers(monkeypatch):
     """Over cma the copy runs inside the call that posts a WRITE: NIXL's strict sync mode and
-    one UCX worker made a node copy one value at a time (issue 16). The defaults are rw and 4
+    one UCX worker made a node copy one value at a time (issue 16). The defaults are rw and 8
     workers; the setting reaches NIXL (read back from the backend's own parameters)."""
     monkeypatch.setenv("UCX_TLS", nixl_adapter.ucx_tls_for_host("tcp"))
     monkeypatch.setenv("UCX_NET_DEVICES", "lo")
-    for env, workers, sync in (({}, 4, "rw"), ({"MEMKV_NIXL_WORKERS": "2", "MEMKV_NIXL_SYNC": "strict"}, 2, "strict")):
+    for env, workers, sync in (({}, 8, "rw"), ({"MEMKV_NIXL_WORKERS": "2", "MEMKV_NIXL_SYNC": "strict"}, 2, "strict")):
         for k in ("MEMKV_NIXL_WORKERS", "MEMKV_NIXL_SYNC"):
             monkeypatch.delenv(k, raising=False)
         for k, v in env.items():

@@ -41,7 +41,7 @@ is `MEMKV_NIXL_SYNC`: `rw` (default) lets transfers of different threads run con
 makes registrations and peer changes exclusive; `strict` serialises every call into the agent.
 Over UCX cma the copy itself (process_vm_writev) runs inside the call that posts a WRITE, so
 under `strict` a node copied one value at a time, whatever the number of connections. The UCX
-backend gets `MEMKV_NIXL_WORKERS` workers (default 4; NIXL binds each thread to one), so posts
+backend gets `MEMKV_NIXL_WORKERS` workers (default 8; NIXL binds each thread to one), so posts
 of different threads do not share one UCX worker either.
 """
 
@@ -64,7 +64,7 @@ log = logging.getLogger("memkv.transport")
 ENV_PROGRESS_DELAY_US = "MEMKV_NIXL_PROGRESS_DELAY_US"
 DEFAULT_PROGRESS_DELAY_US = 100
 ENV_WORKERS = "MEMKV_NIXL_WORKERS"
-DEFAULT_WORKERS = 4
+DEFAULT_WORKERS = 8
 ENV_SYNC = "MEMKV_NIXL_SYNC"
 DEFAULT_SYNC = "rw"
 _SYNC_MODES = {"rw": "NIXL_THREAD_SYNC_RW", "strict": "NIXL_THREAD_SYNC_STRICT"}
