@@ -184,8 +184,13 @@ def main() -> int:
     ap.add_argument("--history", action="store_true", help="the morning runs 1-5 (before the client fix)")
     ap.add_argument("--defaults", action="store_true",
                     help="the runs of 2026-12-01 (13-15): README's tier config, engine core in its own process")
+    ap.add_argument("--breakdown", action="store_true",
+                    help="run 17: the stages of each promotion with the defaults (engine core in its own process)")
     ap.add_argument("--img", default=None)
     args = ap.parse_args()
+    if args.breakdown:
+        args.img = args.img or os.path.join(REPO, "docs", "img", "gpu-breakdown-defaults.png")
+        return breakdown_plot(args)
     if args.defaults:
         args.img = args.img or os.path.join(REPO, "docs", "img", "gpu-ttft-defaults.png")
         return defaults(args)
@@ -559,6 +564,54 @@ def defaults(args) -> int:
         a.yaxis.set_major_formatter(lambda v, _: f"{v:g}")
         a.yaxis.set_minor_locator(NullLocator())
         a.yaxis.set_minor_formatter(NullFormatter())
+    save(fig, args.img)
+    return 0
+
+
+# 2026-12-01 evening: the stage breakdown in vLLM's default layout (tier_probe.py in the engine core).
+BREAKDOWN = "run17-defaults-breakdown-main-restart.json"
+TARGETS = {8192: 0.2, 32768: 0.5, 65536: 0.9}  # issue 16's promotion targets
+
+
+def breakdown_plot(args) -> int:
+    """Stacked bars of run 17's per-run stages (medians per prompt length and engine), with the
+    CPU-pool hit and the targets marked: docs/img/gpu-breakdown-defaults.png."""
+    doc = load(args.results, {BREAKDOWN: ""})[BREAKDOWN]
+    rows = doc["breakdown"]
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    stages = [("lookup_s", "lookup", "#999999"), ("memkv_to_pool_s", "MemKV -> CPU pool", "#2a6db5"),
+              ("pool_to_gpu_token_s", "CPU pool -> GPU, last block, token", "#5aa55a")]
+    labels, meds, hits = [], [], []
+    for L in LENGTHS:
+        for eng, name in (("main", "promotion"), ("restart", "after restart")):
+            rr = [r for r in rows if r["tokens"] == L and r["engine"] == eng]
+            if not rr:
+                continue
+            labels.append(f"{L // 1024}k, {name}")
+            meds.append({k: med([r[k] for r in rr if r.get(k) is not None]) or 0.0 for k, _, _ in stages}
+                        | {"total": med([r["total_s"] for r in rr]), "tokens": L})
+            hits.append(rr[0]["cpu_hit_s"])
+            print(f"| {labels[-1]} | " + " | ".join(f"{meds[-1][k]:.3f}" for k, _, _ in stages) + f" | {meds[-1]['total']:.3f} |")
+    fig, ax = plt.subplots(1, 1, figsize=(9, 5.0))
+    for yi, m in enumerate(meds):
+        left = 0.0
+        for k, name, color in stages:
+            ax.barh(yi, m[k], left=left, color=color, label=name if yi == 0 else None)
+            left += m[k]
+        ax.text(m["total"] + 0.02, yi, f"{m['total']:.2f} s", va="center", fontsize=8)
+        ax.plot([TARGETS[m["tokens"]]] * 2, [yi - 0.4, yi + 0.4], color="red", lw=1.5, label="target" if yi == 0 else None)
+        ax.plot([hits[yi]] * 2, [yi - 0.4, yi + 0.4], color="black", ls=":", lw=1.2, label="CPU-pool hit" if yi == 0 else None)
+    ax.set_yticks(range(len(labels)), labels, fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xlabel("seconds (median of 2)")
+    ax.set_title("Where a promotion's time goes with README's tier config, engine core in its own process\n"
+                 "(run 17: 1x H200, 16 vCPUs, vLLM 0.25.0, 32B shape, 4 MemKV nodes on loopback, TCP)", fontsize=9)
+    ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.12), ncol=5)
+    ax.set_xlim(0, max(m["total"] for m in meds) * 1.12)
     save(fig, args.img)
     return 0
 
