@@ -60,6 +60,7 @@ def metric_definitions(mode: bool = False) -> dict[str, Any]:
 STAGING_BYTES = "vllm:kv_offload_memkv_staging_bytes"
 STAGING_USES = ("load", "store", "quarantine")
 STAGING_FULL = "vllm:kv_offload_memkv_staging_full"
+LEASED_BYTES = "vllm:kv_offload_memkv_leased_bytes"
 
 
 def direct_metric_definitions() -> dict[str, Any]:
@@ -74,6 +75,10 @@ def direct_metric_definitions() -> dict[str, Any]:
     definitions[STAGING_FULL] = _with_mode(OffloadingCounterMetadata(
         "Chunks the direct mode could not stage, by op: a lookup answered MISS (load) or a store job waited a step "
         "(store) because the staging region was full; raise staging_mb", labelnames=("op",),
+    ))
+    definitions[LEASED_BYTES] = _with_mode(OffloadingGaugeMetadata(
+        "Bytes of MemKV values this engine holds leases on (load_guarantee leased: HITs not loaded yet and loads "
+        "in flight)",
     ))
     return definitions
 
