@@ -15,7 +15,8 @@ Loads cannot fail (vLLM asserts success, vllm-spec-api.md 5.4): the scheduler le
 rank's value at lookup time, so while its node lives the bytes are there and unchanged. A fetch
 that fails (a connection reset, a stalled or restarting node, a checksum mismatch on the wire)
 is retried with backoff until `load_retry_s` has passed since the batch's first attempt. Past
-that the job fails loudly: `get_finished()` (or `wait()`) raises LoadFailed naming the rank,
+that the values that failed are deleted (a purge: a corrupt value must not fail the restarted
+engine again; on its node the delete takes effect once the leases end) and the job fails loudly: `get_finished()` (or `wait()`) raises LoadFailed naming the rank,
 the key, the node and its last error, and nothing of the failed chunk reaches the GPU -- an
 unverified or partial value is never copied. Quarantine: a slot whose fetch failed is reused
 only after the fetch returned (TCP: `batch_load_into` returns once its receiving threads have;
@@ -258,6 +259,10 @@ class StreamingTransfers:
             left = deadline - self._clock()
             if left <= 0:
                 job.error = self._failure(batch[failed[0]].key, attempts, None)
+                # Purge what failed (a DELETE of a leased value takes effect when its leases end),
+                # so that a corrupt value makes the restarted engine recompute, not fail again.
+                # A node that is down answers False: nothing lost.
+                self.client.delete([batch[j].key for j in failed])
                 return [s for k, s in enumerate(slots) if not (result.may_land_late and k in failed)]
             with self._lock:
                 self.retries += len(failed)
