@@ -124,7 +124,7 @@ def test_node_killed_between_lookup_and_load_fails_loudly_naming_node_and_key(mo
                                                                               auth_key_hex):
     point_at(monkeypatch, private_cluster, auth_key_hex)
     g = dh.Geometry()
-    healthy, doomed = private_cluster
+    _healthy, doomed = private_cluster
     tokens = N_CHUNKS * g.block_size + 3
     config = dh.direct_config(load_retry_s=1.0, blocks_per_op=1)
 
@@ -152,7 +152,7 @@ def test_stalled_node_back_within_the_retry_window_loads_byte_exact(monkeypatch,
     cfg.write_text("io_timeout_s: 0.5\ndown_for_s: 0.2\n")
     monkeypatch.setenv("MEMKV_CONFIG", str(cfg))
     g = dh.Geometry()
-    healthy, stalled = private_cluster
+    _healthy, stalled = private_cluster
     tokens = N_CHUNKS * g.block_size + 3
     resumed = threading.Event()
 

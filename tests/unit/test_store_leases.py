@@ -19,7 +19,7 @@ import pytest
 
 from memkv.protocol import ItemStatus
 from memkv.server.store import Leased, NoSpace, Store
-from tests.unit.test_store import MiB, SUM, put, read
+from tests.unit.test_store import SUM, MiB, put, read
 
 pytestmark = pytest.mark.unit
 
