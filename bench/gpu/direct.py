@@ -23,10 +23,12 @@ actually used (tier: cpu_bytes_to_use; direct: the staging region's size) and th
 process's VmRSS / VmLck after the runs.
 
 The model is ttft.py's Qwen2.5-32B-shaped dummy: 256 KiB of KV per token, 64-token chunks of
-16 MiB. A prompt is fully reusable in direct mode only if its KV fits the staging region
-(docs/direct-mode.md: a HIT is answered only once the bytes are staged): 8k tokens = 2 GiB,
-32k = 8 GiB, hence the default --staging-mb 9216; --staging-mb 512 (the default of the key)
-shows the truncated reuse a too-small region gives.
+16 MiB (8k tokens = 2 GiB, 32k = 8 GiB). Direct mode runs with the key's defaults: --staging-mb
+512 and --load-guarantee leased (docs/direct-mode.md: a HIT is a lease; workers stream every
+chunk through the 512 MiB region), so the whole prompt must be reused; each revisit reports
+`chunks loaded / prompt chunks` and the run flags a revisit that did not reuse the whole
+prompt. --load-guarantee staged shows the older behaviour (a HIT only for bytes already staged:
+reuse capped at the region's size unless --staging-mb is raised, e.g. 9216 for 32k).
 
 Dry run without a GPU (flow check; real nodes, vLLM's real connector on CPU tensors for direct
 mode, bench/gpu/dryrun's stand-in for the tier; timings mean nothing):
@@ -36,7 +38,8 @@ mode, bench/gpu/dryrun's stand-in for the tier; timings mean nothing):
 
 Usage (GPU host, repository root):
   eval "$(bash bench/gpu/stage.sh env)"; python3 bench/gpu/direct.py --out-dir $OUT
-  ... --modes direct --tokens 8192 --staging-mb 512     # one mode, one size
+  ... --modes direct --tokens 8192                      # one mode, one size, defaults
+  ... --modes direct --load-guarantee staged --staging-mb 9216   # the staged guarantee
 Output: a table on stdout and <out-dir>/direct.json.
 """
 
@@ -64,7 +67,8 @@ def log(msg: str) -> None:
 def kv_transfer_config(spec: dict) -> dict:
     if spec["mode"] == "direct":
         extra = {"spec_name": "MemKVOffloadingSpec", "spec_module_path": "memkv_vllm.direct",
-                 "block_size": BLOCK_TOKENS, "memkv": {"staging_mb": spec["staging_mb"], "prefix": "direct/"}}
+                 "block_size": BLOCK_TOKENS, "memkv": {"staging_mb": spec["staging_mb"], "prefix": "direct/",
+                                                     "load_guarantee": spec["load_guarantee"]}}
     else:
         extra = {"spec_name": "TieringOffloadingSpec", "cpu_bytes_to_use": int(spec["cpu_gib"] * 2**30),
                  "block_size": BLOCK_TOKENS, "secondary_tiers": [{"type": "memkv", "prefix": "tier/"}]}
@@ -91,6 +95,13 @@ def memkv_object(llm, mode: str):
 def totals(obj) -> dict:
     with obj.stats._lock:
         return {f"{n}{{{','.join(labels)}}}": float(v) for (n, labels), v in obj.stats.totals.items()}
+
+
+def ttft_chunk_bytes(spec: dict) -> int:
+    """Bytes of one 64-token chunk over all ranks (the tier: one pool row)."""
+    shape = ttft.SHAPES[spec["shape"]]
+    head = shape["hidden_size"] // shape["num_attention_heads"]
+    return 2 * shape["num_hidden_layers"] * shape["num_key_value_heads"] * head * 2 * BLOCK_TOKENS
 
 
 def engine_child(spec: dict) -> int:
@@ -131,6 +142,7 @@ def engine_child(spec: dict) -> int:
     if spec["mode"] == "direct":
         result["pinned_bytes"] = obj.layout.region_bytes
         result["staging"] = {"slots": obj.layout.num_slots, "slot_bytes": obj.layout.slot_bytes}
+        result["chunk_bytes"] = obj.layout.value_bytes * obj.layout.world_size
     else:
         result["pinned_bytes"] = int(spec["cpu_gib"] * 2**30)
     log(f"[{spec['mode']}/{spec['role']}] engine up in {result['engine_init_s']:.1f} s, "
@@ -157,9 +169,12 @@ def engine_child(spec: dict) -> int:
                "counters": ttft.diff(totals(obj), before)}
         settle()
         rec["counters_after_settle"] = ttft.diff(totals(obj), before)
-        loaded = sum(v for k, v in rec["counters"].items() if "load_bytes" in k)
+        loaded = sum(v for k, v in rec["counters_after_settle"].items() if "load_bytes" in k)
+        chunk_bytes = result.get("chunk_bytes") or ttft_chunk_bytes(spec)
+        rec["chunks_loaded"] = int(loaded // chunk_bytes)
+        rec["prompt_chunks"] = tokens // BLOCK_TOKENS
         log(f"[{spec['mode']}/{spec['role']}] {phase:<9} {tokens:>6} tok: {seconds:.3f} s  tok={rec['token_ids']} "
-            f"memkv_load={loaded / 2**30:.2f} GiB")
+            f"memkv_load={loaded / 2**30:.2f} GiB chunks={rec['chunks_loaded']}/{rec['prompt_chunks']}")
         result["runs"].append(rec)
         save()
 
@@ -188,7 +203,9 @@ def main() -> int:
     ap.add_argument("--out-dir", default="bench/gpu/results/direct")
     ap.add_argument("--modes", default="direct,tier")
     ap.add_argument("--tokens", default="8192,32768")
-    ap.add_argument("--staging-mb", type=int, default=9216)
+    ap.add_argument("--staging-mb", type=int, default=512, help="direct mode's staging_mb (default: the key's, 512)")
+    ap.add_argument("--load-guarantee", default="leased", choices=("leased", "staged"),
+                    help="direct mode's load_guarantee (default: the key's, leased)")
     ap.add_argument("--cpu-gib", type=float, default=24.0)
     ap.add_argument("--nodes", type=int, default=4)
     ap.add_argument("--node-capacity", default="24GiB")
@@ -213,7 +230,7 @@ def main() -> int:
         for mode in args.modes.split(","):
             for role in ("main", "restart"):
                 spec = {"mode": mode, "role": role, "tokens": tokens, "staging_mb": args.staging_mb,
-                        "cpu_gib": args.cpu_gib, "shape": args.shape, "tp": args.tp, "gpu_util": args.gpu_util,
+                        "load_guarantee": args.load_guarantee, "cpu_gib": args.cpu_gib, "shape": args.shape, "tp": args.tp, "gpu_util": args.gpu_util,
                         "eager": args.eager, "out": os.path.join(args.out_dir, f"{mode}-{role}.json")}
                 with open(spec["out"] + ".spec", "w") as f:
                     json.dump(spec, f)
@@ -239,13 +256,19 @@ def main() -> int:
     # Table and output agreement.
     bad = []
     outputs: dict[int, set] = {}
-    print(f"\n{'mode':<7} {'role':<8} {'tokens':>6} {'phase':<9} {'TTFT s':>8} {'MemKV GiB':>9} {'pinned GiB':>10}")
+    print(f"\n{'mode':<7} {'role':<8} {'tokens':>6} {'phase':<9} {'TTFT s':>8} {'MemKV GiB':>9} {'chunks':>11} "
+          f"{'pinned GiB':>10}")
     for e in engines:
         for r in e.get("runs", []):
-            loaded = sum(v for k, v in r["counters"].items() if "load_bytes" in k)
+            loaded = sum(v for k, v in r.get("counters_after_settle", r["counters"]).items() if "load_bytes" in k)
+            chunks = f"{r.get('chunks_loaded', '?')}/{r.get('prompt_chunks', '?')}"
             print(f"{e['mode']:<7} {e['role']:<8} {r['tokens']:>6} {r['phase']:<9} {r['seconds']:>8.3f} "
-                  f"{loaded / 2**30:>9.3f} {e.get('pinned_bytes', 0) / 2**30:>10.2f}")
+                  f"{loaded / 2**30:>9.3f} {chunks:>11} {e.get('pinned_bytes', 0) / 2**30:>10.2f}")
             outputs.setdefault(r["tokens"], set()).add(tuple(r["token_ids"]))
+            # A chunk-aligned prompt may recompute its last chunk (vLLM computes the last token itself).
+            if r["phase"] != "recompute" and r.get("chunks_loaded", 0) < r.get("prompt_chunks", 0) - 1:
+                bad.append(f"{e['mode']}/{e['role']} {r['tokens']} tokens: reused {chunks} chunks, not the whole "
+                           f"prompt")
         bad += [f"{e['mode']}/{e['role']}: {err[:300]}" for err in e.get("errors", [])]
     for tok, outs in outputs.items():
         if len(outs) != 1:

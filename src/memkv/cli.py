@@ -170,6 +170,13 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--idle-timeout", type=float, default=300.0, help="seconds an idle connection is kept (default 300)")
     s.add_argument("--io-timeout", type=float, default=30.0, help="seconds a started frame may take (default 30)")
     s.add_argument("--node-id", default="", help="name reported to clients and in status (default host:port)")
+    s.add_argument(
+        "--max-lease-ttl", type=float, default=300.0, help="seconds a lease (LEASE) may last, at most (default 300)"
+    )
+    s.add_argument("--max-leases", type=int, default=65536, help="leases held at once, at most (default 65536)")
+    s.add_argument(
+        "--max-lease-bytes", default=None, help="bytes of values leased at once, at most (default: half the capacity)"
+    )
     t = s.add_argument_group("TLS (docs/operations.md, 'Encryption in transit'); SIGHUP re-reads the files")
     t.add_argument("--tls-cert", default=None, metavar="FILE", help="PEM certificate (chain) of the node: turns TLS on")
     t.add_argument("--tls-key", default=None, metavar="FILE", help="PEM private key of --tls-cert")
@@ -296,6 +303,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         idle_timeout_s=args.idle_timeout,
         io_timeout_s=args.io_timeout,
         node_id=args.node_id,
+        max_lease_s=args.max_lease_ttl,
+        max_leases=args.max_leases,
+        max_lease_bytes=parse_size(args.max_lease_bytes, "--max-lease-bytes") if args.max_lease_bytes else None,
         tls_cert=args.tls_cert,
         tls_key=args.tls_key,
         tls_ca=args.tls_ca,

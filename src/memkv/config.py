@@ -585,6 +585,10 @@ class ServerConfig:
     idle_timeout_s: float = 300.0
     io_timeout_s: float = 30.0
     node_id: str = ""
+    # Leases (docs/protocol.md section 11, memkv/server/store.py): ttl cap, count and byte bounds.
+    max_lease_s: float = 300.0
+    max_leases: int = 65536
+    max_lease_bytes: int | None = None  # None: half the capacity
     # RDMA (memkv/server/rdma.py, docs/rdma.md); by default from the node's environment.
     transport: str = dataclasses.field(default_factory=node_transport_from_env)  # "tcp": refuse attaches
     rdma_devices: tuple[str, ...] = dataclasses.field(default_factory=node_rdma_devices_from_env)
@@ -602,6 +606,15 @@ class ServerConfig:
         if self.max_value_bytes > self.capacity_bytes:
             raise ConfigError(
                 f"--max-value-size ({format_size(self.max_value_bytes)}) exceeds --capacity "
+                f"({format_size(self.capacity_bytes)})"
+            )
+        if not 0 < self.max_lease_s <= 3600:
+            raise ConfigError(f"--max-lease-ttl must be in (0, 3600] seconds, got {self.max_lease_s}")
+        if self.max_leases < 0:
+            raise ConfigError(f"--max-leases must be >= 0, got {self.max_leases}")
+        if self.max_lease_bytes is not None and not 0 <= self.max_lease_bytes <= self.capacity_bytes:
+            raise ConfigError(
+                f"--max-lease-bytes ({format_size(self.max_lease_bytes)}) must be 0..--capacity "
                 f"({format_size(self.capacity_bytes)})"
             )
         total = sum(lane.share for lane in self.lanes)

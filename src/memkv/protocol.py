@@ -100,6 +100,8 @@ class Opcode(enum.IntEnum):
     EXISTS = 0x12
     DELETE = 0x13
     LIST = 0x14  # operators only (`memkv ls`): the stored keys under a prefix
+    LEASE = 0x15  # keep values from eviction, deletion and overwrite for a while (section 11)
+    RELEASE = 0x16  # end leases early
     RDMA_ATTACH = 0x20  # client -> node: the client's RDMA metadata (section 10 of docs/protocol.md)
     RDMA_GET = 0x21  # client -> node: WRITE these values into these slots of the client's pool
     ERROR = 0x7F  # server -> client; the connection closes after it
@@ -135,6 +137,7 @@ class ItemStatus(enum.IntEnum):
     SIZE_MISMATCH = 2  # GET: stored length differs from the expected length (treated as a miss)
     NO_SPACE = 3  # PUT: cannot fit even after eviction (value larger than its lane, all pinned)
     TRANSFER_FAILED = 4  # RDMA_GET: the node's WRITE failed or did not complete within the window
+    LEASED = 5  # PUT / DELETE of a leased key: the leased value stays (DELETE: removed when its leases end)
 
 
 class ChecksumAlgo(enum.IntEnum):
@@ -272,6 +275,44 @@ class ErrorReply:
     message: str
 
 
+# Leases (docs/protocol.md, section 11). A lease is named by (key, token): the token is the
+# holder's (a client picks one at random), so holders do not end each other's leases, and a
+# LEASE of a (key, token) that is already leased renews it. Bounded by the node: its ttl cap
+# (the granted ttl comes back in the reply) and its count and byte bounds (a lease beyond them
+# answers MISS).
+
+MAX_LEASE_MS = 3_600_000
+_LEASE_TAIL = struct.Struct(">IQ")  # ttl_ms u32 | token u64
+_TOKEN = struct.Struct(">Q")
+
+
+@dataclasses.dataclass(frozen=True)
+class LeaseRequest:
+    """Lease each key's value for `ttl_ms` (capped by the node) under `token`."""
+
+    keys: tuple[bytes, ...]
+    ttl_ms: int
+    token: int
+
+
+@dataclasses.dataclass(frozen=True)
+class LeaseReply:
+    """Per key OK (leased: `lengths[i]` is the value's length) or MISS (no such value, or a
+    lease beyond the node's bounds: lengths[i] 0); `ttl_ms` is the ttl the node granted."""
+
+    statuses: bytes
+    lengths: tuple[int, ...]
+    ttl_ms: int
+
+
+@dataclasses.dataclass(frozen=True)
+class ReleaseRequest:
+    """End the leases (key, token); the reply is a StatusReply: OK where one ended, else MISS."""
+
+    keys: tuple[bytes, ...]
+    token: int
+
+
 # RDMA control messages (docs/protocol.md, section 10). They are ordinary frames on an
 # authenticated connection, MACed and sequenced like every other: the RDMA metadata is only
 # ever exchanged after the handshake. The value bytes of an RDMA_GET move by RDMA WRITE into
@@ -334,10 +375,14 @@ Request = (
     | ExistsRequest
     | DeleteRequest
     | ListRequest
+    | LeaseRequest
+    | ReleaseRequest
     | RdmaAttachRequest
     | RdmaGetRequest
 )
-Reply = PingReply | HelloOk | StatusReply | GetReply | ListReply | ErrorReply | RdmaAttachReply | RdmaGetReply
+Reply = (
+    PingReply | HelloOk | StatusReply | GetReply | ListReply | LeaseReply | ErrorReply | RdmaAttachReply | RdmaGetReply
+)
 Message = Request | Reply
 
 
@@ -402,6 +447,16 @@ def _check_rdma_metadata(size: int, err: _ErrorClass) -> None:
         raise err(f"RDMA metadata of {size} bytes: must be 1..{MAX_RDMA_METADATA_BYTES}", ErrorCode.FRAME_TOO_LARGE)
 
 
+def _check_lease_ttl(ttl_ms: int, err: _ErrorClass) -> None:
+    if not 1 <= ttl_ms <= MAX_LEASE_MS:
+        raise err(f"lease ttl of {ttl_ms} ms: must be 1..{MAX_LEASE_MS}", ErrorCode.MALFORMED)
+
+
+def _check_token(token: int, err: _ErrorClass) -> None:
+    if not 0 <= token < 1 << 64:
+        raise err(f"lease token {token}: must fit u64", ErrorCode.MALFORMED)
+
+
 def _check_rdma_window(window_ms: int, err: _ErrorClass) -> None:
     if not 1 <= window_ms <= MAX_RDMA_WINDOW_MS:
         raise err(f"RDMA_GET window of {window_ms} ms: must be 1..{MAX_RDMA_WINDOW_MS}", ErrorCode.MALFORMED)
@@ -422,6 +477,24 @@ def _validate_keys(msg: GetRequest | ExistsRequest | DeleteRequest | RdmaGetRequ
     _check_keys(msg.keys, limits, LocalProtocolError)
 
 
+def _validate_lease(msg: LeaseRequest, limits: Limits) -> None:
+    _check_keys(msg.keys, limits, LocalProtocolError)
+    _check_lease_ttl(msg.ttl_ms, LocalProtocolError)
+    _check_token(msg.token, LocalProtocolError)
+
+
+def _validate_release(msg: ReleaseRequest, limits: Limits) -> None:
+    _check_keys(msg.keys, limits, LocalProtocolError)
+    _check_token(msg.token, LocalProtocolError)
+
+
+def _validate_lease_reply(msg: LeaseReply, limits: Limits) -> None:
+    _check_batch(len(msg.statuses), limits, LocalProtocolError)
+    if len(msg.lengths) != len(msg.statuses):
+        raise LocalProtocolError("a LEASE reply needs one length per status", ErrorCode.MALFORMED)
+    _check_lease_ttl(msg.ttl_ms, LocalProtocolError)
+
+
 def _validate_list(msg: ListRequest, limits: Limits) -> None:
     _check_list_request(msg.prefix, msg.limit, limits, LocalProtocolError)
 
@@ -439,6 +512,9 @@ _VALIDATORS: dict[type, Callable[[Any, Limits], None]] = {
     RdmaGetRequest: _validate_keys,
     ListRequest: _validate_list,
     ListReply: _validate_list_reply,
+    LeaseRequest: _validate_lease,
+    ReleaseRequest: _validate_release,
+    LeaseReply: _validate_lease_reply,
 }
 
 
@@ -541,6 +617,22 @@ def _encode_list_reply(msg: ListReply) -> _Encoded:
     )
 
 
+def _encode_lease(msg: LeaseRequest) -> _Encoded:
+    return Opcode.LEASE, 0, _pack_keys(msg.keys) + _LEASE_TAIL.pack(msg.ttl_ms, msg.token)
+
+
+def _encode_lease_reply(msg: LeaseReply) -> _Encoded:
+    n = len(msg.statuses)
+    if len(msg.lengths) != n:
+        raise LocalProtocolError("a LEASE reply needs one length per status", ErrorCode.MALFORMED)
+    meta = _COUNT.pack(n) + msg.statuses + struct.pack(f">{n}I", *msg.lengths) + _COUNT.pack(msg.ttl_ms)
+    return Opcode.LEASE | Opcode.REPLY, 0, meta
+
+
+def _encode_release(msg: ReleaseRequest) -> _Encoded:
+    return Opcode.RELEASE, 0, _pack_keys(msg.keys) + _TOKEN.pack(msg.token)
+
+
 def _encode_error(msg: ErrorReply) -> _Encoded:
     return Opcode.ERROR, int(msg.code), msg.message.encode("utf-8", "replace")[:4096]
 
@@ -587,6 +679,9 @@ _ENCODERS: dict[type, Callable[[Any], _Encoded]] = {
     ListRequest: _encode_list,
     ListReply: _encode_list_reply,
     ErrorReply: _encode_error,
+    LeaseRequest: _encode_lease,
+    LeaseReply: _encode_lease_reply,
+    ReleaseRequest: _encode_release,
     RdmaAttachRequest: _encode_rdma_attach,
     RdmaAttachReply: _encode_rdma_attach_reply,
     RdmaGetRequest: _encode_rdma_get,
@@ -756,6 +851,33 @@ def _decode_list_reply(status: int, meta: memoryview, limits: Limits) -> _Decode
     return ListReply(keys, lengths, bool(truncated)), len(meta)
 
 
+def _decode_lease(status: int, meta: memoryview, limits: Limits) -> _Decoded:
+    keys, off = _read_keys(meta, limits)
+    ttl_ms, token = _LEASE_TAIL.unpack_from(meta, off)
+    _check_lease_ttl(ttl_ms, RemoteProtocolError)
+    return LeaseRequest(keys, ttl_ms, token), off + _LEASE_TAIL.size
+
+
+def _decode_lease_reply(status: int, meta: memoryview, limits: Limits) -> _Decoded:
+    n = _read_count(meta, limits)
+    off = _COUNT.size
+    statuses = bytes(meta[off : off + n])
+    if len(statuses) != n:
+        raise RemoteProtocolError("meta truncated in LEASE reply statuses", ErrorCode.MALFORMED)
+    off += n
+    lengths = struct.unpack_from(f">{n}I", meta, off)
+    off += 4 * n
+    (ttl_ms,) = _COUNT.unpack_from(meta, off)
+    _check_lease_ttl(ttl_ms, RemoteProtocolError)
+    return LeaseReply(statuses, lengths, ttl_ms), off + _COUNT.size
+
+
+def _decode_release(status: int, meta: memoryview, limits: Limits) -> _Decoded:
+    keys, off = _read_keys(meta, limits)
+    (token,) = _TOKEN.unpack_from(meta, off)
+    return ReleaseRequest(keys, token), off + _TOKEN.size
+
+
 def _decode_rdma_attach(status: int, meta: memoryview, limits: Limits) -> _Decoded:
     _check_rdma_metadata(len(meta) - 1, RemoteProtocolError)
     return RdmaAttachRequest(meta[0], bytes(meta[1:])), len(meta)
@@ -805,6 +927,10 @@ _DECODERS: dict[int, Callable[[int, memoryview, Limits], _Decoded]] = {
     Opcode.DELETE | Opcode.REPLY: _status_reply_decoder(Opcode.DELETE),
     Opcode.LIST: _decode_list,
     Opcode.LIST | Opcode.REPLY: _decode_list_reply,
+    Opcode.LEASE: _decode_lease,
+    Opcode.LEASE | Opcode.REPLY: _decode_lease_reply,
+    Opcode.RELEASE: _decode_release,
+    Opcode.RELEASE | Opcode.REPLY: _status_reply_decoder(Opcode.RELEASE),
     Opcode.RDMA_ATTACH: _decode_rdma_attach,
     Opcode.RDMA_ATTACH | Opcode.REPLY: _decode_rdma_attach_reply,
     Opcode.RDMA_GET: _decode_rdma_get,

@@ -168,7 +168,10 @@ class LookupService:
         """True while some verdict is still unknown (keeps the engine stepping)."""
         return any(s.result is None for s in self._state.values())
 
-    def cleanup(self, req_id: str) -> None:
+    def cleanup(self, req_id: str) -> list[bytes]:
+        """Forget `req_id`'s keys; returns those whose verdict was True and is now dropped
+        (direct mode releases the leases such verdicts stand for)."""
+        dropped = []
         for key in self._req_keys.pop(req_id, ()):
             state = self._state.get(key)
             if state is None:
@@ -176,6 +179,17 @@ class LookupService:
             state.req_ids.discard(req_id)
             if not state.req_ids:
                 del self._state[key]  # a late answer for this generation is dropped in _drain
+                if state.result:
+                    dropped.append(key)
+        return dropped
+
+    def forget(self, keys: Iterable[bytes], only_misses: bool = False) -> None:
+        """Drop the verdicts of `keys` (with `only_misses`, only False ones): the next lookup
+        probes again. A late answer of a forgotten probe is dropped in _drain."""
+        for key in keys:
+            state = self._state.get(key)
+            if state is not None and (not only_misses or state.result is False):
+                del self._state[key]
 
     def mark_miss(self, keys: Iterable[bytes]) -> None:
         for key in keys:

@@ -5,13 +5,11 @@ thread) swaps it out once per step and turns it into vLLM's OffloadingConnectorS
 name and label arity emitted is declared in `metric_definitions()` / `direct_metric_definitions()`:
 vLLM's API server asserts on anything undeclared.
 
-The `mode` label. Direct mode (memkv_vllm.direct) emits the same series plus its own, each with
-a trailing `mode="direct"` label: `TierStats(mode="direct")` appends it at emission, so code
-records and reads totals with the same label tuples in both modes, and
-`direct_metric_definitions()` declares the extra label name. The tier's series keep their
-label arity (no `mode`): one engine runs one spec and the API server declares the series from
-that spec class, so the two arities never meet in one registry. A tier that wants the label
-too needs `TierStats(mode="tier")` plus `metric_definitions(mode=True)`, nothing else.
+The `mode` label. Every series carries a trailing `mode` label: `mode="tier"` from the tier
+(memkv_vllm.tier), `mode="direct"` from direct mode (memkv_vllm.direct, which emits the same
+series plus its own). `TierStats(mode=...)` appends it at emission, so code records and reads
+totals with the same label tuples in both modes, and `metric_definitions(mode=True)` /
+`direct_metric_definitions()` declare the extra label name.
 """
 
 from __future__ import annotations
@@ -60,6 +58,7 @@ def metric_definitions(mode: bool = False) -> dict[str, Any]:
 STAGING_BYTES = "vllm:kv_offload_memkv_staging_bytes"
 STAGING_USES = ("load", "store", "quarantine")
 STAGING_FULL = "vllm:kv_offload_memkv_staging_full"
+LEASED_BYTES = "vllm:kv_offload_memkv_leased_bytes"
 
 
 def direct_metric_definitions() -> dict[str, Any]:
@@ -74,6 +73,10 @@ def direct_metric_definitions() -> dict[str, Any]:
     definitions[STAGING_FULL] = _with_mode(OffloadingCounterMetadata(
         "Chunks the direct mode could not stage, by op: a lookup answered MISS (load) or a store job waited a step "
         "(store) because the staging region was full; raise staging_mb", labelnames=("op",),
+    ))
+    definitions[LEASED_BYTES] = _with_mode(OffloadingGaugeMetadata(
+        "Bytes of MemKV values this engine holds leases on (load_guarantee leased: HITs not loaded yet and loads "
+        "in flight)",
     ))
     return definitions
 

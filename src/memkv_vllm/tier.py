@@ -102,7 +102,7 @@ class MemKVSecondaryTierManager(compat.SecondaryTierManager):
             self.client.close()
             raise
         self._rows = primary_kv_view.cast("B")  # flat bytes of the whole pool; rows are slices
-        self.stats = tm.TierStats()
+        self.stats = tm.TierStats(mode="tier")
         self._admission = StoreAdmission(self.settings.store_backlog_bytes(pool_bytes))
         backlog_mb = self._admission.limit_bytes >> 20
         if self.settings.max_store_backlog_mb is not None and self._admission.limit_bytes > pool_bytes // 2:
@@ -293,7 +293,7 @@ class MemKVSecondaryTierManager(compat.SecondaryTierManager):
 
     @classmethod
     def build_metric_definitions(cls, extra_config: dict[str, Any]) -> dict[str, Any]:
-        return tm.metric_definitions()
+        return tm.metric_definitions(mode=True)
 
     def get_stats(self):
         return self.stats.take()

@@ -143,7 +143,7 @@ def test_readme_config_promotes_the_whole_prompt_after_pool_eviction_and_restart
         assert cold.matched_tokens == 0
         assert len(cold.store_jobs) >= 3 and sorted(cold.stored_chunks) == list(range(chunks))
         assert held_chunks(engine, cold) == list(range(chunks)), "the tier did not keep the whole prompt"
-        assert engine.stat(SHEDS) == 0
+        assert engine.stat(SHEDS, ("tier",)) == 0
 
         evict_with_fillers(engine, cold.chunk_keys())
         warm = revisit(engine, tag, tokens)
@@ -188,7 +188,7 @@ def test_backlog_smaller_than_prompt_holds_exactly_the_prefix_that_a_revisit_mat
         assert [len(job.chunks) for job in cold.store_jobs] == [16, 16, 16]
         assert any(job.key_order != job.chunks for job in cold.store_jobs)  # sets: not prompt order
         held = held_chunks(engine, cold)
-        sheds = engine.stat(SHEDS)
+        sheds = engine.stat(SHEDS, ("tier",))
         assert 0 < len(held) < chunks and sheds == chunks - len(held), (held, sheds)
 
         engine.reset_cache()  # the prompt leaves the CPU pool; MemKV keeps it
@@ -223,7 +223,7 @@ def test_concurrent_prompts_over_a_small_backlog_each_keep_a_prefix_and_one_is_w
         steps = [{job.step for job in r.store_jobs} for r in reqs]
         assert steps[0] & steps[1] & steps[2], f"prompts did not prefill side by side: {steps}"
         held = {r.tag: held_chunks(engine, r) for r in reqs}
-        assert engine.stat(SHEDS) == 3 * chunks - sum(len(v) for v in held.values())
+        assert engine.stat(SHEDS, ("tier",)) == 3 * chunks - sum(len(v) for v in held.values())
 
         engine.reset_cache()
         matched = {tag: revisit(engine, tag, tokens).matched_tokens for tag in tags}
@@ -298,7 +298,7 @@ def test_store_jobs_completed_out_of_order_across_ranks_still_leave_a_prefix(nod
         jobs = [job.job_id for job in cold.store_jobs]
         assert len(jobs) == 3 and engine.completion_order == [jobs[2], jobs[0], jobs[1]]
         held = held_chunks(engine, cold)
-        assert held and engine.stat(SHEDS) == chunks - len(held)
+        assert held and engine.stat(SHEDS, ("tier",)) == chunks - len(held)
 
         engine.reset_cache()
         warm = revisit(engine, tag, tokens)

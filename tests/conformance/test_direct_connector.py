@@ -35,13 +35,14 @@ def _values(engine: dh.DirectEngine, tag: str, n_chunks: int) -> list[list[bytes
     return [[m.client.get(vk) for vk in m.keys.value_keys(k)] for k in dh.prompt_keys(tag, n_chunks, engine.g)]
 
 
+@pytest.mark.parametrize("guarantee", ["leased", "staged"])
 @pytest.mark.parametrize("world_size", [1, 2])
-def test_prompt_stored_in_several_steps_is_loaded_byte_exact_on_every_rank(direct_env, world_size):
+def test_prompt_stored_in_several_steps_is_loaded_byte_exact_on_every_rank(direct_env, world_size, guarantee):
     g = dh.Geometry(world_size=world_size)
     tag = uuid.uuid4().hex
     n_chunks = 8
     tokens = n_chunks * g.block_size + 5  # a tail that is not a whole chunk: all 8 chunks are loadable
-    with dh.DirectEngine(g, token_budget=96) as engine:
+    with dh.DirectEngine(g, dh.direct_config(load_guarantee=guarantee), token_budget=96) as engine:
         first = engine.run(tag, tokens)
         assert first.matched_tokens == 0
         assert engine.store_jobs >= 3, "chunked prefill should give one store job per step"
@@ -78,7 +79,7 @@ def test_reset_cache_with_a_store_in_flight_frees_every_slot_and_keeps_memkv_con
     g = dh.Geometry(world_size=2)
     stored, busy = uuid.uuid4().hex, uuid.uuid4().hex
     tokens = 4 * g.block_size + 1
-    with dh.DirectEngine(g) as engine:
+    with dh.DirectEngine(g, dh.direct_config(load_guarantee="staged")) as engine:
         engine.run(stored, tokens)
         # Prefilled and finished in one step; its store job is built in that step and reported in
         # the next one, so the reset finds it in flight. (A request still running across a reset

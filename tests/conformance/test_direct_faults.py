@@ -1,4 +1,5 @@
-"""Direct mode under the tier suite's fault cases, through vLLM's real connector (both sides).
+"""Direct mode with load_guarantee "staged" under the tier suite's fault cases, through vLLM's real
+connector (both sides). (The default, "leased", has its own: test_direct_leased.py.)
 
 vLLM's worker cannot report a failed load (it asserts success), so in direct mode every fault
 must surface *before* the connector commits to a load: as a MISS at lookup time, after which
@@ -71,7 +72,7 @@ def test_killed_node_chunks_miss_and_the_prefix_before_them_loads(monkeypatch, p
     point_at(monkeypatch, private_cluster, auth_key_hex)
     healthy, doomed = private_cluster
     g = dh.Geometry(world_size=world_size)
-    with dh.DirectEngine(g) as engine:
+    with dh.DirectEngine(g, dh.direct_config(load_guarantee="staged")) as engine:
         tag, first_bad = _tag_with_prefix_on(engine, healthy.address)
         engine.run(tag, _tokens(g))
         doomed.kill()
@@ -90,7 +91,7 @@ def test_stalled_node_resolves_miss_within_deadline_and_quarantines_a_stuck_pref
     healthy, stalled = private_cluster
     g = dh.Geometry()
     deadline_s = 0.5
-    with dh.DirectEngine(g, dh.direct_config(lookup_timeout_s=deadline_s)) as engine:
+    with dh.DirectEngine(g, dh.direct_config(lookup_timeout_s=deadline_s, load_guarantee="staged")) as engine:
         tag, first_bad = _tag_with_prefix_on(engine, healthy.address)
         engine.run(tag, _tokens(g))
         req = engine.add_request(tag, _tokens(g))
@@ -120,7 +121,7 @@ def test_value_evicted_between_probe_and_prefetch_is_a_miss_from_that_chunk_and_
     g = dh.Geometry(world_size=2)
     tag = uuid.uuid4().hex
     gone = 3
-    with dh.DirectEngine(g) as engine:
+    with dh.DirectEngine(g, dh.direct_config(load_guarantee="staged")) as engine:
         engine.run(tag, _tokens(g))
         m = engine.manager
         key = dh.prompt_keys(tag, N_CHUNKS, g)[gone]
@@ -147,7 +148,7 @@ def test_values_evicted_after_the_hit_are_still_loaded_byte_exact_from_staging(d
         keys = [vk for k in dh.prompt_keys(tag, N_CHUNKS, g) for vk in m.keys.value_keys(k)]
         evicted.append(sum(m.client.delete(keys)))
 
-    with dh.DirectEngine(g) as engine:
+    with dh.DirectEngine(g, dh.direct_config(load_guarantee="staged")) as engine:
         engine.run(tag, _tokens(g))
         engine.before_alloc = evict_all
         again = engine.run(tag, _tokens(g))
@@ -170,7 +171,7 @@ def test_corrupt_value_is_a_miss_from_that_chunk_and_is_purged(monkeypatch, star
     tag = uuid.uuid4().hex
     with FaultProxy((node.host, node.port), plan, name="flip") as proxy:
         point_at(monkeypatch, [proxy], auth_key_hex)
-        with dh.DirectEngine(g, dh.direct_config(blocks_per_op=1)) as engine:
+        with dh.DirectEngine(g, dh.direct_config(blocks_per_op=1, load_guarantee="staged")) as engine:
             m = engine.manager
             flip_next_put.set()
             engine.run(tag, _tokens(g))

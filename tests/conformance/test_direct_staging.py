@@ -1,6 +1,6 @@
 """Direct mode: the bounded staging region, configuration, startup, metrics and registration.
 
-* Staging is bounded by `memkv.staging_mb`: a store job larger than the whole region keeps its
+* With load_guarantee "staged", staging is bounded by `memkv.staging_mb`: a store job larger than the whole region keeps its
   leading chunks and sheds the rest of the request (what MemKV holds is a usable prefix); a job
   that fits the region but not its free slots waits a step (prepare_store -> None) and is stored
   whole; a lookup that finds no free slot answers MISS from that chunk on (the connector never
@@ -40,7 +40,7 @@ def direct_env(monkeypatch, cluster, auth_key_hex):
 def test_store_job_larger_than_staging_keeps_its_leading_chunks_and_sheds_the_rest(direct_env):
     g, tag = BIG, uuid.uuid4().hex
     tokens = 12 * g.block_size + 3
-    with dh.DirectEngine(g, dh.direct_config(staging_mb=1, block_size=g.block_size), token_budget=4096) as engine:
+    with dh.DirectEngine(g, dh.direct_config(staging_mb=1, block_size=g.block_size, load_guarantee="staged"), token_budget=4096) as engine:
         assert engine.manager.slots.num_slots == 8
         engine.run(tag, tokens)  # one store job of 12 chunks
         assert engine.stat(tm.SHEDS, ("direct",)) == 4
@@ -52,9 +52,9 @@ def test_store_job_larger_than_staging_keeps_its_leading_chunks_and_sheds_the_re
 def test_lookup_with_no_free_slot_is_a_miss_from_that_chunk(direct_env):
     g, tag = BIG, uuid.uuid4().hex
     tokens = 12 * g.block_size + 3
-    with dh.DirectEngine(g, dh.direct_config(staging_mb=2, block_size=g.block_size), token_budget=4096) as big:
+    with dh.DirectEngine(g, dh.direct_config(staging_mb=2, block_size=g.block_size, load_guarantee="staged"), token_budget=4096) as big:
         big.run(tag, tokens)  # all 12 stored
-    with dh.DirectEngine(g, dh.direct_config(staging_mb=1, block_size=g.block_size), token_budget=4096) as small:
+    with dh.DirectEngine(g, dh.direct_config(staging_mb=1, block_size=g.block_size, load_guarantee="staged"), token_budget=4096) as small:
         again = small.run(tag, tokens)
         assert again.matched_tokens == 8 * g.block_size
         assert again.loaded_blocks == 8 * g.blocks_per_chunk
@@ -65,7 +65,7 @@ def test_store_job_that_fits_the_region_but_not_its_free_slots_waits_a_step_and_
     g = BIG
     a, b = uuid.uuid4().hex, uuid.uuid4().hex
     tokens = 6 * g.block_size + 3  # 6 chunks each; 8 slots: the second job cannot have its 6 at once
-    with dh.DirectEngine(g, dh.direct_config(staging_mb=1, block_size=g.block_size), token_budget=8192) as engine:
+    with dh.DirectEngine(g, dh.direct_config(staging_mb=1, block_size=g.block_size, load_guarantee="staged"), token_budget=8192) as engine:
         ra = engine.add_request(a, tokens, max_tokens=20)
         rb = engine.add_request(b, tokens, max_tokens=20)  # still running while its chunks are re-offered
         engine.run_until(lambda: ra.is_finished() and rb.is_finished(), what="requests")
@@ -81,7 +81,7 @@ def test_every_emitted_metric_is_declared_with_its_label_arity(direct_env):
     definitions = MemKVOffloadingSpec.build_metric_definitions({})
     assert {tm.STORE_BYTES, tm.LOAD_BYTES, tm.LOOKUPS, tm.STAGING_BYTES, tm.STAGING_FULL} <= set(definitions)
     assert all(d.labelnames[-1] == "mode" for d in definitions.values())
-    with dh.DirectEngine(dh.Geometry(world_size=2)) as engine:
+    with dh.DirectEngine(dh.Geometry(world_size=2), dh.direct_config(load_guarantee="staged")) as engine:
         tag = uuid.uuid4().hex
         engine.run(tag, 4 * engine.g.block_size + 1)
         engine.run(tag, 4 * engine.g.block_size + 1)
@@ -104,6 +104,9 @@ def test_every_emitted_metric_is_declared_with_its_label_arity(direct_env):
     ({"staging_mb": 0}, "staging_mb"),
     ({"lookup_timeout_s": "5"}, "lookup_timeout_s"),
     ({"blocks_per_op": True}, "blocks_per_op"),
+    ({"load_guarantee": "pinned"}, "load_guarantee"),
+    ({"lease_ttl_s": 0}, "lease_ttl_s"),
+    ({"load_retry_s": "30"}, "load_retry_s"),
 ])
 def test_bad_key_fails_construction_naming_it(direct_env, memkv, name):
     config = dh.direct_config()

@@ -221,7 +221,7 @@ def test_stalled_node_lookups_resolve_miss_within_lookup_timeout(monkeypatch, pr
             assert trace.final == (LookupResult.MISS,) * len(owners[stalled.address])
             assert took < deadline_s + 1.5, f"a stalled node held lookups for {took:.2f}s"
             memkv_stats(engine, totals)
-            assert totals.get(("vllm:kv_offload_memkv_lookups", ("timeout",)), 0) >= 1
+            assert totals.get(("vllm:kv_offload_memkv_lookups", ("timeout", "tier")), 0) >= 1
         finally:
             stalled.signal(signal.SIGCONT)
 
@@ -270,7 +270,7 @@ def test_value_deleted_between_lookup_and_load_fails_only_that_promotion(memkv_e
         for _ in range(5):  # further steps start no new load of the failed key
             engine.step()
         memkv_stats(engine, totals)
-        assert totals.get(("vllm:kv_offload_memkv_jobs_failed", ("load",)), 0) == 1
+        assert totals.get(("vllm:kv_offload_memkv_jobs_failed", ("load", "tier")), 0) == 1
         loaded = engine.promote_and_read(kept, req, max_steps=2000)  # the others still promote
         assert all(loaded.data[k] == engine.payloads[k] for k in kept)
 
@@ -327,7 +327,7 @@ def test_store_jobs_are_admitted_whole_and_a_shed_request_keeps_only_its_prefix(
         engine.run_until_idle(timeout_s=20)
         assert in_memkv(engine, keys) == [True] * 3 + [False] * 3 + [True] * 2
         totals = memkv_stats(engine, {})
-        assert totals[("vllm:kv_offload_memkv_sheds", ())] == 3
+        assert totals[("vllm:kv_offload_memkv_sheds", ("tier",))] == 3
         assert ("vllm:kv_offload_memkv_jobs_failed", ("store",)) not in totals
 
 
@@ -355,7 +355,7 @@ def test_with_the_default_backlog_a_prompt_of_half_the_pool_is_stored_whole_whil
         engine.run_until_idle(timeout_s=20)
         # 8 rows = half the pool are kept; the fifth job would take the backlog past it.
         assert in_memkv(engine, keys) == [True] * 8 + [False] * 2
-        assert memkv_stats(engine, {})[("vllm:kv_offload_memkv_sheds", ())] == 2
+        assert memkv_stats(engine, {})[("vllm:kv_offload_memkv_sheds", ("tier",))] == 2
 
 
 def test_promotions_are_never_shed(memkv_env):
@@ -366,7 +366,7 @@ def test_promotions_are_never_shed(memkv_env):
     with h.HeadlessEngine([memkv({"max_store_backlog_mb": 1, "blocks_per_op": 1})], geometry) as engine:
         loaded = engine.promote_and_read(keys)
         assert len(loaded.data) == 4
-        assert ("vllm:kv_offload_memkv_sheds", ()) not in memkv_stats(engine, {})
+        assert ("vllm:kv_offload_memkv_sheds", ("tier",)) not in memkv_stats(engine, {})
 
 
 # -------------------------------------------------------------------------------------------------
@@ -392,7 +392,8 @@ def test_every_emitted_metric_is_declared_with_its_label_arity(memkv_env):
     for name, labels in emitted:
         assert name in definitions, f"{name} emitted but not declared"
         assert len(labels) == len(definitions[name].labelnames), f"{name}{labels} vs {definitions[name].labelnames}"
-    assert emitted[(tm.LOOKUPS, ("hit",))] == 4 and emitted[(tm.LOOKUPS, ("miss",))] >= 1
+        assert labels[-1] == "tier" and definitions[name].labelnames[-1] == "mode"
+    assert emitted[(tm.LOOKUPS, ("hit", "tier"))] == 4 and emitted[(tm.LOOKUPS, ("miss", "tier"))] >= 1
 
 
 @pytest.mark.parametrize("bad, name", [

@@ -195,6 +195,12 @@ MESSAGES = [
     ("list-binary-prefix", "c2s", p.ListRequest(b"\x00\xff" * 240, 4096), b""),
     ("list-reply", "s2c", p.ListReply((b"\x00", b"a", b"a/b" * 160, b"\xff"), (1, 16 << 20, 0, 64 << 20), True), b""),
     ("list-reply-empty", "s2c", p.ListReply((), (), False), b""),
+    ("lease", "c2s", p.LeaseRequest((b"chunk/r0", b"chunk/r1" * 60), 30_000, 2**64 - 1), b""),
+    ("lease-empty-batch", "c2s", p.LeaseRequest((), 1, 0), b""),
+    ("lease-reply", "s2c", p.LeaseReply(bytes([p.ItemStatus.OK, p.ItemStatus.MISS]), (16 << 20, 0), 60_000), b""),
+    ("release", "c2s", p.ReleaseRequest((b"chunk/r0",), 7), b""),
+    ("release-reply", "s2c", p.StatusReply(p.Opcode.RELEASE, bytes([p.ItemStatus.OK, p.ItemStatus.MISS])), b""),
+    ("put-reply-leased", "s2c", p.StatusReply(p.Opcode.PUT, bytes([p.ItemStatus.LEASED])), b""),
     ("rdma-attach", "c2s", p.RdmaAttachRequest(p.RdmaBackend.NIXL_UCX, b"\x00agent-metadata\xff" * 20), b""),
     ("rdma-attach-reply", "s2c", p.RdmaAttachReply(p.RdmaAttachStatus.OK, "memkv-node-0123456789abcdef"), b""),
     ("rdma-get", "c2s", p.RdmaGetRequest((b"a", b"b" * 480), (4096, 64 << 20), (0x7F00_0000_1000, 2**64 - 1), 5000, 2**64 - 1),
@@ -403,6 +409,8 @@ def _keyed(key: bytes) -> list[p.Message]:
         p.DeleteRequest((key,)),
         p.GetRequest((key,), (p.ANY_LENGTH,)),
         _put((key, 0)),
+        p.LeaseRequest((key,), 1000, 1),
+        p.ReleaseRequest((key,), 1),
     ]
 
 
@@ -417,6 +425,8 @@ BOUNDS = [
     ("list-prefix-481-bytes", p.ListRequest(b"k" * 481, 1), p.ErrorCode.KEY_TOO_LONG),
     ("list-limit-0", p.ListRequest(b"k", 0), p.ErrorCode.MALFORMED),
     ("list-limit-over-max-list-keys", p.ListRequest(b"k", 9), p.ErrorCode.BATCH_TOO_LARGE),
+    ("lease-ttl-0", p.LeaseRequest((b"k",), 0, 1), p.ErrorCode.MALFORMED),
+    ("lease-ttl-over-max", p.LeaseRequest((b"k",), p.MAX_LEASE_MS + 1, 1), p.ErrorCode.MALFORMED),
 ]
 
 
@@ -935,6 +945,8 @@ def test_an_object_that_is_not_a_message_cannot_be_encoded() -> None:
         p.GetRequest((b"k",) * 5, (1,) * 5),
         p.PutRequest(tuple(p.PutItem(b"k", 0, 1, bytes(32)) for _ in range(5))),
         p.RdmaGetRequest((b"k",) * 5, (1,) * 5, (0,) * 5, 10, 1),
+        p.LeaseRequest((b"k",) * 5, 10, 1),
+        p.ReleaseRequest((b"k",) * 5, 1),
     ],
     ids=lambda m: type(m).__name__,
 )

@@ -14,7 +14,12 @@ Failure semantics (what callers can rely on):
     `exists_stream()` hand over per node; `exists(timeout_s=...)` stops waiting for them.
   * batch writes (`batch_put_views`, `delete`) report per-key success and never raise for a
     node failure; the single-key `put` raises (NodeUnavailable, TransportError, ...).
-  * `probe()` and `exists_on()` raise, naming the server: they exist to surface problems.
+  * `lease` / `release` follow `exists`: an unreachable node's keys answer False (not leased;
+    a lease that may have been granted anyway expires by itself), `timeout_s` bounds the wait.
+    A leased value cannot be evicted, deleted or overwritten on its node until the lease
+    expires or is released (docs/protocol.md section 11); leases are this client's own (one
+    random token per Client), renewed by leasing again, and end when the node restarts.
+  * `probe()`, `exists_on()` and `lease_on()` raise, naming the server: they exist to surface problems.
   * `list_keys()` asks every server and never raises for a node failure: the listing names
     each server that did not answer (its keys are missing from it) in `failed`.
   * usage errors (a key over 480 bytes, a value over the node's limit, a buffer that is not
@@ -44,6 +49,7 @@ import dataclasses
 import enum
 import functools
 import logging
+import secrets
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -169,6 +175,7 @@ class Client:
         self._nodes = self._nodeset.nodes  # in configuration order (the CLI and the tier iterate them)
         self._state = ClientState.UNOPENED
         self._state_lock = threading.Lock()
+        self.lease_token = secrets.randbits(64)  # names this client's leases on every node
         try:
             self._transport = select_transport(self._nodeset, config)  # MEMKV_TRANSPORT (memkv/transport)
         except BaseException:
@@ -333,8 +340,55 @@ class Client:
                 out += [s == p.ItemStatus.OK for s in reply.statuses]
         return out
 
+    def lease(
+        self,
+        keys: Sequence[KeyLike],
+        ttl_s: float,
+        *,
+        on_answer: Callable[[list[int], list[bool]], None] | None = None,
+        timeout_s: float | None = None,
+    ) -> list[bool]:
+        """Lease the keys' values for `ttl_s` (each node caps it: `lease_on` says by how much),
+        or renew this client's leases of them. True where the value exists and is leased; False
+        on a miss, on a lease beyond the node's bounds, and for an unreachable node's keys.
+        `on_answer` and `timeout_s` as for `exists`."""
+        self._use()
+        return self._status_batch("lease", _keys(keys), self._lease_request(ttl_s), on_answer, timeout_s)
+
+    def lease_stream(self, ttl_s: float) -> StatusPipeline:
+        """A long-lived LEASE pipeline for one thread, as `exists_stream` (the direct mode's
+        lookup thread): every key submitted is leased for `ttl_s` under this client's token."""
+        self._use()
+        return StatusPipeline(self._nodeset, "lease", self._lease_request(ttl_s), check_keys=_keys, wakeable=True)
+
+    def release(self, keys: Sequence[KeyLike], *, timeout_s: float | None = None) -> list[bool]:
+        """End this client's leases of the keys early; True where one ended. An unreachable
+        node's keys answer False (their leases expire by themselves)."""
+        self._use()
+        token = self.lease_token
+        return self._status_batch("release", _keys(keys), lambda ks: p.ReleaseRequest(ks, token), None, timeout_s)
+
+    def lease_on(self, server: ServerAddress | str, keys: Sequence[KeyLike], ttl_s: float) -> p.LeaseReply:
+        """LEASE on one server directly (ignores placement and the down mark), for checks: the
+        reply has each key's status and length and the ttl the node granted. Raises on failure."""
+        self._use()
+        node = self._nodeset.named(str(server))
+        with node.connection(fail_fast=False) as conn:
+            reply = conn.request(self._lease_request(ttl_s)(tuple(_key(k) for k in keys)))
+        if not isinstance(reply, p.LeaseReply) or len(reply.statuses) != len(keys):
+            raise ServerError(f"{node.name}: unexpected reply to LEASE ({type(reply).__name__})", p.ErrorCode.MALFORMED)
+        return reply
+
+    def _lease_request(self, ttl_s: float) -> Callable[[tuple[bytes, ...]], p.Request]:
+        ttl_ms = int(ttl_s * 1000)
+        if not 1 <= ttl_ms <= p.MAX_LEASE_MS:
+            raise ValueError(f"ttl_s must be 0.001..{p.MAX_LEASE_MS / 1000:g}, got {ttl_s}")
+        token = self.lease_token
+        return lambda keys: p.LeaseRequest(keys, ttl_ms, token)
+
     def delete(self, keys: Sequence[KeyLike]) -> list[bool]:
-        """Delete keys; True where a value was deleted. An unreachable node's keys answer False."""
+        """Delete keys; True where a value was deleted. An unreachable node's keys answer False, and
+        so does a leased value: it is removed when its last lease ends (EXISTS misses it at once)."""
         self._use()
         return self._status_batch("delete", _keys(keys), p.DeleteRequest)
 
@@ -444,7 +498,7 @@ class Client:
         on_answer: Callable[[list[int], list[bool]], None] | None = None,
         timeout_s: float | None = None,
     ) -> list[bool]:
-        """EXISTS / DELETE over the keys' owners, pipelined on this thread: every node's
+        """EXISTS / DELETE / LEASE / RELEASE over the keys' owners, pipelined on this thread: every node's
         requests are sent at once and replies are read in the order they arrive (poll over the
         connections), so a batch costs about one round trip of the slowest node, no thread
         handoff, and a silent node delays no other node's answers (`on_answer`). A node that

@@ -501,7 +501,7 @@ class NodeClient:
     def statuses(self, msg: p.Request, payload: Sequence[memoryview] = ()) -> bytes:
         with self.connection() as conn:
             reply = conn.request(msg, payload)
-        if not isinstance(reply, p.StatusReply) or len(reply.statuses) != _count(msg):
+        if not isinstance(reply, (p.StatusReply, p.LeaseReply)) or len(reply.statuses) != _count(msg):
             raise RemoteProtocolError(f"{self.name}: reply does not match the request")
         return reply.statuses
 

@@ -1,4 +1,5 @@
-"""`StatusPipeline`: EXISTS / DELETE to every owning node at once, answers taken as they arrive.
+"""`StatusPipeline`: EXISTS / DELETE / LEASE / RELEASE to every owning node at once, answers taken
+as they arrive (a LEASE reply's lengths are dropped here: OK or not is the answer).
 
 One thread drives all nodes: a submitted batch is split by owner, each node's part is sent on
 one of its pooled connections, and `poll()` waits on all those sockets together, reading each
@@ -266,7 +267,7 @@ class StatusPipeline:
                     if reply is None:
                         break
                     segments = st.inflight[0]
-                    if not isinstance(reply, p.StatusReply) or len(reply.statuses) != _count(segments):
+                    if not isinstance(reply, (p.StatusReply, p.LeaseReply)) or len(reply.statuses) != _count(segments):
                         raise RemoteProtocolError(f"{st.node.name}: reply does not match the {self._op} request")
                     st.inflight.popleft()
                     st.deadline = time.monotonic() + self._io_timeout_s  # the next reply's clock

@@ -37,6 +37,18 @@ class StoreCollector:
             "Buffer bytes reserved for PUT values still being received",
             value=s["inflight_bytes"],
         )
+        yield GaugeMetricFamily("memkv_node_leases", "Leases held (key, holder pairs)", value=s["leases"])
+        yield GaugeMetricFamily(
+            "memkv_node_leased_bytes", "Buffer bytes of values with at least one lease", value=s["leased_bytes"]
+        )
+        yield CounterMetricFamily(
+            "memkv_node_lease_expirations", "Leases that ended by expiring (not released)", value=s["lease_expirations"]
+        )
+        yield CounterMetricFamily(
+            "memkv_node_leases_refused",
+            "Leases answered MISS because the lease count or leased bytes bound was reached",
+            value=s["leases_refused"],
+        )
         lane_bytes = GaugeMetricFamily("memkv_node_lane_used_bytes", "Buffer bytes used per lane", labels=["lane"])
         lane_share = GaugeMetricFamily("memkv_node_lane_share_bytes", "Capacity share per lane", labels=["lane"])
         lane_values = GaugeMetricFamily("memkv_node_lane_values", "Values per lane", labels=["lane"])
@@ -95,7 +107,7 @@ class NodeMetrics:
         )
         self.puts_refused = Counter(
             "memkv_node_puts_refused",
-            "PUT items answered NO_SPACE, by reason (no_space, inflight_limit)",
+            "PUT items refused, by reason (no_space, inflight_limit: NO_SPACE; leased: LEASED)",
             ["reason"],
             registry=r,
         )

@@ -48,7 +48,7 @@ from memkv.config import ServerConfig
 from memkv.errors import AuthError, LocalProtocolError, RemoteProtocolError
 from memkv.server.metrics import NodeMetrics
 from memkv.server.rdma import RdmaResponder, RequestContext
-from memkv.server.store import NoSpace, Store
+from memkv.server.store import Leased, NoSpace, Store
 from memkv.sockio import PeerClosed, discard, recv_exactly, recv_exactly_into, send_all, set_recv_timeout, set_timeouts
 from memkv.tls import TLS_HANDSHAKE_BYTE, ServerTls
 
@@ -61,6 +61,8 @@ _OP_NAMES: dict[int, str] = {
     p.Opcode.EXISTS: "exists",
     p.Opcode.DELETE: "delete",
     p.Opcode.LIST: "list",
+    p.Opcode.LEASE: "lease",
+    p.Opcode.RELEASE: "release",
     p.Opcode.RDMA_ATTACH: "rdma_attach",  # RDMA control messages: memkv/server/rdma.py
     p.Opcode.RDMA_GET: "rdma_get",
 }
@@ -133,7 +135,14 @@ class Node:
         # at most one: its items are received one after another). Bounds what writers that
         # stall mid-value can take from the cache (docs/operations.md, "Resource bounds").
         inflight = max(2 * config.max_value_bytes, config.capacity_bytes // 4)
-        self.store = Store(config.capacity_bytes, config.lanes, max_inflight_bytes=min(inflight, config.capacity_bytes))
+        self.store = Store(
+            config.capacity_bytes,
+            config.lanes,
+            max_inflight_bytes=min(inflight, config.capacity_bytes),
+            max_lease_s=config.max_lease_s,
+            max_leases=config.max_leases,
+            max_lease_bytes=config.max_lease_bytes,
+        )
         self.metrics = NodeMetrics(self.store)
         self.rdma = RdmaResponder(self.store, config.transport, config.rdma_devices)  # NIXL loads on the first attach
         self.limits = p.Limits(max_value_bytes=config.max_value_bytes)
@@ -471,6 +480,14 @@ class Connection:
             if found:
                 self.metrics.keys.labels(name, "ok").inc(len(found))
             self._reply(p.ListReply(tuple(k for k, _ in found), tuple(n for _, n in found), truncated))
+        elif isinstance(msg, p.LeaseRequest):
+            statuses, lengths, ttl_s = self.node.store.lease(msg.keys, msg.token, msg.ttl_ms / 1000.0)
+            self._count_keys(name, statuses)
+            self._reply(p.LeaseReply(statuses, tuple(lengths), max(1, int(ttl_s * 1000))))
+        elif isinstance(msg, p.ReleaseRequest):
+            statuses = self.node.store.end_leases(msg.keys, msg.token)
+            self._count_keys(name, statuses)
+            self._reply(p.StatusReply(p.Opcode.RELEASE, statuses))
         elif isinstance(msg, p.PutRequest):
             self._put(msg)
         elif isinstance(msg, p.GetRequest):
@@ -505,13 +522,21 @@ class Connection:
                 discard(self.sock, item.length - len(head), self._scratch, self._deadline)
                 statuses.append(p.ItemStatus.NO_SPACE)
                 continue
+            except Leased:  # a leased value is never replaced (store.py, "Leases")
+                self.metrics.puts_refused.labels("leased").inc()
+                discard(self.sock, item.length - len(head), self._scratch, self._deadline)
+                statuses.append(p.ItemStatus.LEASED)
+                continue
             try:
                 ticket.target[: len(head)] = head
                 recv_exactly_into(self.sock, ticket.target[len(head) :], self._deadline)
             except BaseException:
                 store.abort(ticket)  # a half-received value never becomes visible
                 raise
-            store.commit(ticket)
+            if not store.commit(ticket):  # leased while it was being received
+                self.metrics.puts_refused.labels("leased").inc()
+                statuses.append(p.ItemStatus.LEASED)
+                continue
             statuses.append(p.ItemStatus.OK)
             self.metrics.bytes_in.inc(item.length)
         self._count_keys("put", statuses)

@@ -23,6 +23,15 @@ them, more than that bound of the cache.
 Pins. A reader pins the entries it sends; an evicted or replaced entry that is pinned leaves
 the index at once (no new reader finds it) but keeps its buffer until the last reader unpins.
 
+Leases (LEASE / RELEASE, docs/protocol.md section 11). A lease is (key, token) with an expiry:
+while a value has one, it is never evicted, a PUT of its key is refused (LEASED) and a DELETE
+is deferred (LEASED: the key answers MISS to EXISTS and LEASE at once, GET still serves the
+leased bytes to the lease holders, and the value goes when its last lease ends). So the bytes a
+holder reads are the bytes that were leased. Bounded: ttl capped at `max_lease_s`, at most
+`max_leases` leases and `max_lease_bytes` of leased buffers (a lease beyond a bound answers
+MISS); leases expire by themselves (a heap of expiries, swept under the lock on every lease
+operation, eviction and stats call) and live in memory only: a restart drops them.
+
 Threading: every public method may be called from any connection thread; all state is guarded
 by one lock, held only for O(1) metadata work (plus a bounded number of evictions); buffers are
 allocated, filled and sent outside the lock.
@@ -37,6 +46,7 @@ import heapq
 import mmap
 import operator
 import threading
+import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -82,6 +92,8 @@ class Entry:
     buf: ValueBuffer
     pins: int = 0
     live: bool = True  # False once evicted/replaced/deleted; the buffer goes back when unpinned
+    leases: dict[int, float] | None = None  # token -> expiry (monotonic s) while leased
+    doomed: bool = False  # deleted while leased: removed when its last lease ends
 
     @property
     def value(self) -> memoryview:
@@ -126,6 +138,15 @@ class NoSpace(Exception):
         self.reason = reason
 
 
+class Leased(Exception):
+    """A PUT of a key whose value is leased: the leased value stays."""
+
+
+DEFAULT_MAX_LEASE_S = 300.0
+DEFAULT_MAX_LEASES = 65536
+DEFAULT_LEASE_FRACTION = 0.5  # of capacity: leases can never pin the whole node
+
+
 class Store:
     def __init__(
         self,
@@ -133,6 +154,11 @@ class Store:
         lanes: Sequence[LaneSpec] = (),
         pool_max_bytes: int | None = None,
         max_inflight_bytes: int | None = None,
+        *,
+        max_lease_s: float = DEFAULT_MAX_LEASE_S,
+        max_leases: int = DEFAULT_MAX_LEASES,
+        max_lease_bytes: int | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if capacity_bytes <= 0:
             raise ValueError("capacity_bytes must be positive")
@@ -156,6 +182,18 @@ class Store:
         # Called with each buffer the store frees, under its lock (quick, never re-entering the
         # store): the RDMA responder deregisters buffers it registered (memkv/server/rdma.py).
         self.on_drop: Callable[[ValueBuffer], None] | None = None
+        self.max_lease_s = max_lease_s
+        self.max_leases = max_leases
+        self.max_lease_bytes = (
+            int(capacity_bytes * DEFAULT_LEASE_FRACTION) if max_lease_bytes is None else max_lease_bytes
+        )
+        self._clock = clock
+        self._lease_heap: list[tuple[float, int, bytes, int]] = []  # (expiry, seq, key, token)
+        self._lease_seq = 0
+        self.leases = 0  # (key, token) pairs
+        self.leased_bytes = 0  # buffer bytes of values with at least one lease
+        self.lease_expirations = 0
+        self.leases_refused = 0
 
     # -- lanes --------------------------------------------------------------------------------
 
@@ -179,6 +217,10 @@ class Store:
             raise NoSpace(f"value of {length} bytes exceeds the node's capacity")
         lane = self.lane_for(key)
         with self._lock:
+            self._expire_leases()
+            old = self._index.get(key)
+            if old is not None and old.leases:
+                raise Leased(f"key {key[:64]!r} is leased")
             if self.inflight_bytes + size > self.max_inflight_bytes:
                 # wait_for re-checks under the lock; a bound smaller than one value lets one in.
                 fits = lambda: self.inflight_bytes == 0 or self.inflight_bytes + size <= self.max_inflight_bytes  # noqa: E731
@@ -208,6 +250,7 @@ class Store:
         allocate outside the lock. Raises NoSpace."""
         buf = self._take_pooled(size)
         if buf is None and self.allocated_bytes + size > self.capacity_bytes:
+            self._expire_leases()
             buf = self._drop_replaced(key, size)
         if buf is None:
             buf = self._make_room(size, lane)
@@ -219,17 +262,24 @@ class Store:
         self.inflight_bytes -= size
         self._inflight_done.notify_all()
 
-    def commit(self, ticket: PutTicket) -> None:
+    def commit(self, ticket: PutTicket) -> bool:
+        """Make the value visible. False (and the ticket aborted) when its key was leased
+        meanwhile: a leased value is never replaced."""
         entry = Entry(ticket.key, ticket.lane, ticket.length, ticket.algo, ticket.checksum, ticket.buf)
         with self._lock:
             self._end_inflight(ticket.reserved)
+            self._expire_leases()
             old = self._index.get(ticket.key)
+            if old is not None and old.leases:
+                self._give_back(ticket.buf)
+                return False
             if old is not None:
                 self._unlink(old)
             self._index[ticket.key] = entry
             ticket.lane.entries[ticket.key] = entry
             ticket.lane.bytes += entry.buf.size
             self.stored_bytes += entry.length
+        return True
 
     def abort(self, ticket: PutTicket) -> None:
         with self._lock:
@@ -266,25 +316,119 @@ class Store:
         contains = self._index.__contains__
         with self._lock:
             found = list(map(contains, keys))
+            if self.leases:  # a value deleted while leased answers MISS at once
+                index = self._index
+                found = [f and not index[k].doomed for f, k in zip(found, keys)]
         return bytes(ItemStatus.MISS - f for f in found)  # OK = 0, MISS = 1
 
     def delete(self, keys: Sequence[bytes]) -> bytes:
         out = bytearray()
         with self._lock:
+            self._expire_leases()
             for key in keys:
                 entry = self._index.get(key)
-                if entry is None:
+                if entry is None or entry.doomed:
                     out.append(ItemStatus.MISS)
+                elif entry.leases:
+                    entry.doomed = True  # goes when its last lease ends
+                    out.append(ItemStatus.LEASED)
                 else:
                     self._unlink(entry)
                     out.append(ItemStatus.OK)
         return bytes(out)
 
+    # -- leases ---------------------------------------------------------------------------------
+
+    def lease(self, keys: Sequence[bytes], token: int, ttl_s: float) -> tuple[bytes, list[int], float]:
+        """Lease (or renew) each key's value under `token` for `ttl_s` (capped at max_lease_s).
+        Per key OK with the value's length, or MISS (no value, deleted, or beyond the bounds).
+        Returns (statuses, lengths, granted ttl)."""
+        ttl = min(ttl_s, self.max_lease_s)
+        statuses = bytearray()
+        lengths: list[int] = []
+        with self._lock:
+            now = self._clock()
+            self._expire_leases(now)
+            expiry = now + ttl
+            for key in keys:
+                entry = self._index.get(key)
+                if entry is None or entry.doomed:
+                    statuses.append(ItemStatus.MISS)
+                    lengths.append(0)
+                    continue
+                held = entry.leases
+                if held is None or token not in held:
+                    new_bytes = 0 if held else entry.buf.size
+                    if self.leases + 1 > self.max_leases or self.leased_bytes + new_bytes > self.max_lease_bytes:
+                        self.leases_refused += 1
+                        statuses.append(ItemStatus.MISS)
+                        lengths.append(0)
+                        continue
+                    if held is None:
+                        held = entry.leases = {}
+                    self.leases += 1
+                    self.leased_bytes += new_bytes
+                held[token] = expiry
+                self._lease_seq += 1
+                heapq.heappush(self._lease_heap, (expiry, self._lease_seq, key, token))
+                entry.lane.entries.move_to_end(key)  # leased: recently used
+                statuses.append(ItemStatus.OK)
+                lengths.append(entry.length)
+        return bytes(statuses), lengths, ttl
+
+    def end_leases(self, keys: Sequence[bytes], token: int) -> bytes:
+        """End the leases (key, token): OK where one ended, MISS where there was none."""
+        out = bytearray()
+        with self._lock:
+            self._expire_leases()
+            for key in keys:
+                entry = self._index.get(key)
+                if entry is None or not entry.leases or token not in entry.leases:
+                    out.append(ItemStatus.MISS)
+                    continue
+                self._end_lease(entry, token)
+                out.append(ItemStatus.OK)
+        return bytes(out)
+
+    def _end_lease(self, entry: Entry, token: int) -> None:
+        """(lock held) Drop one lease; the last one un-pins the value (and removes a doomed one)."""
+        assert entry.leases is not None
+        del entry.leases[token]
+        self.leases -= 1
+        if not entry.leases:
+            entry.leases = None
+            self.leased_bytes -= entry.buf.size
+            if entry.doomed:
+                self._unlink(entry)
+
+    def _expire_leases(self, now: float | None = None) -> None:
+        """(lock held) End every lease past its expiry. A renewed lease left a stale heap item
+        behind (its expiry no longer matches): skipped."""
+        heap = self._lease_heap
+        if not heap:
+            return
+        now = self._clock() if now is None else now
+        while heap and heap[0][0] <= now:
+            expiry, _, key, token = heapq.heappop(heap)
+            entry = self._index.get(key)
+            if entry is None or not entry.leases or entry.leases.get(token) != expiry:
+                continue
+            self.lease_expirations += 1
+            self._end_lease(entry, token)
+
     # -- introspection --------------------------------------------------------------------------
 
     def stats(self) -> dict[str, Any]:
         with self._lock:
+            self._expire_leases()
             return {
+                "leases": self.leases,
+                "leased_bytes": self.leased_bytes,
+                "max_leases": self.max_leases,
+                "max_lease_bytes": self.max_lease_bytes,
+                "max_lease_s": self.max_lease_s,
+                "lease_expirations": self.lease_expirations,
+                "leases_refused": self.leases_refused,
                 "capacity_bytes": self.capacity_bytes,
                 "allocated_bytes": self.allocated_bytes,
                 "stored_bytes": self.stored_bytes,
@@ -315,7 +459,7 @@ class Store:
             # Only a C-speed snapshot under the lock: filtering and sorting a large node's keys
             # happen outside it, so a listing does not stall PUT/GET. An entry's key and length
             # never change, so reading them afterwards is safe.
-            entries = list(self._index.values())
+            entries = [e for e in self._index.values() if not e.doomed] if self.leases else list(self._index.values())
         if prefix:
             entries = [e for e in entries if e.key.startswith(prefix)]
         first = heapq.nsmallest(limit, entries, key=operator.attrgetter("key"))
@@ -339,7 +483,7 @@ class Store:
         value (both buffers cannot exist at once without exceeding capacity). Its buffer is
         handed over when it fits and no reader holds it. An abort then leaves the key a miss."""
         old = self._index.get(key)
-        if old is None:
+        if old is None or old.leases:
             return None
         reusable = old.pins == 0 and size <= old.buf.size <= size * (1 + REUSE_SLACK)
         self._unlink(old, keep_buffer=reusable)
@@ -392,7 +536,7 @@ class Store:
         while self.allocated_bytes + size > self.capacity_bytes:
             victim = self._pick_victim(lane)
             if victim is None:
-                raise NoSpace("no evictable value: every value is being read")
+                raise NoSpace("no evictable value: every value is being read or is leased")
             victim.lane.evictions += 1
             self.evictions += 1
             pinned = victim.pins > 0
@@ -424,7 +568,7 @@ class Store:
         candidates += [writer, *self.lanes]
         for lane in candidates:
             for entry in lane.entries.values():
-                if entry.pins == 0:
+                if entry.pins == 0 and not entry.leases:
                     return entry
-            # every entry of this lane is pinned; try the next candidate lane
+            # every entry of this lane is pinned or leased; try the next candidate lane
         return None

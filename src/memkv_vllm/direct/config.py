@@ -19,6 +19,7 @@ from memkv_vllm.config import check_common_keys
 
 EXTRA_CONFIG_KEY = "memkv"
 DEFAULT_STAGING_MB = 512
+LEASED, STAGED = "leased", "staged"  # load_guarantee values (docs/direct-mode.md, "Two load guarantees")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,6 +32,11 @@ class DirectSettings:
     lookup_timeout_s: float = 5.0  # an exists probe or prefetch unresolved this long answers MISS; <= 0 disables
     load_failure_grace_s: float = 60.0  # RDMA: a failed prefetch's slot stays quarantined this long
     step_yield_ms: float = 1.0  # per scheduler step, GIL given to the transfer threads while a lookup is open
+    # "leased": HIT = every rank's value exists and is leased on its node; workers stream it
+    # through staging (any prompt length). "staged": HIT = already in staging and verified.
+    load_guarantee: str = LEASED
+    lease_ttl_s: float = 60.0  # leased: a lookup's lease, renewed every third of it while needed
+    load_retry_s: float = 30.0  # leased: how long a worker retries a fetch before failing the engine
 
     @classmethod
     def from_extra_config(cls, extra_config: Mapping[str, Any] | None) -> "DirectSettings":
@@ -54,6 +60,16 @@ class DirectSettings:
             raise ConfigError(f"MemKV direct mode: {EXTRA_CONFIG_KEY}.{key} must be {want}, got {getattr(self, key)!r}")
 
         check_common_keys(self, fail, (("staging_mb", 1, 1 << 20),))
+        if self.load_guarantee not in (LEASED, STAGED):
+            fail("load_guarantee", f'"{LEASED}" or "{STAGED}"')
+        for key, hi in (("lease_ttl_s", 3600.0), ("load_retry_s", 3600.0)):
+            v = getattr(self, key)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v <= hi:
+                fail(key, f"a number in (0, {hi:g}]")
+
+    @property
+    def leased(self) -> bool:
+        return self.load_guarantee == LEASED
 
     @property
     def staging_bytes(self) -> int:

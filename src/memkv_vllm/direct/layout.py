@@ -63,16 +63,21 @@ class StagingLayout:
 
 
 class MemKVLoadStoreSpec(LoadStoreSpec):
-    """The MemKV side of one job, as the manager returns it from prepare_store / prepare_load:
-    the staging slot of each chunk, in the job's key order. Pickled to every worker unchanged,
-    so plain attributes only."""
+    """The MemKV side of one job, as the manager returns it from prepare_store / prepare_load, in
+    the job's key order: load_guarantee "staged": the staging slot of each chunk (`slots`);
+    "leased": each chunk's MemKV key without its rank suffix (`keys`: the worker appends
+    `/r<rank>` and moves the value itself). Pickled to every worker unchanged, so plain
+    attributes only."""
 
-    def __init__(self, slots: list[int]) -> None:
+    def __init__(self, slots: list[int], keys: list[bytes] | None = None) -> None:
         self.slots = [int(s) for s in slots]
+        self.keys = None if keys is None else [bytes(k) for k in keys]
 
     @staticmethod
     def medium() -> str:  # abstract on 0.25 (never called for this spec); a plain attribute later
         return "MEMKV"
 
     def __repr__(self) -> str:
+        if self.keys is not None:
+            return f"MemKVLoadStoreSpec(keys={len(self.keys)})"
         return f"MemKVLoadStoreSpec(slots={self.slots})"

@@ -132,24 +132,28 @@ class MemKVDirectManager(OffloadingManager):
         # still land late is handled per slot here (_late), not by withholding the result.
         self._pool = TransferPool(settings.n_read_threads, settings.n_write_threads, 0.0)
         self._late: list[tuple[float, int]] = []  # (release time, slot): failed RDMA prefetches
-        self._lookup = LookupService(self.client.exists_stream, settings.deadline_s,
-                                     on_timeout=lambda n: self.stats.count(tm.LOOKUPS, n, ("timeout",)),
-                                     store_keys=self.keys.probe_keys)
+        self._lookup = self._open_lookup()
         self._step_yield_s = settings.step_yield_ms / 1000.0
         self._closed = False
         problem = compat.block_hash_reuse_problem()
         if problem:
             log.warning("MemKV direct mode: %s: chunks stored by this engine cannot be reused by a restarted or "
                         "another engine. Set PYTHONHASHSEED (e.g. 0) on every instance that should share KV.", problem)
-        log.info("MemKV direct mode ready (servers=%s, rdma=%s, world_size=%d, value_bytes=%d, staging=%d slots x %d "
-                 "bytes = %d MiB at %s, namespace=%s, lookup_timeout_s=%s, memkv=%s)",
-                 [a.name for a in self.client.servers()], self.client.has_rdma(), layout.world_size,
-                 layout.value_bytes, layout.num_slots, layout.slot_bytes, layout.region_bytes >> 20, layout.path,
-                 self.keys.namespace, settings.lookup_timeout_s, memkv_version)
+        log.info("MemKV direct mode ready (servers=%s, rdma=%s, load_guarantee=%s, world_size=%d, value_bytes=%d, "
+                 "staging=%d slots x %d bytes = %d MiB at %s, namespace=%s, lookup_timeout_s=%s, memkv=%s)",
+                 [a.name for a in self.client.servers()], self.client.has_rdma(), settings.load_guarantee,
+                 layout.world_size, layout.value_bytes, layout.num_slots, layout.slot_bytes,
+                 layout.region_bytes >> 20, layout.path, self.keys.namespace, settings.lookup_timeout_s,
+                 memkv_version)
 
     # ---------------------------------------------------------------------------------------------
     # Startup
     # ---------------------------------------------------------------------------------------------
+
+    def _open_lookup(self) -> LookupService:
+        return LookupService(self.client.exists_stream, self.settings.deadline_s,
+                             on_timeout=lambda n: self.stats.count(tm.LOOKUPS, n, ("timeout",)),
+                             store_keys=self.keys.probe_keys)
 
     @staticmethod
     def _client_config() -> ClientConfig:
@@ -607,3 +611,343 @@ class MemKVDirectManager(OffloadingManager):
         self._flat = None
         if self._region is not None:
             self._region.close()  # unlinks the file; workers' mappings stay valid until they close
+
+
+# -------------------------------------------------------------------------------------------------
+# load_guarantee "leased" (the default)
+# -------------------------------------------------------------------------------------------------
+
+
+class ChunkLeaseProber:
+    """A lookup Prober (memkv_vllm.lookup) that LEASEs every rank's value of each chunk: a chunk
+    answers True only when all `world_size` leases were granted. Leases granted for a chunk that
+    answers False are orphans: posted to `orphans` for the manager to release.
+
+    Threading: the lookup thread only (as the StatusPipeline it drives); `orphans` is a
+    SimpleQueue drained by the scheduler."""
+
+    def __init__(self, client: Client, keys: DirectKeys, ttl_s: float, orphans) -> None:
+        self._pipe = client.lease_stream(ttl_s)
+        self._keys = keys
+        self._orphans = orphans
+
+    def submit(self, chunk_keys: list[bytes], on_answer) -> None:
+        w = self._keys.world_size
+        value_keys = [vk for k in chunk_keys for vk in self._keys.value_keys(k)]
+        left = [w] * len(chunk_keys)
+        granted: list[list[bytes]] = [[] for _ in chunk_keys]
+
+        def answered(indices: list[int], hits: list[bool]) -> None:
+            done, verdicts = [], []
+            for j, hit in zip(indices, hits):
+                c = j // w
+                if hit:
+                    granted[c].append(value_keys[j])
+                left[c] -= 1
+                if left[c] == 0:
+                    ok = len(granted[c]) == w
+                    if not ok and granted[c]:
+                        self._orphans.put(granted[c])
+                    done.append(c)
+                    verdicts.append(ok)
+            if done:
+                on_answer(done, verdicts)
+
+        self._pipe.submit(value_keys, answered)
+
+    def poll(self, timeout_s: float | None = None) -> None:
+        self._pipe.poll(timeout_s)
+
+    def wake(self) -> None:
+        self._pipe.wake()
+
+    def close(self) -> None:
+        self._pipe.close()
+
+
+class _Held:
+    """A chunk whose every rank's value this engine holds a lease on."""
+
+    __slots__ = ("refs", "pins", "renewed")
+
+    def __init__(self, renewed: float) -> None:
+        self.refs: set[str] = set()  # requests whose lookups answered HIT from it
+        self.pins = 0  # load jobs between prepare_load and complete_load
+        self.renewed = renewed
+
+
+class LeasedDirectManager(MemKVDirectManager):
+    """Direct mode with load_guarantee "leased": a HIT is a lease, not staged bytes.
+
+      lookup(key)   held by this engine .............................................. HIT
+                    being stored by this engine (until complete_store) ............... RETRY
+                    unknown -> batched LEASE of every rank's value (LookupService with a
+                    ChunkLeaseProber: lookup_timeout_s deadline, MISS on outage) ..... RETRY
+                    all leased -> held ............................................... HIT
+                    any rank missing, refused or unreachable ......................... MISS
+      prepare_load  pins the held leases; the job names the chunks' keys and each worker
+                    streams its rank's values through its staging ring (streaming.py)
+      complete_load unpins; a lease nobody needs any more is released (off this thread)
+      prepare_store all new chunks at once (any number: the workers stream them through the
+                    ring; never None, nothing shed); complete_store: their leases can be taken
+
+    Leases are renewed every third of lease_ttl_s while held (a request may wait several steps
+    between its HIT and its load). The staging region belongs to the workers (a ring per rank);
+    this side moves no value bytes. Threading as the base class: every public method on the
+    scheduler thread; lease renewals and releases run on one control thread (`_ctl`) that
+    touches only the client."""
+
+    def _open_lookup(self) -> LookupService:
+        import queue
+
+        self._orphans: queue.SimpleQueue[list[bytes]] = queue.SimpleQueue()
+        ttl = self.settings.lease_ttl_s
+        return LookupService(lambda: ChunkLeaseProber(self.client, self.keys, ttl, self._orphans),
+                             self.settings.deadline_s,
+                             on_timeout=lambda n: self.stats.count(tm.LOOKUPS, n, ("timeout",)))
+
+    def __init__(self, spec, settings: DirectSettings, layout: StagingLayout) -> None:
+        import concurrent.futures
+
+        super().__init__(spec, settings, layout)
+        self._held: dict[bytes, _Held] = {}
+        self._storing: set[bytes] = set()
+        self._lease_fence: list[tuple[int, list[bytes]]] = []
+        self._ctl = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="memkv-direct-lease")
+        self._ctl_futures: list = []  # scheduler-owned; each future is completed by the control thread
+        self._renew_every_s = settings.lease_ttl_s / 3
+        self._check_lease_ttl()
+
+    def _check_lease_ttl(self) -> None:
+        """Every node must speak LEASE and grant our ttl: a node that caps it lower would let
+        leases lapse between renewals."""
+        probe = self.keys.config_key
+        for server in self.client.servers():
+            try:
+                reply = self.client.lease_on(server, [probe], self.settings.lease_ttl_s)
+            except MemKVError as exc:
+                raise DirectStartupError(
+                    f"MemKV direct mode cannot start: server {server.name} did not answer LEASE ({exc}); "
+                    f"load_guarantee \"leased\" needs nodes of memkv >= this version, or use \"staged\"") from exc
+            granted_s = reply.ttl_ms / 1000.0
+            if granted_s < self.settings.lease_ttl_s:
+                self._renew_every_s = min(self._renew_every_s, granted_s / 3)
+                log.warning("MemKV direct mode: server %s caps leases at %.1fs (--max-lease-ttl), below "
+                            "memkv.lease_ttl_s=%.1fs: renewing every %.1fs", server.name, granted_s,
+                            self.settings.lease_ttl_s, self._renew_every_s)
+        self.client.release([probe])
+
+    # -- lookups and loads ------------------------------------------------------------------------
+
+    def lookup(self, key, req_context):
+        rid = req_context.req_id
+        self._looked_up.add(rid)
+        h = self._held.get(key)
+        if h is not None:
+            self._hold_ref(key, h, rid)
+            return self._answer("hit")
+        if key in self._storing:
+            return self._answer("retry", rid)  # its puts are in flight: wait for complete_store
+        found = self._lookup.lookup(key, rid)
+        if found is None:
+            return self._answer("retry", rid)
+        if not found:
+            if self._lookup.was_timeout(key):
+                return compat.LookupResult.MISS  # counted as a timeout by the LookupService
+            return self._answer("miss")
+        # Granted at most lookup_timeout_s ago: renewal counts from then, to be safe.
+        h = _Held(self._clock() - (self.settings.deadline_s or 0.0))
+        self._held[key] = h
+        self._hold_ref(key, h, rid)
+        return self._answer("hit")
+
+    def _hold_ref(self, key: bytes, h: _Held, rid: str) -> None:
+        if rid not in h.refs:
+            h.refs.add(rid)
+            self._req_refs.setdefault(rid, set()).add(key)
+
+    def prepare_load(self, keys, req_context):
+        rid = req_context.req_id
+        keys = list(keys)
+        for key in keys:
+            h = self._held.get(key)
+            if h is None:  # the connector asks only for keys that answered HIT, in this step
+                raise AssertionError("MemKV direct mode: prepare_load of a chunk that is not leased; this is a bug")
+            h.pins += 1
+            self._hold_ref(key, h, rid)
+        self._loads.setdefault(rid, []).append(keys)
+        self._unref(rid, keep=set(keys))
+        return MemKVLoadStoreSpec([], keys=[self.keys.chunk_prefix(k) for k in keys])
+
+    def complete_load(self, keys, req_context) -> None:
+        rid = req_context.req_id
+        jobs = self._loads.get(rid, [])
+        keyset = set(keys)
+        for i, job in enumerate(jobs):
+            if set(job) == keyset:
+                del jobs[i]
+                break
+        else:
+            return  # a load flushed by reset_cache: its pins were fenced there
+        if not jobs:
+            self._loads.pop(rid, None)
+        for key in keyset:
+            h = self._held.get(key)
+            if h is not None and h.pins:
+                h.pins -= 1
+        self.stats.count(tm.LOAD_BYTES, self.layout.value_bytes * self.layout.world_size * len(keyset))
+        self._unref(rid, only=keyset)
+
+    # -- references -------------------------------------------------------------------------------
+
+    def _unref(self, rid: str, keep: set[bytes] = frozenset(), only: set[bytes] | None = None) -> None:
+        keys = self._req_refs.get(rid)
+        if not keys:
+            return
+        gone = []
+        for key in list(keys if only is None else keys & only):
+            if key in keep:
+                continue
+            keys.discard(key)
+            h = self._held.get(key)
+            if h is not None:
+                h.refs.discard(rid)
+                if not h.refs and not h.pins:
+                    del self._held[key]
+                    gone.append(key)
+        if not keys:
+            self._req_refs.pop(rid, None)
+        self._release_chunks(gone)
+
+    def _release_chunks(self, chunk_keys: list[bytes]) -> None:
+        if not chunk_keys:
+            return
+        self._lookup.forget(chunk_keys)  # a later lookup leases anew
+        self._release_values([vk for k in chunk_keys for vk in self.keys.value_keys(k)])
+
+    def _release_values(self, value_keys: list[bytes]) -> None:
+        if value_keys:
+            self._control(lambda: self.client.release(value_keys))
+
+    def _control(self, fn) -> None:
+        """Run a lease renewal or release on the control thread; the scheduler never waits."""
+
+        def run() -> None:
+            try:
+                fn()
+            except Exception as exc:  # a node failure answers False, so this is a bug: log it
+                log.warning("MemKV direct mode: lease control failed: %s", exc)
+
+        self._ctl_futures = [f for f in self._ctl_futures if not f.done()]
+        self._ctl_futures.append(self._ctl.submit(run))
+
+    def _renew(self) -> None:
+        now = self._clock()
+        due = [k for k, h in self._held.items() if now - h.renewed >= self._renew_every_s]
+        if not due:
+            return
+        for key in due:
+            self._held[key].renewed = now
+        value_keys = [vk for k in due for vk in self.keys.value_keys(k)]
+        ttl = self.settings.lease_ttl_s
+
+        def renew() -> None:
+            ok = self.client.lease(value_keys, ttl)
+            lost = [vk for vk, good in zip(value_keys, ok) if not good]
+            if lost:
+                log.warning("MemKV direct mode: %d of %d lease renewal(s) failed (node unreachable or restarted); "
+                            "a load of those chunks retries for load_retry_s, then fails loudly", len(lost), len(ok))
+
+        self._control(renew)
+
+    # -- stores -----------------------------------------------------------------------------------
+
+    def prepare_store(self, keys, req_context):
+        keys = list(keys)  # prompt order
+        todo = [k for k in keys if k not in self._held and k not in self._storing]
+        self._storing.update(todo)
+        return PrepareStoreOutput(keys_to_store=todo,
+                                  store_spec=MemKVLoadStoreSpec([], keys=[self.keys.chunk_prefix(k) for k in todo]),
+                                  evicted_keys=[])
+
+    def complete_store(self, keys, req_context, success: bool = True) -> None:
+        done = [k for k in keys if k in self._storing]
+        self._storing.difference_update(done)
+        self._lookup.forget(done, only_misses=True)  # a MISS remembered from before the store
+        self.stats.count(tm.STORE_BYTES, self.layout.value_bytes * self.layout.world_size * len(done))
+
+    # -- step hooks -------------------------------------------------------------------------------
+
+    def on_schedule_end(self, context) -> None:
+        orphans: list[bytes] = []
+        while not self._orphans.empty():
+            orphans += self._orphans.get_nowait()
+        self._release_values(orphans)
+        self._lookup.flush()
+        for rid in self._looked_up - self._retrying:
+            self._unref(rid, keep=self._pinned_keys(rid))
+        self._looked_up.clear()
+        self._retrying.clear()
+        self._probing.clear()
+        self._advance_lease_fence()
+        self._renew()
+        self.stats.gauge(tm.LEASED_BYTES, len(self._held) * self.layout.value_bytes * self.layout.world_size)
+        if self._step_yield_s and self._lookup.probing():
+            time.sleep(self._step_yield_s)
+
+    def on_request_finished(self, req_context) -> None:
+        rid = req_context.req_id
+        dropped = [k for k in self._lookup.cleanup(rid) if k not in self._held]
+        if dropped:  # leased by a probe, never answered as a HIT: nobody holds them
+            self._release_values([vk for k in dropped for vk in self.keys.value_keys(k)])
+        self._unref(rid, keep=self._pinned_keys(rid))
+
+    def has_pending_work(self) -> bool:
+        return bool(self._lookup.pending() or self._storing or self._lease_fence
+                    or any(not f.done() for f in self._ctl_futures) or any(h.pins for h in self._held.values()))
+
+    def reset_cache(self) -> None:
+        """Forget every request. Loads in flight keep their leases until the flushed jobs are
+        done (0.33: on_reset_flushed; earlier: RESET_FENCE_STEPS steps); the rest are released."""
+        fenced, free = [], []
+        for key, h in self._held.items():
+            (fenced if h.pins else free).append(key)
+        self._held.clear()
+        self._req_refs.clear()
+        self._loads.clear()
+        self._storing.clear()
+        self._release_chunks(free)
+        if fenced:
+            self._lease_fence.append((RESET_FENCE_STEPS, fenced))
+
+    def on_reset_flushed(self) -> None:  # 0.33
+        for _, keys in self._lease_fence:
+            self._release_chunks(keys)
+        self._lease_fence.clear()
+
+    def _advance_lease_fence(self) -> None:
+        keep = []
+        for steps, keys in self._lease_fence:
+            if steps <= 1:
+                self._release_chunks(keys)
+            else:
+                keep.append((steps - 1, keys))
+        self._lease_fence = keep
+
+    def config_info(self) -> list[dict[str, Any]]:  # 0.33 info metric
+        info = super().config_info()
+        info[0]["memkv_mode"] = "direct-leased"
+        return info
+
+    def shutdown(self) -> None:
+        if getattr(self, "_closed", True):
+            return
+        held = [vk for k in self._held for vk in self.keys.value_keys(k)]
+        self._held.clear()
+        if held:
+            try:
+                self._ctl.submit(self.client.release, held, timeout_s=1.0).result(timeout=5.0)
+            except Exception:  # best effort: the leases expire by themselves
+                pass
+        self._ctl.shutdown(wait=False)
+        super().shutdown()

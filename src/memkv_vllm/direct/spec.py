@@ -33,21 +33,28 @@ class MemKVOffloadingSpec(OffloadingSpec):
         super().__init__(*args)
         self.settings = DirectSettings.from_extra_config(self.extra_config)
         self.layout = StagingLayout.for_spec(self, self.settings.staging_bytes)
+        if self.settings.leased and self.layout.num_slots < 2:
+            from memkv.errors import ConfigError
+
+            raise ConfigError(f"MemKV direct mode: memkv.staging_mb ({self.settings.staging_mb} MiB) holds "
+                              f"{self.layout.num_slots} chunk(s); load_guarantee \"leased\" streams through at least 2 "
+                              f"(one per direction): raise staging_mb to {-(-2 * self.layout.slot_bytes // (1 << 20))}")
         self._manager = None
         self._worker = None
 
     def get_manager(self):
         if self._manager is None:
-            from memkv_vllm.direct.manager import MemKVDirectManager
+            from memkv_vllm.direct.manager import LeasedDirectManager, MemKVDirectManager
 
-            self._manager = MemKVDirectManager(self, self.settings, self.layout)
+            cls = LeasedDirectManager if self.settings.leased else MemKVDirectManager
+            self._manager = cls(self, self.settings, self.layout)
         return self._manager
 
     def get_worker(self, kv_caches):
         if self._worker is None:
             from memkv_vllm.direct.worker import MemKVDirectWorker
 
-            self._worker = MemKVDirectWorker(kv_caches, self.layout)
+            self._worker = MemKVDirectWorker(kv_caches, self.layout, self.settings)
         return self._worker
 
     @classmethod

@@ -1,10 +1,15 @@
-"""`MemKVDirectWorker`: the worker side of direct mode. Copies only; never touches the network.
+"""`MemKVDirectWorker`: the worker side of direct mode.
 
-A store job copies this rank's GPU blocks of each chunk into this rank's section of the
-chunk's staging slot; a load job copies them back. The scheduler-side manager does every
-MemKV transfer (memkv_vllm.direct.manager), so a load job's bytes are already in staging and
-verified when the job arrives: a copy between two memories cannot fail, which is what vLLM's
-worker requires (it asserts `success` for every job).
+load_guarantee "leased" (the default): the worker moves its own rank's values itself, streaming
+them through its ring of staging slots (memkv_vllm.direct.streaming): a load job fetches each
+chunk's value (leased by the scheduler at lookup, verified by the client) and copies it to the
+GPU blocks; a store job copies GPU blocks into slots and puts them. A job of any length fits.
+
+load_guarantee "staged": copies only, never the network. A store job copies this rank's GPU
+blocks of each chunk into this rank's section of the chunk's staging slot; a load job copies
+them back. The scheduler-side manager does every MemKV transfer (memkv_vllm.direct.manager), so
+a load job's bytes are already in staging and verified when the job arrives: a copy between two
+memories cannot fail, which is what vLLM's worker requires (it asserts `success` for every job).
 
 Byte order of one rank's section (one chunk of KV group g): layer-major. For the group's
 layer refs 0..L-1 with page sizes p_i, ref i's `blocks_per_chunk` pages are contiguous at
@@ -18,7 +23,8 @@ stream that was current at submit (the compute that wrote a store's blocks; pend
 blocks re-allocated to a load). CPU tensors (the conformance suite) copy synchronously.
 The staging region is mapped and host-registered with CUDA (pinned) once, in get_worker.
 
-Threading: every method is called by the worker's connector on one thread; no threads here.
+Threading: every method is called by the worker's connector on one thread; "leased" jobs run on
+the StreamingTransfers threads, which only touch the job's GPU blocks and their own ring slots.
 """
 
 from __future__ import annotations
@@ -29,15 +35,20 @@ import time
 import torch
 from vllm.v1.kv_offload.base import OffloadingWorker, TransferResult
 
+from memkv_vllm.direct.config import DirectSettings
 from memkv_vllm.direct.layout import StagingLayout
 from memkv_vllm.direct.staging import StagingRegion
+from memkv_vllm.direct.streaming import Chunk, Job, LoadFailed, StreamingTransfers
+
+WAIT_MARGIN_S = 60.0  # wait() on a leased load: load_retry_s per batch plus this, then fail loudly
 
 log = logging.getLogger("vllm.memkv_vllm.direct")
 
 
 class MemKVDirectWorker(OffloadingWorker):
-    def __init__(self, kv_caches, layout: StagingLayout) -> None:
+    def __init__(self, kv_caches, layout: StagingLayout, settings: DirectSettings | None = None) -> None:
         self.layout = layout
+        self.settings = settings or DirectSettings()
         self._tensors = [t.tensor for t in kv_caches.tensors]
         self._groups: list[list[tuple[int, int, int]]] = []  # per group: (tensor idx, page bytes, offset)
         bpc = layout.blocks_per_chunk
@@ -58,6 +69,92 @@ class MemKVDirectWorker(OffloadingWorker):
         self._pending: dict[int, tuple[object, int, float]] = {}  # job -> (end event, bytes, start)
         self._done: list[TransferResult] = []
         self._stage()  # map and pin at engine startup, not in a request's first transfer
+        self._streams: StreamingTransfers | None = None
+        self._jobs: dict[int, Job] = {}  # leased jobs not reported yet
+        if self.settings.leased:
+            self._start_streaming()
+
+    # -- load_guarantee "leased" ------------------------------------------------------------------
+
+    def _start_streaming(self) -> None:
+        from memkv import Client, ClientConfig
+
+        client = Client(ClientConfig.from_env())  # connects at the first transfer
+        try:
+            client.register_pool(self._region.view)  # RDMA: nodes WRITE fetches into the ring
+        except Exception:
+            client.close()
+            raise
+        self._client = client
+        device = self._tensors[0].device if self._cuda else None
+        if self._cuda:
+            self._load_stream = torch.cuda.Stream(device=device)
+            self._store_stream = torch.cuda.Stream(device=device)
+
+        def on_thread_start() -> None:
+            if device is not None:
+                torch.cuda.set_device(device)  # the current device is per thread
+
+        layout = self.layout
+        flat = self._region.view
+
+        def section(slot: int) -> memoryview:
+            start = layout.section_offset(slot, layout.rank)
+            return flat[start : start + layout.value_bytes]
+
+        st = self.settings
+        self._streams = StreamingTransfers(client, layout.rank, section, layout.num_slots, self._copy_chunk,
+                                           st.blocks_per_op, st.load_retry_s, st.load_failure_grace_s,
+                                           on_thread_start)
+
+    def _copy_chunk(self, job: Job, chunk: Chunk, slot: int, to_staging: bool) -> None:
+        """One chunk between its GPU blocks and `slot`; returns once the copy is complete (the
+        slot is then reused). On CUDA: on this direction's side stream, after the compute that
+        was current when the job was submitted."""
+        staging = self._staging
+        base = self.layout.section_offset(slot, self.layout.rank)
+        runs = [(t, b, n, page, base + off) for t, b, n, page, off in chunk.runs]
+        if not self._cuda:
+            self._copy(staging, runs, to_staging, non_blocking=False)
+            return
+        stream = self._store_stream if to_staging else self._load_stream
+        if job.event is not None:
+            stream.wait_event(job.event)
+        with torch.cuda.stream(stream):
+            self._copy(staging, runs, to_staging, non_blocking=True)
+        stream.synchronize()
+
+    def _submit_streaming(self, job_id: int, gpu_spec, keys: list[bytes], load: bool) -> bool:
+        chunks_runs = self._chunk_runs(gpu_spec, len(keys))
+        suffix = b"/r%d" % self.layout.rank
+        chunks = [Chunk(k + suffix, runs) for k, runs in zip(keys, chunks_runs)]
+        nbytes = sum(n * page for runs in chunks_runs for _, _, n, page, _ in runs)
+        if not chunks:
+            self._done.append(TransferResult(job_id, True, 0, 0.0))
+            return True
+        event = None
+        if self._cuda:
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream())
+        job = Job(job_id, load, chunks, event, nbytes)
+        self._jobs[job_id] = job
+        assert self._streams is not None
+        self._streams.submit(job)
+        return True
+
+    def _collect_streaming(self) -> list[TransferResult]:
+        if self._streams is None:
+            return []
+        out = []
+        for job in self._streams.take_done():
+            self._jobs.pop(job.job_id, None)
+            if job.error is not None:
+                raise LoadFailed(job.error)
+            if job.shed or job.failed_puts:
+                log.warning("MemKV direct mode: store job %d: %d chunk(s) shed by wait(), %d put(s) failed: "
+                            "those chunks will be a MISS", job.job_id, job.shed, job.failed_puts)
+            out.append(TransferResult(job.job_id, True, job.nbytes, time.perf_counter() - job.started))
+        return out
 
     # -- the staging region ---------------------------------------------------------------------
 
@@ -78,9 +175,13 @@ class MemKVDirectWorker(OffloadingWorker):
     # -- jobs -------------------------------------------------------------------------------------
 
     def submit_store(self, job_id, src_spec, dst_spec) -> bool:
+        if dst_spec.keys is not None:
+            return self._submit_streaming(job_id, src_spec, dst_spec.keys, load=False)
         return self._run(job_id, src_spec, dst_spec.slots, to_staging=True)
 
     def submit_load(self, job_id, src_spec, dst_spec, expedited: bool = False) -> bool:
+        if src_spec.keys is not None:
+            return self._submit_streaming(job_id, dst_spec, src_spec.keys, load=True)
         return self._run(job_id, dst_spec, src_spec.slots, to_staging=False)
 
     def _run(self, job_id: int, gpu_spec, slots: list[int], to_staging: bool) -> bool:
@@ -105,15 +206,25 @@ class MemKVDirectWorker(OffloadingWorker):
         return True
 
     def _copies(self, gpu_spec, slots: list[int]) -> list[tuple[int, int, int, int, int]]:
-        """(tensor idx, first GPU block, blocks, page bytes, staging byte offset) runs:
-        consecutive GPU blocks that are consecutive sub-blocks of one chunk are one copy per layer."""
+        """(tensor idx, first GPU block, blocks, page bytes, staging byte offset) runs of a
+        "staged" job: each chunk's runs (`_chunk_runs`) placed in its slot's section."""
+        out = []
+        for slot, runs in zip(slots, self._chunk_runs(gpu_spec, len(slots))):
+            base = self.layout.section_offset(slot, self.layout.rank)
+            out += [(t, b, n, page, base + off) for t, b, n, page, off in runs]
+        return out
+
+    def _chunk_runs(self, gpu_spec, n_chunks: int) -> list[list[tuple[int, int, int, int, int]]]:
+        """Per chunk of the job, its (tensor idx, first GPU block, blocks, page bytes, byte offset
+        inside the rank's section) runs: consecutive GPU blocks that are consecutive sub-blocks
+        of one chunk are one copy per layer."""
         bpc = self.layout.blocks_per_chunk
         block_ids = [int(b) for b in gpu_spec.block_ids]
         group_sizes = list(gpu_spec.group_sizes)
         block_indices = list(gpu_spec.block_indices)
-        runs: list[tuple[int, int, int, int, int]] = []
+        per_chunk: list[list[tuple[int, int, int, int, int]]] = [[] for _ in range(n_chunks)]
         pos = 0  # the group's first GPU block in block_ids
-        key = 0  # the group's first slot
+        key = 0  # the group's first chunk
         for g, n in enumerate(group_sizes):
             if n == 0:
                 continue
@@ -125,15 +236,18 @@ class MemKVDirectWorker(OffloadingWorker):
                 length = 1
                 while j + length < n and sub + length < bpc and ids[j + length] == ids[j] + length:
                     length += 1
-                base = self.layout.section_offset(slots[key + chunk], self.layout.rank)
+                if key + chunk >= n_chunks:
+                    raise AssertionError(f"MemKV direct mode: a job names {n_chunks} chunk(s) but its GPU blocks "
+                                         f"cover more")
+                runs = per_chunk[key + chunk]
                 for tensor_idx, page, offset in self._groups[g]:
-                    runs.append((tensor_idx, ids[j], length, page, base + offset + sub * page))
+                    runs.append((tensor_idx, ids[j], length, page, offset + sub * page))
                 j += length
             pos += n
             key += -(-(n + skip) // bpc)
-        if key != len(slots):
-            raise AssertionError(f"MemKV direct mode: a job names {len(slots)} slot(s) but its GPU blocks cover {key}")
-        return runs
+        if key != n_chunks:
+            raise AssertionError(f"MemKV direct mode: a job names {n_chunks} chunk(s) but its GPU blocks cover {key}")
+        return per_chunk
 
     def _copy(self, staging: torch.Tensor, runs, to_staging: bool, non_blocking: bool) -> None:
         for tensor_idx, block, length, page, offset in runs:
@@ -146,19 +260,41 @@ class MemKVDirectWorker(OffloadingWorker):
 
     def get_finished(self) -> list[TransferResult]:
         done, self._done = self._done, []
+        done += self._collect_streaming()  # raises LoadFailed: the engine stops, loudly
         for job_id in [j for j, (event, _, _) in self._pending.items() if event.query()]:
             _, nbytes, start = self._pending.pop(job_id)
             done.append(TransferResult(job_id, True, nbytes, time.perf_counter() - start))
         return done
 
     def wait(self, job_ids) -> None:
-        """Blocks until those jobs' copies are over: a GPU->host or host->GPU copy, never the network."""
+        """Blocks until those jobs no longer touch their GPU blocks. "staged": a GPU<->host copy,
+        never the network. "leased": a load until it is loaded (or fails loudly: LoadFailed); a
+        store stops copying (its remaining chunks are shed) and returns after the copy in progress."""
         for job_id in job_ids:
+            job = self._jobs.get(job_id)
+            if job is not None:
+                if job.load:
+                    bound = self.settings.load_retry_s * (1 + len(job.chunks)) + WAIT_MARGIN_S
+                    if not job.done.wait(bound):
+                        raise LoadFailed(f"MemKV direct mode: rank {self.layout.rank}: load job {job_id} not done "
+                                         f"within {bound:.0f}s")
+                    if job.error is not None:
+                        raise LoadFailed(job.error)
+                else:
+                    job.cancelled = True
+                    if not job.copies_done.wait(WAIT_MARGIN_S):
+                        raise RuntimeError(f"MemKV direct mode: rank {self.layout.rank}: store job {job_id} still "
+                                           f"copying after {WAIT_MARGIN_S:.0f}s")
+                continue
             pending = self._pending.get(job_id)
             if pending is not None:
                 pending[0].synchronize()
 
     def shutdown(self) -> None:
+        if self._streams is not None:
+            self._streams.shutdown()
+            self._streams = None
+            self._client.close()
         if self._stream is not None:
             self._stream.synchronize()
         if self._staging is not None:

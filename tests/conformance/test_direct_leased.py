@@ -1,0 +1,214 @@
+"""Direct mode with load_guarantee "leased" (the default), through vLLM's real connector.
+
+A lookup HIT is a lease on every rank's value; each worker streams its rank's values through
+its ring of staging slots. Asserted with real `memkv serve` nodes and CPU tensors for the GPU:
+
+* a prompt whose KV is 8x (TP=1) or 16x (TP=2) the staging region -- everything else at its
+  default -- is stored whole (nothing shed, store jobs larger than the region) and loaded whole,
+  byte-exact, by a restarted engine;
+* a value the node would evict under memory pressure survives while it is leased: the load
+  after the pressure is byte-exact;
+* a node killed between the lookup and the load: the worker retries for load_retry_s, then the
+  engine fails loudly with an error naming the node and the key, and no byte of that node's
+  chunks reaches the GPU tensors;
+* a node stalled (SIGSTOP) between the lookup and the load that comes back within the retry
+  window: the load succeeds, byte-exact;
+* a corrupt value (a byte flipped on its way into the node): it never reaches the GPU tensors,
+  the engine fails loudly naming it, and the value is purged (a restarted engine recomputes).
+
+Every loop is bounded by the harness (steps and wall time); no assert on a duration.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+import uuid
+
+import pytest
+import torch
+
+from memkv_vllm import metrics as tm
+from memkv_vllm.direct.streaming import LoadFailed
+from tests.conformance import direct_harness as dh
+from tests.conformance.conftest import point_at
+from tests.conformance.test_memkv_tier import _sigstop
+from tests.faults.proxy import C2S, Fault, FaultProxy
+
+pytestmark = pytest.mark.conformance
+
+BIG = 256  # tokens per chunk: 16 GPU blocks, one value is 128 KiB, a 1 MiB region holds 8 (TP=1) or 4 slots (TP=2)
+N_CHUNKS = 8
+
+
+def _zero_blocks(engine: dh.DirectEngine, req: dh.Request, chunks: range) -> bool:
+    """True when no byte was written into the GPU blocks of these chunks, on every rank."""
+    g = engine.g
+    for rank in range(g.world_size):
+        for c in chunks:
+            for b in range(c * g.blocks_per_chunk, (c + 1) * g.blocks_per_chunk):
+                for layer in range(dh.NUM_LAYERS):
+                    if torch.count_nonzero(engine.kv[rank][layer][req.block_ids[b]]):
+                        return False
+    return True
+
+
+def _owned_by(engine: dh.DirectEngine, tag: str, n: int) -> list[set[str]]:
+    m = engine.manager
+    return [{m.client.owner(vk).name for vk in m.keys.value_keys(k)} for k in dh.prompt_keys(tag, n, engine.g)]
+
+
+def _tag_with_chunk_on(engine: dh.DirectEngine, node: str, n: int = N_CHUNKS) -> tuple[str, int]:
+    """A prompt whose chunk 0 is not on `node` and some later chunk is (bounded search)."""
+    for _ in range(500):
+        tag = uuid.uuid4().hex
+        owners = _owned_by(engine, tag, n)
+        first = next((c for c, o in enumerate(owners) if node in o), None)
+        if first is not None and first >= 1:
+            return tag, first
+    raise AssertionError("no suitable prompt in 500 tags")
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_prompt_8x_the_staging_region_is_stored_and_loaded_whole_byte_exact(monkeypatch, cluster, auth_key_hex,
+                                                                              world_size):
+    point_at(monkeypatch, cluster, auth_key_hex)
+    g = dh.Geometry(world_size=world_size, block_size=BIG, num_gpu_blocks=1100)
+    n_chunks = 64  # 64 x 128 KiB per rank: 8 MiB (TP=1) / 16 MiB (TP=2) through a 1 MiB region
+    tokens = n_chunks * BIG + 7
+    config = dh.direct_config(staging_mb=1, block_size=BIG)  # only the region shrunk (and the ratio kept)
+    with dh.DirectEngine(g, config, token_budget=4096) as engine:  # store jobs of 16 chunks > the region
+        assert engine.manager.layout.num_slots * engine.manager.layout.slot_bytes <= 1 << 20
+        engine.run(tag := uuid.uuid4().hex, tokens, timeout_s=120)
+        assert engine.stat(tm.SHEDS, ("direct",)) == 0
+        m = engine.manager
+        present = m.client.exists([vk for k in dh.prompt_keys(tag, n_chunks, g) for vk in m.keys.value_keys(k)])
+        assert all(present), f"{present.count(False)} of {len(present)} values missing"
+    with dh.DirectEngine(g, config, token_budget=4096) as restarted:
+        again = restarted.run(tag, tokens, timeout_s=120)
+        assert again.matched_tokens == n_chunks * BIG
+        assert again.loaded_blocks == n_chunks * g.blocks_per_chunk  # byte-exact on every rank (harness)
+        assert restarted.stat(tm.LOAD_BYTES, ("direct",)) == n_chunks * world_size * g.value_bytes
+        assert not restarted.manager._held, "every lease is released after the load"
+
+
+def test_leased_value_survives_memory_pressure_that_evicts_everything_else(monkeypatch, start_node, auth_key_hex):
+    node = start_node(capacity="4MiB", extra_args=["--max-value-size", "1MiB"])
+    point_at(monkeypatch, [node], auth_key_hex)
+    g = dh.Geometry()
+    tag, bystander = uuid.uuid4().hex, uuid.uuid4().hex
+    tokens = N_CHUNKS * g.block_size + 3
+    flooded = []
+
+    def flood(engine: dh.DirectEngine, req: dh.Request, matched: int) -> None:
+        c = engine.manager.client
+        if req.tag == tag and not flooded:  # after the HIT (leased), before the load
+            for i in range(48):  # 3x the node's capacity
+                c.put(f"flood/{i}", bytes([i]) * (256 << 10))
+            flooded.append(True)
+
+    with dh.DirectEngine(g) as engine:
+        engine.run(tag, tokens)
+        engine.run(bystander, tokens)  # stored after `tag`: evicted first if leases did nothing
+    with dh.DirectEngine(g, before_alloc=flood) as engine:
+        again = engine.run(tag, tokens)
+        assert flooded
+        assert again.matched_tokens == N_CHUNKS * g.block_size
+        assert again.loaded_blocks == N_CHUNKS * g.blocks_per_chunk  # byte-exact (harness)
+        m = engine.manager
+        unleased = [m.keys.value_key(k, 0) for k in dh.prompt_keys(bystander, N_CHUNKS, g)]
+        assert not any(m.client.exists(unleased)), "the pressure should have evicted the unleased prompt"
+
+
+def test_node_killed_between_lookup_and_load_fails_loudly_naming_node_and_key(monkeypatch, private_cluster,
+                                                                              auth_key_hex):
+    point_at(monkeypatch, private_cluster, auth_key_hex)
+    g = dh.Geometry()
+    _healthy, doomed = private_cluster
+    tokens = N_CHUNKS * g.block_size + 3
+    config = dh.direct_config(load_retry_s=1.0, blocks_per_op=1)
+
+    def kill(engine: dh.DirectEngine, req: dh.Request, matched: int) -> None:
+        if matched and doomed.proc.poll() is None:
+            doomed.kill()
+
+    with dh.DirectEngine(g, config) as engine:
+        tag, first = _tag_with_chunk_on(engine, doomed.address)
+        engine.run(tag, tokens)
+        engine.before_alloc = kill
+        req = engine.add_request(tag, tokens)
+        with pytest.raises(LoadFailed) as info:
+            engine.run_until(lambda: req.is_finished(), timeout_s=60, what="the failing load")
+        message = str(info.value)
+        assert doomed.address in message and "load_retry_s" in message and "/r0" in message
+        assert req.matched_tokens == N_CHUNKS * g.block_size  # the HIT the connector committed to
+        assert _zero_blocks(engine, req, range(first, first + 1)), "bytes of the dead node's chunk reached the GPU"
+
+
+def test_stalled_node_back_within_the_retry_window_loads_byte_exact(monkeypatch, private_cluster, auth_key_hex,
+                                                                    tmp_path):
+    point_at(monkeypatch, private_cluster, auth_key_hex)
+    cfg = tmp_path / "memkv.yaml"
+    cfg.write_text("io_timeout_s: 0.5\ndown_for_s: 0.2\n")
+    monkeypatch.setenv("MEMKV_CONFIG", str(cfg))
+    g = dh.Geometry()
+    _healthy, stalled = private_cluster
+    tokens = N_CHUNKS * g.block_size + 3
+    resumed = threading.Event()
+
+    def stall(engine: dh.DirectEngine, req: dh.Request, matched: int) -> None:
+        if matched and not resumed.is_set() and not stall.timer:
+            _sigstop(stalled)
+            stall.timer = threading.Timer(1.5, lambda: (stalled.signal(signal.SIGCONT), resumed.set()))
+            stall.timer.start()
+
+    stall.timer = None
+    with dh.DirectEngine(g, dh.direct_config(load_retry_s=30.0)) as engine:
+        tag, _ = _tag_with_chunk_on(engine, stalled.address)
+        engine.run(tag, tokens)
+        engine.before_alloc = stall
+        try:
+            again = engine.run(tag, tokens, timeout_s=60)
+        finally:
+            if stall.timer is not None:
+                stall.timer.join(10)
+            stalled.signal(signal.SIGCONT)
+        assert resumed.is_set()
+        assert again.matched_tokens == N_CHUNKS * g.block_size
+        assert again.loaded_blocks == N_CHUNKS * g.blocks_per_chunk  # byte-exact (harness)
+        assert engine.workers[0].connector_worker.worker._streams.retries >= 1
+
+
+def test_corrupt_value_never_reaches_the_gpu_fails_loudly_and_is_purged(monkeypatch, start_node, auth_key_hex):
+    node = start_node(capacity="64MiB")
+    flip_next_put = threading.Event()
+
+    def plan(frame):
+        if frame.direction == C2S and frame.opcode == 0x10 and flip_next_put.is_set():
+            flip_next_put.clear()
+            return Fault.flip(frame.payload_start + 100, xor=0x20)  # a byte of the frame's first value
+        return None
+
+    g = dh.Geometry()
+    tag = uuid.uuid4().hex
+    tokens = N_CHUNKS * g.block_size + 3
+    config = dh.direct_config(blocks_per_op=1, load_retry_s=0.5)
+    with FaultProxy((node.host, node.port), plan, name="flip") as proxy:
+        point_at(monkeypatch, [proxy], auth_key_hex)
+        with dh.DirectEngine(g, config) as engine:
+            flip_next_put.set()
+            engine.run(tag, tokens)
+            flipped = [a for a in proxy.applied if a.fault.kind == "flip" and a.keys]
+            assert len(flipped) == 1, proxy.applied
+            m = engine.manager
+            value_keys = [m.keys.value_key(k, 0) for k in dh.prompt_keys(tag, N_CHUNKS, g)]
+            bad = value_keys.index(flipped[0].keys[0])
+            req = engine.add_request(tag, tokens)
+            with pytest.raises(LoadFailed) as info:
+                engine.run_until(lambda: req.is_finished(), timeout_s=60, what="the failing load")
+            assert repr(flipped[0].keys[0]) in str(info.value)
+            assert _zero_blocks(engine, req, range(bad, bad + 1)), "a corrupt value reached the GPU"
+        with dh.DirectEngine(g, config) as restarted:  # the first engine's leases were released
+            assert not restarted.manager.client.exists([flipped[0].keys[0]])[0], "the corrupt value was not purged"
+            third = restarted.run(tag, tokens)
+            assert third.matched_tokens == bad * g.block_size  # recomputed from the purged chunk on
