@@ -1,4 +1,4 @@
-"""Direct mode with load_guarantee "leased" (the default), through vLLM's real connector.
+"""Direct mode with load_guarantee "leased" (opt-in), through vLLM's real connector.
 
 A lookup HIT is a lease on every rank's value; each worker streams its rank's values through
 its ring of staging slots. Asserted with real `memkv serve` nodes and CPU tensors for the GPU:
@@ -76,7 +76,7 @@ def test_prompt_8x_the_staging_region_is_stored_and_loaded_whole_byte_exact(monk
     g = dh.Geometry(world_size=world_size, block_size=BIG, num_gpu_blocks=1100)
     n_chunks = 64  # 64 x 128 KiB per rank: 8 MiB (TP=1) / 16 MiB (TP=2) through a 1 MiB region
     tokens = n_chunks * BIG + 7
-    config = dh.direct_config(staging_mb=1, block_size=BIG)  # only the region shrunk (and the ratio kept)
+    config = dh.direct_config(staging_mb=1, block_size=BIG, load_guarantee="leased")  # only the region shrunk (and the ratio kept)
     with dh.DirectEngine(g, config, token_budget=4096) as engine:  # store jobs of 16 chunks > the region
         assert engine.manager.layout.num_slots * engine.manager.layout.slot_bytes <= 1 << 20
         engine.run(tag := uuid.uuid4().hex, tokens, timeout_s=120)
@@ -126,7 +126,7 @@ def test_node_killed_between_lookup_and_load_fails_loudly_naming_node_and_key(mo
     g = dh.Geometry()
     _healthy, doomed = private_cluster
     tokens = N_CHUNKS * g.block_size + 3
-    config = dh.direct_config(load_retry_s=1.0, blocks_per_op=1)
+    config = dh.direct_config(load_retry_s=1.0, blocks_per_op=1, load_guarantee="leased")
 
     def kill(engine: dh.DirectEngine, req: dh.Request, matched: int) -> None:
         if matched and doomed.proc.poll() is None:
@@ -163,7 +163,7 @@ def test_stalled_node_back_within_the_retry_window_loads_byte_exact(monkeypatch,
             stall.timer.start()
 
     stall.timer = None
-    with dh.DirectEngine(g, dh.direct_config(load_retry_s=30.0)) as engine:
+    with dh.DirectEngine(g, dh.direct_config(load_retry_s=30.0, load_guarantee="leased")) as engine:
         tag, _ = _tag_with_chunk_on(engine, stalled.address)
         engine.run(tag, tokens)
         engine.before_alloc = stall
@@ -192,7 +192,7 @@ def test_corrupt_value_never_reaches_the_gpu_fails_loudly_and_is_purged(monkeypa
     g = dh.Geometry()
     tag = uuid.uuid4().hex
     tokens = N_CHUNKS * g.block_size + 3
-    config = dh.direct_config(blocks_per_op=1, load_retry_s=0.5)
+    config = dh.direct_config(blocks_per_op=1, load_retry_s=0.5, load_guarantee="leased")
     with FaultProxy((node.host, node.port), plan, name="flip") as proxy:
         point_at(monkeypatch, [proxy], auth_key_hex)
         with dh.DirectEngine(g, config) as engine:

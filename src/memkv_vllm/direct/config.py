@@ -34,7 +34,7 @@ class DirectSettings:
     step_yield_ms: float = 1.0  # per scheduler step, GIL given to the transfer threads while a lookup is open
     # "leased": HIT = every rank's value exists and is leased on its node; workers stream it
     # through staging (any prompt length). "staged": HIT = already in staging and verified.
-    load_guarantee: str = LEASED
+    load_guarantee: str = STAGED  # leased: opt-in until its streaming is faster than recompute on the GPU (run 20)
     lease_ttl_s: float = 60.0  # leased: a lookup's lease, renewed every third of it while needed
     load_retry_s: float = 30.0  # leased: how long a worker retries a fetch before failing the engine
 
