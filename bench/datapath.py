@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import errno
 import json
 import os
 import platform
@@ -293,15 +294,29 @@ def cpu_seconds(pid: int | None = None) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def ktls_available() -> str:
-    """Whether this kernel offers kernel TLS: the `tls` TCP ULP must attach to a socket."""
+def ktls_available() -> dict:
+    """Whether this kernel offers kernel TLS: the `tls` TCP ULP must attach to a socket. Says
+    which kernel, and the errno when it does not."""
+    out = {"kernel": platform.release(), "available": True, "errno": None, "detail": "yes"}
     with socket.create_server(("127.0.0.1", 0)) as lsock:
         with socket.create_connection(lsock.getsockname()) as c:
             try:
                 c.setsockopt(socket.IPPROTO_TCP, getattr(socket, "TCP_ULP", 31), b"tls")
             except OSError as exc:
-                return f"no: setsockopt(TCP_ULP, 'tls') failed: {exc.strerror} (no tls kernel module)"
-    return "yes"
+                name = errno.errorcode.get(exc.errno or 0, str(exc.errno))
+                out.update(available=False, errno=name,
+                           detail=f"no: setsockopt(IPPROTO_TCP, TCP_ULP, \"tls\") failed with {name} ({exc.strerror}) "
+                                  f"on Linux {platform.release()}: the kernel has no tls module loaded or loadable"
+                                  f"{'' if os.path.exists('/proc/net/tls_stat') else ' (no /proc/net/tls_stat)'}")
+    return out
+
+
+def ulp_of(sock: socket.socket) -> str:
+    """The TCP upper-layer protocol attached to `sock` ("tls" once OpenSSL moved it to kernel TLS)."""
+    try:
+        return sock.getsockopt(socket.IPPROTO_TCP, getattr(socket, "TCP_ULP", 31), 16).rstrip(b"\0").decode() or "none"
+    except OSError as exc:
+        return f"unknown ({errno.errorcode.get(exc.errno or 0, exc.errno)})"
 
 
 def measure_tls(value_bytes: int, n: int, threads: int, reps: int, ktls: bool) -> dict:
@@ -352,6 +367,7 @@ def measure_tls(value_bytes: int, n: int, threads: int, reps: int, ktls: bool) -
         with concurrent.futures.ThreadPoolExecutor(threads) as ex:
             for fn, _ in ops.values():
                 list(ex.map(fn, per_thread))
+            raw_ulp = sorted({ulp_of(sock) for sock in rawc._socks})  # kTLS in use: "tls"
             for _ in range(reps):
                 for name, (fn, pid) in ops.items():
                     c0, s0 = cpu_seconds(), cpu_seconds(pid)
@@ -381,17 +397,22 @@ def measure_tls(value_bytes: int, n: int, threads: int, reps: int, ktls: bool) -
         ratios[f"memkv-tls/memkv {op}"] = per_rep(f"memkv-tls {op}", f"memkv {op}")
     return {"value_bytes": value_bytes, "values": n, "threads": threads, "nodes": 1, "blocks_per_op": 1, "reps": reps,
             "gbps": rates, "cpu_s_per_gb": cpu, "ratios": ratios, "openssl": ssl.OPENSSL_VERSION,
-            "ktls_requested": ktls, "ktls_kernel": ktls_available(), "redis": "not run"}
+            "ktls_requested": ktls, "ktls_kernel": ktls_available(), "raw_tls_socket_ulp": raw_ulp, "redis": "not run"}
 
 
 def print_tls(r: dict) -> None:
     print(f"\n{format_size(r['value_bytes'])} values x {r['values']}, {r['threads']} threads, {r['reps']} reps; "
-          f"{r['openssl']}; kTLS requested: {r['ktls_requested']}, kernel: {r['ktls_kernel']}")
-    print(f"  {'':<11}" + "".join(f"{h:>12}" for h in ("put GB/s", "get GB/s", "put cpu-s/GB", "get cpu-s/GB")))
+          f"{r['openssl']}; Linux {r['ktls_kernel']['kernel']}")
+    print(f"  kernel TLS: {r['ktls_kernel']['detail']}")
+    if r["ktls_requested"]:
+        used = r["raw_tls_socket_ulp"] == ["tls"]
+        print(f"  --ktls: OpenSSL asked for kernel TLS; the raw-tls sockets' TCP ULP is {r['raw_tls_socket_ulp']}: "
+              + ("kernel TLS measured" if used else "NOT kernel TLS, these figures are user-space TLS"))
+    print(f"  {'':<11}" + "".join(f"{h:>14}" for h in ("put GB/s", "get GB/s", "put cpu-s/GB", "get cpu-s/GB")))
     for who in ("raw-tls", "memkv-tls", "memkv"):
         med = [statistics.median(r["gbps"][f"{who} {op}"]) for op in ("put", "get")]
         cpu = [statistics.median(r["cpu_s_per_gb"][f"{who} {op}"]) for op in ("put", "get")]
-        print(f"  {who:<11}" + "".join(f"{x:>12.2f}" for x in med + cpu))
+        print(f"  {who:<11}" + "".join(f"{x:>14.2f}" for x in med + cpu))
     for name, vals in r["ratios"].items():
         print(f"  {name:<24} median {statistics.median(vals):.2f}  (per rep {min(vals):.2f}-{max(vals):.2f})")
 
@@ -445,6 +466,7 @@ def main() -> None:
     ap.add_argument("--sweep", action="store_true", help="sizes 1-64 MiB, threads 1-16, nodes 1-4")
     ap.add_argument("--tls", action="store_true", help="raw ssl socket vs MemKV over TLS vs plain MemKV")
     ap.add_argument("--ktls", action="store_true", help="with --tls: ask OpenSSL for kernel TLS on both sides")
+    ap.add_argument("--out", default=None, help="with --tls: the JSON file's name under bench/out/")
     ap.add_argument("--raw-server", nargs=2, metavar=("PORT_FILE", "SLOTS"), help=argparse.SUPPRESS)
     ap.add_argument("--raw-tls", nargs=3, metavar=("CERT", "KEY", "KTLS"), help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -459,7 +481,7 @@ def main() -> None:
         r = measure_tls(value_bytes, args.values, args.threads, args.reps, args.ktls)
         print(f"datapath --tls -- {machine} -- {stamp}")
         print_tls(r)
-        name = "datapath_ktls.json" if args.ktls else "datapath_tls.json"
+        name = args.out or ("datapath_ktls.json" if args.ktls else "datapath_tls.json")
         (OUT / name).write_text(json.dumps({"benchmark": "datapath-tls", "date": stamp, "machine": machine, **r}, indent=2))
         return
     if not args.sweep:
