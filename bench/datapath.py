@@ -18,7 +18,9 @@ Targets (16 MiB): memkv >= 0.8 x raw, >= 2 x Redis. Results: bench/out/datapath.
 
 --tls measures, in each repetition: a raw `ssl` socket moving the same bytes (the raw design
 above inside TLS 1.3, same certificate and cipher), MemKV over TLS (`--tls-cert`, the client
-with MEMKV_TLS_CA), and plain MemKV. Target: memkv-tls >= 0.9 x raw-tls. It also reports CPU
+with MEMKV_TLS_CA), and plain MemKV, interleaved: the three take turns on blocks of
+`--block-values` values per thread (order reversed every other block), so that the host's
+drift within a repetition hits them alike. Target: memkv-tls >= 0.9 x raw-tls. It also reports CPU
 seconds per GB moved (client and server processes together: user + system time), i.e. how many
 cores one GB/s costs. `--ktls` asks OpenSSL for kernel TLS (OP_ENABLE_KTLS) on both sides and
 says whether the kernel offers it (the `tls` ULP).
@@ -28,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import errno
 import json
 import os
 import platform
@@ -293,18 +296,32 @@ def cpu_seconds(pid: int | None = None) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def ktls_available() -> str:
-    """Whether this kernel offers kernel TLS: the `tls` TCP ULP must attach to a socket."""
+def ktls_available() -> dict:
+    """Whether this kernel offers kernel TLS: the `tls` TCP ULP must attach to a socket. Says
+    which kernel, and the errno when it does not."""
+    out = {"kernel": platform.release(), "available": True, "errno": None, "detail": "yes"}
     with socket.create_server(("127.0.0.1", 0)) as lsock:
         with socket.create_connection(lsock.getsockname()) as c:
             try:
                 c.setsockopt(socket.IPPROTO_TCP, getattr(socket, "TCP_ULP", 31), b"tls")
             except OSError as exc:
-                return f"no: setsockopt(TCP_ULP, 'tls') failed: {exc.strerror} (no tls kernel module)"
-    return "yes"
+                name = errno.errorcode.get(exc.errno or 0, str(exc.errno))
+                out.update(available=False, errno=name,
+                           detail=f"no: setsockopt(IPPROTO_TCP, TCP_ULP, \"tls\") failed with {name} ({exc.strerror}) "
+                                  f"on Linux {platform.release()}: the kernel has no tls module loaded or loadable"
+                                  f"{'' if os.path.exists('/proc/net/tls_stat') else ' (no /proc/net/tls_stat)'}")
+    return out
 
 
-def measure_tls(value_bytes: int, n: int, threads: int, reps: int, ktls: bool) -> dict:
+def ulp_of(sock: socket.socket) -> str:
+    """The TCP upper-layer protocol attached to `sock` ("tls" once OpenSSL moved it to kernel TLS)."""
+    try:
+        return sock.getsockopt(socket.IPPROTO_TCP, getattr(socket, "TCP_ULP", 31), 16).rstrip(b"\0").decode() or "none"
+    except OSError as exc:
+        return f"unknown ({errno.errorcode.get(exc.errno or 0, exc.errno)})"
+
+
+def measure_tls(value_bytes: int, n: int, threads: int, reps: int, ktls: bool, block_values: int = 2) -> dict:
     """raw-tls vs memkv-tls vs plain memkv, same values, same run (see the module docstring)."""
     import ssl
 
@@ -352,18 +369,31 @@ def measure_tls(value_bytes: int, n: int, threads: int, reps: int, ktls: bool) -
         with concurrent.futures.ThreadPoolExecutor(threads) as ex:
             for fn, _ in ops.values():
                 list(ex.map(fn, per_thread))
+            raw_ulp = sorted({ulp_of(sock) for sock in rawc._socks})  # kTLS in use: "tls"
+            # Interleaved: each repetition moves the values in blocks of `block_values` per thread,
+            # the three systems taking turns on every block (order reversed every other block),
+            # so a drift of the host's speed within a repetition hits all three alike.
+            blocks = [[idx[b : b + block_values] for idx in per_thread]
+                      for b in range(0, max(len(idx) for idx in per_thread), block_values)]
             for _ in range(reps):
-                for name, (fn, pid) in ops.items():
-                    c0, s0 = cpu_seconds(), cpu_seconds(pid)
-                    t = time.perf_counter()
-                    list(ex.map(fn, per_thread))
-                    dt = time.perf_counter() - t
-                    used = cpu_seconds() - c0 + cpu_seconds(pid) - s0
-                    rates[name].append(value_bytes * n / dt / 1e9)
-                    cpu[name].append(used / (value_bytes * n / 1e9))
-                    if name.endswith("get"):
-                        assert dst == src, f"{name} returned wrong bytes"
-                        dst[:8] = b"\0" * 8
+                for op in ("put", "get"):
+                    names = [name for name in ops if name.endswith(op)]
+                    spent = {name: [0.0, 0.0] for name in names}  # seconds, CPU seconds
+                    for b, block in enumerate(blocks):
+                        for name in names if b % 2 == 0 else names[::-1]:
+                            fn, pid = ops[name]
+                            c0, s0 = cpu_seconds(), cpu_seconds(pid)
+                            t = time.perf_counter()
+                            list(ex.map(fn, block))
+                            spent[name][0] += time.perf_counter() - t
+                            spent[name][1] += cpu_seconds() - c0 + cpu_seconds(pid) - s0
+                            if op == "get":
+                                for i in (i for idx in block for i in idx):
+                                    assert slot(dst, i) == slot(src, i), f"{name} returned wrong bytes"
+                                    dst[i * value_bytes : i * value_bytes + 8] = b"\0" * 8
+                    for name, (dt, used) in spent.items():
+                        rates[name].append(value_bytes * n / dt / 1e9)
+                        cpu[name].append(used / (value_bytes * n / 1e9))
         tls_client.close()
         plain_client.close()
     finally:
@@ -380,18 +410,23 @@ def measure_tls(value_bytes: int, n: int, threads: int, reps: int, ktls: bool) -
         ratios[f"memkv-tls/raw-tls {op}"] = per_rep(f"memkv-tls {op}", f"raw-tls {op}")
         ratios[f"memkv-tls/memkv {op}"] = per_rep(f"memkv-tls {op}", f"memkv {op}")
     return {"value_bytes": value_bytes, "values": n, "threads": threads, "nodes": 1, "blocks_per_op": 1, "reps": reps,
-            "gbps": rates, "cpu_s_per_gb": cpu, "ratios": ratios, "openssl": ssl.OPENSSL_VERSION,
-            "ktls_requested": ktls, "ktls_kernel": ktls_available(), "redis": "not run"}
+            "interleaved_block_values": block_values, "gbps": rates, "cpu_s_per_gb": cpu, "ratios": ratios, "openssl": ssl.OPENSSL_VERSION,
+            "ktls_requested": ktls, "ktls_kernel": ktls_available(), "raw_tls_socket_ulp": raw_ulp, "redis": "not run"}
 
 
 def print_tls(r: dict) -> None:
     print(f"\n{format_size(r['value_bytes'])} values x {r['values']}, {r['threads']} threads, {r['reps']} reps; "
-          f"{r['openssl']}; kTLS requested: {r['ktls_requested']}, kernel: {r['ktls_kernel']}")
-    print(f"  {'':<11}" + "".join(f"{h:>12}" for h in ("put GB/s", "get GB/s", "put cpu-s/GB", "get cpu-s/GB")))
+          f"{r['openssl']}; Linux {r['ktls_kernel']['kernel']}")
+    print(f"  kernel TLS: {r['ktls_kernel']['detail']}")
+    if r["ktls_requested"]:
+        used = r["raw_tls_socket_ulp"] == ["tls"]
+        print(f"  --ktls: OpenSSL asked for kernel TLS; the raw-tls sockets' TCP ULP is {r['raw_tls_socket_ulp']}: "
+              + ("kernel TLS measured" if used else "NOT kernel TLS, these figures are user-space TLS"))
+    print(f"  {'':<11}" + "".join(f"{h:>14}" for h in ("put GB/s", "get GB/s", "put cpu-s/GB", "get cpu-s/GB")))
     for who in ("raw-tls", "memkv-tls", "memkv"):
         med = [statistics.median(r["gbps"][f"{who} {op}"]) for op in ("put", "get")]
         cpu = [statistics.median(r["cpu_s_per_gb"][f"{who} {op}"]) for op in ("put", "get")]
-        print(f"  {who:<11}" + "".join(f"{x:>12.2f}" for x in med + cpu))
+        print(f"  {who:<11}" + "".join(f"{x:>14.2f}" for x in med + cpu))
     for name, vals in r["ratios"].items():
         print(f"  {name:<24} median {statistics.median(vals):.2f}  (per rep {min(vals):.2f}-{max(vals):.2f})")
 
@@ -445,6 +480,9 @@ def main() -> None:
     ap.add_argument("--sweep", action="store_true", help="sizes 1-64 MiB, threads 1-16, nodes 1-4")
     ap.add_argument("--tls", action="store_true", help="raw ssl socket vs MemKV over TLS vs plain MemKV")
     ap.add_argument("--ktls", action="store_true", help="with --tls: ask OpenSSL for kernel TLS on both sides")
+    ap.add_argument("--out", default=None, help="with --tls: the JSON file's name under bench/out/")
+    ap.add_argument("--block-values", type=int, default=2,
+                    help="with --tls: values per thread in each interleaved block (raw-tls, memkv-tls, memkv take turns)")
     ap.add_argument("--raw-server", nargs=2, metavar=("PORT_FILE", "SLOTS"), help=argparse.SUPPRESS)
     ap.add_argument("--raw-tls", nargs=3, metavar=("CERT", "KEY", "KTLS"), help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -456,10 +494,10 @@ def main() -> None:
     stamp = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     OUT.mkdir(exist_ok=True)
     if args.tls:
-        r = measure_tls(value_bytes, args.values, args.threads, args.reps, args.ktls)
+        r = measure_tls(value_bytes, args.values, args.threads, args.reps, args.ktls, args.block_values)
         print(f"datapath --tls -- {machine} -- {stamp}")
         print_tls(r)
-        name = "datapath_ktls.json" if args.ktls else "datapath_tls.json"
+        name = args.out or ("datapath_ktls.json" if args.ktls else "datapath_tls.json")
         (OUT / name).write_text(json.dumps({"benchmark": "datapath-tls", "date": stamp, "machine": machine, **r}, indent=2))
         return
     if not args.sweep:

@@ -7,6 +7,8 @@
 * `make_client(nodes, ...)`: a factory for `memkv.Client` over a list of nodes, with small
   timeouts suited to tests; every client it built is closed when the test ends.
 * `wait_until(predicate, timeout_s)`: the one way tests wait: a deadline-bounded poll.
+* `wire`: "plain", or "tls" for the second run of a test marked `over_tls_too` (or of a module
+  with `OVER_TLS_TOO = True` whose test starts nodes); the fixtures that start nodes read it.
 
 Nothing here sleeps unbounded or loops without a bound.
 """
@@ -31,6 +33,26 @@ DEFAULT_CAPACITY = "256MiB"
 @pytest.fixture(scope="session")
 def auth_key_hex() -> str:
     return new_key_hex()
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    """Over TLS too: a test marked `over_tls_too`, or a test of a module with `OVER_TLS_TOO =
+    True` that starts nodes (`start_node`), runs twice, with `wire` "plain" and "tls" (ids end
+    in [plain] / [tls], so `-k tls` selects the TLS runs). Fixtures that start nodes read `wire`
+    (tests/faults/conftest.py, tests/conformance/conftest.py) and give TLS-only nodes whose
+    clients speak TLS."""
+    if "wire" not in metafunc.fixturenames:
+        return
+    marked = metafunc.definition.get_closest_marker("over_tls_too") is not None
+    module = getattr(metafunc.module, "OVER_TLS_TOO", False) and "start_node" in metafunc.fixturenames
+    if marked or module:
+        metafunc.parametrize("wire", ["plain", "tls"])
+
+
+@pytest.fixture
+def wire() -> str:
+    """The default when a test runs only once: plain TCP."""
+    return "plain"
 
 
 class NodeFactory:

@@ -7,6 +7,9 @@ r"""The `memkv` command: run a node, and look at a cluster as an operator.
     memkv status    each server's admin status as a table: stored / allocated / capacity, values,
                     hit ratio, evictions, health (and per lane with --lanes); an authenticated
                     PING on each data port checks the key too (the admin port takes none)
+    memkv health    liveness of the node this container runs (the Docker HEALTHCHECK): GET
+                    /v1/health on its admin port, found from the node's own command line, over
+                    HTTPS when the node has a certificate
     memkv bench     move values through the client, with a progress bar on stderr; with no
                     servers configured, against an embedded local node on loopback
     memkv get/put/del/ls   small key tools for debugging a namespace
@@ -62,6 +65,7 @@ from memkv.config import (
     ENV_AUTH_KEY,
     ENV_CONFIG,
     ENV_SERVERS,
+    ENV_TLS_CA,
     SIZE_UNITS_HELP,
     AuthKey,
     ClientConfig,
@@ -208,6 +212,20 @@ def _parser() -> argparse.ArgumentParser:
     st.add_argument("--admin-port-offset", type=int, default=1, help="admin port = data port + this (default 1)")
     st.add_argument("--timeout", type=float, default=2.0, help="seconds to wait for each node's admin port (default 2)")
     st.set_defaults(func=cmd_status)
+
+    he = sub.add_parser(
+        "health",
+        help="liveness of the local node (Docker HEALTHCHECK): its admin /v1/health, HTTPS when it has TLS",
+        description="Find the node's admin port and TLS settings in the `memkv serve` command line of "
+        "process --pid (default 1: the container's entrypoint; with an init process as PID 1, its "
+        "children are searched), then GET /v1/health. Over HTTPS the node's certificate is verified "
+        "against MEMKV_TLS_CA when set, else against the node's own --tls-cert file; the host name "
+        "is not checked (the request goes to this host's loopback). Exit 0 when the node answers 200.",
+    )
+    he.add_argument("--pid", type=int, default=1, help="process running `memkv serve` (default 1)")
+    he.add_argument("--timeout", type=float, default=2.0, help="seconds to wait for the answer (default 2)")
+    he.add_argument("--json", action="store_true")
+    he.set_defaults(func=cmd_health)
 
     b = sub.add_parser("bench", help="store and load values through the client (progress bar on stderr)")
     b.add_argument("--value-size", default="16MiB", help="bytes per value, e.g. 1MiB, 16MiB, 4MB (default 16MiB)")
@@ -485,30 +503,114 @@ def cmd_probe(args: argparse.Namespace) -> int:
 def fetch_status(host: str, admin_port: int, timeout_s: float = 2.0, tls: ClientTls | None = None) -> dict[str, Any]:
     """GET /v1/status; over HTTPS when the client has TLS settings (the node's certificate is
     verified against MEMKV_TLS_CA, its name against MEMKV_TLS_SERVER_NAME or `host`)."""
-    if tls is None:
-        with urllib.request.urlopen(f"http://{_fmt(host)}:{admin_port}/v1/status", timeout=timeout_s) as resp:
-            plain: dict[str, Any] = json.load(resp)
-            return plain
-    from memkv.tls import client_context
+    ctx = None
+    if tls is not None:
+        from memkv.tls import client_context
 
-    ctx = client_context(tls)
+        ctx = client_context(tls)
+    status, body = admin_get(host, admin_port, "/v1/status", timeout_s, ctx, tls.server_name if tls else None)
+    if status != 200:
+        raise urllib.error.URLError(f"HTTP {status}")
+    doc: dict[str, Any] = json.loads(body)
+    return doc
+
+
+def admin_get(
+    host: str, admin_port: int, path: str, timeout_s: float, ctx: ssl.SSLContext | None, server_name: str | None = None
+) -> tuple[int, bytes]:
+    """(HTTP status, body) of GET `path` on an admin port: plain HTTP, or HTTPS through `ctx`
+    (the certificate checked against `server_name` or `host` when `ctx` checks host names)."""
+    if ctx is None:
+        try:
+            with urllib.request.urlopen(f"http://{_fmt(host)}:{admin_port}{path}", timeout=timeout_s) as resp:
+                return resp.status, resp.read()
+        except urllib.error.HTTPError as exc:
+            return exc.code, exc.read()
     sock = socket.create_connection((host, admin_port), timeout=timeout_s)
     try:
-        wrapped = ctx.wrap_socket(sock, server_hostname=tls.server_name or host)
+        wrapped = ctx.wrap_socket(sock, server_hostname=server_name or host)
     except BaseException:
         sock.close()
         raise
     conn = http.client.HTTPConnection(host, admin_port, timeout=timeout_s)
     conn.sock = wrapped  # http.client sends on a socket already set instead of connecting
     try:
-        conn.request("GET", "/v1/status")
+        conn.request("GET", path)
         resp = conn.getresponse()
-        if resp.status != 200:
-            raise urllib.error.URLError(f"HTTP {resp.status}")
-        doc: dict[str, Any] = json.load(resp)
-        return doc
+        return resp.status, resp.read()
     finally:
         conn.close()
+
+
+# -- health -----------------------------------------------------------------------------------------
+
+# How many children of an init process (`docker run --init`: PID 1 is tini) are searched.
+_HEALTH_MAX_CHILDREN = 16
+
+
+def _serve_args_of(pid: int) -> argparse.Namespace | None:
+    """The parsed `memkv serve` arguments of process `pid` (or of one of its children when it is
+    an init process), None when neither runs `memkv serve`. Parsed by the serve command's own
+    parser, so the defaults are the node's."""
+    candidates = [pid]
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as f:
+            candidates += [int(c) for c in f.read().split()[:_HEALTH_MAX_CHILDREN]]
+    except OSError:
+        pass
+    for candidate in candidates:
+        try:
+            with open(f"/proc/{candidate}/cmdline", "rb") as f:
+                argv = [a.decode(errors="replace") for a in f.read().split(b"\0") if a]
+        except OSError:
+            continue
+        # `memkv serve ...` (the console script) or `python -m memkv serve ...`
+        for i, word in enumerate(argv[:-1]):
+            if word == "serve" and (argv[i - 1].endswith("memkv") if i else False):
+                try:
+                    return _parser().parse_args(argv[i:])
+                except SystemExit:
+                    raise UsageError(f"process {candidate}: its `memkv serve` arguments do not parse") from None
+    return None
+
+
+def cmd_health(args: argparse.Namespace) -> int:
+    serve = _serve_args_of(args.pid)
+    if serve is None:
+        raise UsageError(f"process {args.pid} is not `memkv serve` (nor is any of its children): pass --pid")
+    host, port = parse_address(serve.listen, "--listen", DEFAULT_PORT)
+    admin_port = serve.admin_port if serve.admin_port is not None else (port + 1 if port else 0)
+    if not admin_port:
+        raise UsageError("the node's admin port is picked at random (port 0): start it with --admin-port")
+    admin_host = serve.admin_host or host
+    admin_host = {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}.get(admin_host, admin_host)
+    ctx = None
+    if serve.tls_cert:
+        ca = env_value(os.environ, ENV_TLS_CA)
+        ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+        ctx.check_hostname = False  # loopback to our own node; the trust anchor below decides
+        if ca is None:  # the node's own certificate is the one trust anchor
+            ctx.verify_flags |= ssl.VERIFY_X509_PARTIAL_CHAIN
+        try:
+            ctx.load_verify_locations(cafile=ca or serve.tls_cert)
+        except (OSError, ssl.SSLError) as exc:
+            which = f"{ENV_TLS_CA} {ca}" if ca else f"the node's --tls-cert {serve.tls_cert}"
+            raise ConfigError(f"{which}: cannot be used to verify the admin port: {exc}") from None
+    where = f"{'https' if ctx else 'http'}://{_fmt(admin_host)}:{admin_port}/v1/health"
+    try:
+        status, _ = admin_get(admin_host, admin_port, "/v1/health", args.timeout, ctx)
+    except (OSError, http.client.HTTPException) as exc:
+        from memkv.errors import explain_tls
+
+        reason = explain_tls(exc) if isinstance(exc, ssl.SSLError) else (getattr(exc, "reason", None) or exc)
+        return _fail(args, EXIT_FAILED, f"{where}: {reason}")
+    if status != 200:
+        return _fail(args, EXIT_FAILED, f"{where}: HTTP {status}")
+    if args.json:
+        _print_json({"ok": True, "url": where, "status": status})
+    else:
+        print(f"{where}: ok")
+    return EXIT_OK
 
 
 def _status_row(

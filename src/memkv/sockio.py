@@ -14,11 +14,15 @@ deadline raises socket.timeout. Costs one setsockopt per syscall (per MiB of a v
 TLS (`ssl.SSLSocket`, memkv/tls.py). Kernel timeouts do not reach through OpenSSL (a read
 that times out is retried inside `_ssl`), and an SSLSocket takes no flags (no MSG_WAITALL) and
 has no sendmsg. So on an SSLSocket the same functions use Python's socket timeout, cut to the
-time left before each call. Receives still land in the caller's memoryview (`recv_into`
-decrypts into it, one TLS record, up to 16 KiB, per call). Sends encrypt from the caller's
-memory into OpenSSL's record buffer: that is the one copy per byte (the ciphertext has to be
-written somewhere); large values are sent in _TLS_SEND_PIECE pieces so the deadline is
-checked between them.
+time left. Receives still land in the caller's memoryview (`SSLSocket.read(n, view)` copies
+one decrypted TLS record, up to 16 KiB, into it per call): the loop per record is the hot
+Python code of a TLS GET, so it does one read call and one clock read per record and nothing
+else, re-cutting the timeout at most every _TLS_REARM_S; `on_piece` lets a caller hash the
+value piece by piece inside that same loop. Sends encrypt from the caller's memory into
+OpenSSL's record buffer: that is the one copy per byte (the ciphertext has to be written
+somewhere). A send is one `sendall` per buffer: `_ssl` bounds the whole SSL_write by the
+socket timeout it starts with, which is cut to the time left, so the deadline holds without
+splitting the value.
 """
 
 from __future__ import annotations
@@ -27,12 +31,11 @@ import socket
 import ssl
 import struct
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import cast
 
 # Pieces smaller than this are joined into one send; larger ones go out as they are.
 _GATHER_BELOW = 64 << 10
-# A TLS send re-arms the deadline this often: one SSL_write per piece (each many records).
-_TLS_SEND_PIECE = 4 << 20
 # A TLS receive takes one record (16 KiB) per call; cutting the timeout before each would cost a
 # syscall per record (settimeout sets O_NONBLOCK again). It is cut at most this often instead, so
 # a transfer may outlive its deadline by at most this much.
@@ -88,14 +91,36 @@ def _arm(sock: socket.socket, option: int, deadline: float, got: int, total: int
     sock.setsockopt(socket.SOL_SOCKET, option, _timeval(max(left, 0.001)))  # 0 would mean "no timeout"
 
 
-def recv_exactly_into(sock: socket.socket, view: memoryview, deadline: float | None = None) -> None:
+def recv_exactly_into(
+    sock: socket.socket,
+    view: memoryview,
+    deadline: float | None = None,
+    on_piece: Callable[[memoryview], object] | None = None,
+    piece_bytes: int = 0,
+) -> None:
     """Fill `view` completely or raise. A peer that closes early raises ConnectionError; an
-    expired kernel timeout, or `deadline` passing, raises socket.timeout."""
+    expired kernel timeout, or `deadline` passing, raises socket.timeout.
+
+    `on_piece(piece)`: called on consecutive pieces of `view`, in order and covering all of it,
+    each as soon as it has arrived (at least `piece_bytes` long but the last): a checksum
+    hashes the value while it is still in cache. On TLS the pieces are cut inside the loop
+    over records; on TCP they are `piece_bytes` each (MSG_WAITALL receives)."""
+    if isinstance(sock, ssl.SSLSocket):
+        _tls_recv_into(sock, view, deadline, on_piece, piece_bytes)
+        return
+    if on_piece is None:
+        _recv_into(sock, view, deadline)
+        return
+    step = piece_bytes or len(view)
+    for off in range(0, len(view), step):
+        piece = view[off : off + step]
+        _recv_into(sock, piece, deadline)
+        on_piece(piece)
+
+
+def _recv_into(sock: socket.socket, view: memoryview, deadline: float | None) -> None:
     got = 0
     total = len(view)
-    if isinstance(sock, ssl.SSLSocket):
-        _tls_recv_into(sock, view, deadline)
-        return
     while got < total:
         if deadline is not None:
             _arm(sock, socket.SO_RCVTIMEO, deadline, got, total)
@@ -108,29 +133,39 @@ def recv_exactly_into(sock: socket.socket, view: memoryview, deadline: float | N
         got += n
 
 
-def _tls_recv_into(sock: ssl.SSLSocket, view: memoryview, deadline: float | None) -> None:
-    """recv_exactly_into on TLS: one record per call, decrypted into `view` in place."""
+def _tls_recv_into(
+    sock: ssl.SSLSocket,
+    view: memoryview,
+    deadline: float | None,
+    on_piece: Callable[[memoryview], object] | None = None,
+    piece_bytes: int = 0,
+) -> None:
+    """recv_exactly_into on TLS: one record per call, copied into `view` in place."""
     got, total = 0, len(view)
-    if deadline is None:
-        while got < total:
-            n = sock.recv_into(view[got:])
-            if n == 0:
-                raise PeerClosed(got, total)
-            got += n
-        return
+    # SSLSocket.read(n, buffer) returns the count: what recv_into calls, minus its argument checks
+    # (typeshed types only read(n) -> bytes).
+    read = cast(Callable[[int, memoryview], int], sock.read)
+    done = 0  # bytes of `view` handed to on_piece
     armed = -1.0  # when the timeout was last cut to the time left
+    monotonic = time.monotonic
     while got < total:
-        now = time.monotonic()
-        if now - armed > _TLS_REARM_S:  # each call may block for the timeout set at `armed`
-            left = deadline - now
-            if left <= 0:
-                raise TimeoutError(f"deadline passed after {got} of {total} bytes")
-            sock.settimeout(left)
-            armed = now
-        n = sock.recv_into(view[got:])
+        if deadline is not None:
+            now = monotonic()
+            if now - armed > _TLS_REARM_S:  # each call may block for the timeout set at `armed`
+                left = deadline - now
+                if left <= 0:
+                    raise TimeoutError(f"deadline passed after {got} of {total} bytes")
+                sock.settimeout(left)
+                armed = now
+        n = read(total - got, view[got:])
         if n == 0:
             raise PeerClosed(got, total)
         got += n
+        if on_piece is not None and got - done >= piece_bytes:
+            on_piece(view[done:got])
+            done = got
+    if on_piece is not None and done < total:
+        on_piece(view[done:total])
 
 
 def recv_exactly(sock: socket.socket, n: int, deadline: float | None = None) -> bytearray:
@@ -165,11 +200,9 @@ def _send_one(sock: socket.socket, buf: bytes | bytearray | memoryview, deadline
 
 def _tls_send(sock: ssl.SSLSocket, buf: bytes | bytearray | memoryview, deadline: float | None) -> None:
     view = memoryview(buf).cast("B")
-    total = len(view)
-    for off in range(0, total, _TLS_SEND_PIECE):
-        if deadline is not None:
-            _arm(sock, socket.SO_SNDTIMEO, deadline, off, total)
-        sock.sendall(view[off : off + _TLS_SEND_PIECE])  # encrypts from `view`: the one copy
+    if deadline is not None:
+        _arm(sock, socket.SO_SNDTIMEO, deadline, 0, len(view))  # bounds the whole SSL_write below
+    sock.sendall(view)  # encrypts from `view`: the one copy
 
 
 def send_all(

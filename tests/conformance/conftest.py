@@ -2,16 +2,24 @@
 
 The suite needs vLLM (a nox `conformance-<release>` session installs it); without it every
 test here is skipped, so the plain test run stays fast.
+
+Over TLS: a test marked `over_tls_too` runs a second time (id `[tls]`, tests/conftest.py's
+`wire`) against TLS-only nodes (`memkv serve --tls-cert/--tls-key`, the test CA of
+tests/tlscerts.py), and `point_at` configures the tier as a user would: MEMKV_TLS_CA. The
+tier's code is the same in both runs; only the environment differs.
 """
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import os
+from collections.abc import Iterator
 
 import pytest
 
 from memkv.local import LocalNode, new_key_hex
+from tests.conftest import NodeFactory
 
 try:
     import vllm.v1.kv_offload.tiering.factory  # noqa: F401
@@ -24,45 +32,63 @@ def auth_key_hex() -> str:
     return new_key_hex()
 
 
+@contextlib.contextmanager
+def start_nodes(auth_key_hex: str, count: int, capacity: str, tls: bool) -> Iterator[list[LocalNode]]:
+    """`count` nodes, TLS-only when `tls`, all stopped when the block ends."""
+    factory = NodeFactory(auth_key_hex, tls=tls)
+    try:
+        yield factory.many(count, capacity=capacity)
+    finally:
+        factory.stop_all()
+
+
 @pytest.fixture(scope="module")
 def cluster(auth_key_hex):
     """Three nodes shared by a module's tests (each test uses its own random keys)."""
-    nodes = [LocalNode(auth_key_hex, capacity="256MiB") for _ in range(3)]
-    try:
+    with start_nodes(auth_key_hex, 3, "256MiB", tls=False) as nodes:
         yield nodes
-    finally:
-        for node in nodes:
-            node.stop()
+
+
+@pytest.fixture(scope="module")
+def tls_cluster(auth_key_hex):
+    """Three TLS-only nodes shared by a module's `[tls]` tests (started only if one runs)."""
+    with start_nodes(auth_key_hex, 3, "256MiB", tls=True) as nodes:
+        yield nodes
 
 
 @pytest.fixture
-def private_cluster(auth_key_hex):
-    """Two nodes for one test that kills, stops or fills them."""
-    nodes = [LocalNode(auth_key_hex, capacity="256MiB") for _ in range(2)]
-    try:
+def private_cluster(auth_key_hex, wire):
+    """Two nodes for one test that kills, stops or fills them (TLS-only when wire is "tls")."""
+    with start_nodes(auth_key_hex, 2, "256MiB", tls=wire == "tls") as nodes:
         yield nodes
-    finally:
-        for node in nodes:
-            node.stop()
+
+
+_TLS_VARS = ("MEMKV_TLS_CA", "MEMKV_TLS_CERT", "MEMKV_TLS_KEY", "MEMKV_TLS_SERVER_NAME")
 
 
 def point_at(monkeypatch, nodes, key_hex: str) -> None:
-    """Configure the tier's client (it reads the MEMKV_* environment) for these nodes."""
+    """Configure the tier's client (it reads the MEMKV_* environment) for these nodes; TLS
+    nodes (NodeFactory's `client_tls`) through MEMKV_TLS_CA, as docs/operations.md tells a user."""
     monkeypatch.setenv("MEMKV_SERVERS", ",".join(n.address for n in nodes))
     monkeypatch.setenv("MEMKV_AUTH_KEY", key_hex)
-    for var in ("MEMKV_CONFIG", "MEMKV_LICENSE", "MEMKV_TRANSPORT"):
+    for var in ("MEMKV_CONFIG", "MEMKV_LICENSE", "MEMKV_TRANSPORT", *_TLS_VARS):
         monkeypatch.delenv(var, raising=False)
+    tls = next((n.client_tls for n in nodes if getattr(n, "client_tls", None) is not None), None)
+    if tls is not None:
+        monkeypatch.setenv("MEMKV_TLS_CA", tls.ca)
     if os.environ.get("MEMKV_TEST_TRANSPORT"):  # the whole suite over another transport (docs/rdma.md)
         monkeypatch.setenv("MEMKV_TRANSPORT", os.environ["MEMKV_TEST_TRANSPORT"])
 
 
 @pytest.fixture
-def memkv_env(monkeypatch, cluster, auth_key_hex):
+def memkv_env(request, monkeypatch, auth_key_hex, wire):
+    """The module's shared nodes (TLS ones for a `[tls]` run), the tier pointed at them."""
     import memkv_vllm
 
-    point_at(monkeypatch, cluster, auth_key_hex)
+    nodes = request.getfixturevalue("tls_cluster" if wire == "tls" else "cluster")
+    point_at(monkeypatch, nodes, auth_key_hex)
     memkv_vllm.register()
-    return cluster
+    return nodes
 
 
 @pytest.fixture

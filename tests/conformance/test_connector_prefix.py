@@ -30,10 +30,10 @@ import pytest
 from memkv.local import LocalNode
 from tests.conformance import connector_harness as ch
 from tests.conformance import vllm_harness as h
-from tests.conformance.conftest import point_at
+from tests.conformance.conftest import point_at, start_nodes
 from tests.faults.nodeops import all_threads_stopped
 
-pytestmark = pytest.mark.conformance
+pytestmark = [pytest.mark.conformance, pytest.mark.over_tls_too]  # every test also over TLS (conftest.py)
 
 SHEDS = "vllm:kv_offload_memkv_sheds"
 README_TIER = {"type": "memkv", "n_read_threads": 8, "n_write_threads": 8}  # README.md, verbatim
@@ -46,18 +46,15 @@ TAIL = 5  # prompt tokens after the last full chunk: never stored, never matched
 
 
 @pytest.fixture
-def nodes(monkeypatch, auth_key_hex):
-    """Two nodes of our own per test (tests here fill, stop and count them)."""
+def nodes(monkeypatch, auth_key_hex, wire):
+    """Two nodes of our own per test (tests here fill, stop and count them); TLS-only ones for
+    a test's `[tls]` run (tests/conformance/conftest.py)."""
     import memkv_vllm
 
-    started = [LocalNode(auth_key_hex, capacity="512MiB") for _ in range(2)]
-    try:
+    with start_nodes(auth_key_hex, 2, "512MiB", tls=wire == "tls") as started:
         point_at(monkeypatch, started, auth_key_hex)
         memkv_vllm.register()
         yield started
-    finally:
-        for node in started:
-            node.stop()
 
 
 def tier_of(engine: ch.ConnectorEngine):

@@ -68,6 +68,7 @@ def memkv_stats(engine: h.HeadlessEngine, totals: dict) -> dict:
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 4])
+@pytest.mark.over_tls_too
 def test_cascade_then_promotion_after_pool_eviction_is_byte_exact(memkv_env, world_size):
     geometry = h.Geometry(world_size=world_size, num_rows=8)
     with h.HeadlessEngine([memkv()], geometry) as engine:
@@ -100,6 +101,7 @@ def test_values_are_whole_pool_rows_under_the_layout_namespace(memkv_env, auth_k
         assert record is not None and b'"row_bytes": %d' % geometry.row_bytes in record
 
 
+@pytest.mark.over_tls_too
 def test_restarted_engine_hits_the_blocks_its_predecessor_stored(memkv_env):
     geometry = h.Geometry(world_size=2, num_rows=8)
     keys = h.make_keys(4)
@@ -177,6 +179,7 @@ def _keys_by_owner(engine: h.HeadlessEngine, n: int, nodes) -> dict[str, list]:
     return owners
 
 
+@pytest.mark.over_tls_too
 def test_killed_node_degrades_its_keys_to_miss_and_the_rest_still_promote(monkeypatch, private_cluster, auth_key_hex):
     import memkv_vllm
 
@@ -199,6 +202,7 @@ def test_killed_node_degrades_its_keys_to_miss_and_the_rest_still_promote(monkey
         assert all(loaded.data[k] == engine.payloads[k] for k in surviving[:4])
 
 
+@pytest.mark.over_tls_too
 def test_stalled_node_lookups_resolve_miss_within_lookup_timeout(monkeypatch, private_cluster, auth_key_hex):
     import memkv_vllm
 

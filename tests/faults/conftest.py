@@ -14,20 +14,11 @@ from tests.conftest import NodeFactory, _node_factory
 from tests.faults.figures import record
 
 
-def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
-    """A module with `OVER_TLS_TOO = True` runs each test that starts nodes twice: against
-    plain nodes and against TLS-only ones (clients from make_client then speak TLS)."""
-    if getattr(metafunc.module, "OVER_TLS_TOO", False) and "start_node" in metafunc.fixturenames:
-        metafunc.parametrize("wire", ["plain", "tls"])
-
-
-@pytest.fixture
-def wire() -> str:
-    return "plain"
-
-
 @pytest.fixture
 def start_node(auth_key_hex: str, wire: str) -> Iterator[NodeFactory]:
+    """Nodes over `wire` (tests/conftest.py): a module with `OVER_TLS_TOO = True`, or a test
+    marked `over_tls_too`, also runs against TLS-only nodes (clients from make_client and
+    build_client then speak TLS)."""
     yield from _node_factory(auth_key_hex, tls=wire == "tls")
 
 

@@ -81,12 +81,17 @@ def start_on_port(auth_key_hex: str, port: int, capacity: str = "256MiB", extra_
 
 def restart_empty(node: LocalNode, capacity: str = "256MiB", extra_args=()) -> LocalNode:
     """SIGKILL `node` and start an empty one on the same port. The caller stops the new one."""
-    port = node.port
     node.kill()
-    tls = getattr(node, "client_tls", None)  # a TLS node comes back with the same certificate
+    return start_again(node, capacity, extra_args)
+
+
+def start_again(node: LocalNode, capacity: str = "256MiB", extra_args=()) -> LocalNode:
+    """An empty node on the port of `node`, which is gone: a TLS node comes back with the same
+    certificate (and `client_tls`). The caller stops the new one."""
+    tls = getattr(node, "client_tls", None)
     if tls is not None:
         extra_args = [*extra_args, *node_tls_args(session_pki())]
-    fresh = start_on_port(node.auth_key_hex, port, capacity, extra_args)
+    fresh = start_on_port(node.auth_key_hex, node.port, capacity, extra_args)
     fresh.client_tls = tls  # type: ignore[attr-defined]
     return fresh
 

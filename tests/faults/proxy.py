@@ -17,14 +17,22 @@ prefix has arrived and before any byte of it is forwarded. The faults:
                              sender sees it, a trickle as the receiver sees it)
     call(at, fn)             forward `at` bytes, run `fn()` (e.g. SIGKILL the node), go on
 
+Over TLS (`tls=True`, for a TLS-only node): the proxy terminates the client's TLS with the test
+CA's node certificate (tests/tlscerts.py; the client trusts it as it trusts the node) and
+opens its own TLS connection to the node, verifying the node's certificate. Faults then act on
+the plaintext MemKV frames exactly as above, and the bytes are encrypted again: a flipped byte
+reaches the peer as a well-formed TLS record, which only MemKV's checksum or MAC can catch; a
+truncate or reset ends the TCP connection under TLS, with no close_notify (tests/faults/wire.py).
+
 `partition()` / `heal()` stop and restart every byte in both directions on every connection,
 new ones included, while keeping the sockets open: a black hole, not a refusal.
 
 Every applied fault is recorded (`applied`), with the PUT keys whose value bytes it touched, and
 its `done` event is set once it has finished acting (a stalled frame's late bytes were sent).
 
-Threading: one accept thread and two pump threads per connection (daemon threads). Sockets are
-blocking; pumps wake every `_TICK_S` to notice `close()`, which shuts every socket down and joins
+Threading: one accept thread, one thread per connection that opens the link (the upstream
+connection and, over TLS, both handshakes), and two pump threads per link (daemon threads).
+Sockets are blocking; pumps wake every `_TICK_S` to notice `close()`, which shuts every socket down and joins
 every thread with a deadline. Nothing waits unbounded: holds and trickles wait on events with
 timeouts, and a stall never holds longer than its `hold_s`.
 """
@@ -34,20 +42,22 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import random
-import select
 import socket
+import ssl
 import struct
 import threading
 import time
 from collections.abc import Callable
 
 from memkv import protocol as p
+from tests.faults.wire import PlainEnd, TlsEnd
 
 C2S, S2C = "c2s", "s2c"
 HANDSHAKE_BYTES = {C2S: p.CLIENT_HELLO.size + p.CLIENT_AUTH.size, S2C: p.SERVER_HELLO.size}
 _TICK_S = 0.1
 _CHUNK = 256 << 10
 _LINGER_RST = struct.pack("ii", 1, 0)
+_TLS_HANDSHAKE_S = 5.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,11 +131,14 @@ class _Closed(Exception):
     """This link is finished (a fault closed it, or a peer went away)."""
 
 
+End = PlainEnd | TlsEnd
+
+
 class _Link:
-    def __init__(self, number: int, client: socket.socket, upstream: socket.socket) -> None:
+    def __init__(self, number: int, client: End, upstream: End) -> None:
         self.number = number
-        self.socks = {C2S: (client, upstream), S2C: (upstream, client)}
-        self.client, self.upstream = client, upstream
+        self.ends = {C2S: (client, upstream), S2C: (upstream, client)}
+        self.client, self.upstream = client.raw, upstream.raw
         self.dead = threading.Event()
         self._lock = threading.Lock()
         self._exited = 0
@@ -178,8 +191,11 @@ class _Cursor:
 class FaultProxy:
     """See the module docstring. Use as a context manager or call close()."""
 
-    def __init__(self, upstream: tuple[str, int], plan: Plan | None = None, *, name: str = "proxy") -> None:
+    def __init__(self, upstream: tuple[str, int], plan: Plan | None = None, *, name: str = "proxy",
+                 tls: bool = False) -> None:
+        """`tls`: the node is TLS-only; the proxy speaks TLS on both sides (module docstring)."""
         self.upstream = upstream
+        self._tls = _tls_contexts() if tls else None
         self.plan: Plan = plan or (lambda frame: None)
         self.name = name
         self.applied: list[Applied] = []
@@ -262,39 +278,58 @@ class FaultProxy:
                 continue
             except OSError:
                 return
-            try:
-                upstream = socket.create_connection(self.upstream, timeout=2.0)
-            except OSError:
-                client.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, _LINGER_RST)
-                client.close()  # the node is gone: the client sees a reset, as it would directly
-                continue
-            for s in (client, upstream):
-                s.settimeout(None)
-                s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             with self._lock:
                 number = self.connections
                 self.connections += 1
-                link = _Link(number, client, upstream)
-                self._links.append(link)
-            self._start(self._pump, f"{self.name}-{number}-c2s", link, C2S)
-            self._start(self._pump, f"{self.name}-{number}-s2c", link, S2C)
+            self._start(self._open, f"{self.name}-{number}-open", number, client)
+
+    def _open(self, number: int, client: socket.socket) -> None:
+        """Connect to the node (and over TLS, shake hands on both sides), then start the pumps.
+        If that fails, the client sees a reset, as it would from a node that is gone."""
+        upstream = None
+        try:
+            upstream = socket.create_connection(self.upstream, timeout=2.0)
+            for s in (client, upstream):
+                s.settimeout(None)
+                s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            ends: tuple[End, End]
+            if self._tls is None:
+                ends = PlainEnd(client), PlainEnd(upstream)
+            else:
+                to_client, to_node = self._tls
+                deadline = time.monotonic() + _TLS_HANDSHAKE_S
+                ends = TlsEnd(client, to_client, server_side=True), TlsEnd(upstream, to_node, False, self.upstream[0])
+                ends[1].handshake(deadline)
+                ends[0].handshake(deadline)
+        except (OSError, ssl.SSLError):
+            for s in (client, upstream):
+                if s is not None:
+                    try:
+                        s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, _LINGER_RST)
+                        s.close()
+                    except OSError:
+                        pass
+            return
+        with self._lock:
+            link = _Link(number, *ends)
+            self._links.append(link)
+        if self._closing.is_set():
+            link.kill(rst=False, force=True)
+        self._start(self._pump, f"{self.name}-{number}-c2s", link, C2S)
+        self._start(self._pump, f"{self.name}-{number}-s2c", link, S2C)
 
     def _pump(self, link: _Link, direction: str) -> None:
-        src, dst = link.socks[direction]
+        src, dst = link.ends[direction]
         cur = _Cursor(direction)
         try:
             while not link.dead.is_set() and not self._closing.is_set():
-                ready, _, _ = select.select([src], [], [], _TICK_S)
-                if not ready:
+                data = src.recv(_CHUNK, _TICK_S)
+                if data is None:
                     continue
-                try:
-                    data = src.recv(_CHUNK)
-                except OSError:
-                    data = b""
                 if not data:
                     if not link.dead.is_set():
                         try:
-                            dst.shutdown(socket.SHUT_WR)  # pass the FIN on
+                            dst.raw.shutdown(socket.SHUT_WR)  # pass the FIN on
                         except OSError:
                             pass
                     return
@@ -311,7 +346,7 @@ class FaultProxy:
                 link.kill(rst=False)
             link.pump_exited()
 
-    def _forward(self, link: _Link, cur: _Cursor, data: bytes, dst: socket.socket) -> None:
+    def _forward(self, link: _Link, cur: _Cursor, data: bytes, dst: End) -> None:
         i, n = 0, len(data)
         while i < n:
             if cur.handshake_left:
@@ -339,7 +374,7 @@ class FaultProxy:
             self._emit(link, cur, data[i : i + k], dst)
             i += k
 
-    def _emit(self, link: _Link, cur: _Cursor, chunk: bytes, dst: socket.socket) -> None:
+    def _emit(self, link: _Link, cur: _Cursor, chunk: bytes, dst: End) -> None:
         """Forward `chunk` (bytes of the current frame from cur.off on), applying its fault."""
         frame = cur.frame
         assert frame is not None
@@ -366,7 +401,7 @@ class FaultProxy:
                 cur.record.done.set()
                 cur.record = None
 
-    def _apply(self, link: _Link, cur: _Cursor, fault: Fault, before: bytes, rest: bytes, dst: socket.socket) -> None:
+    def _apply(self, link: _Link, cur: _Cursor, fault: Fault, before: bytes, rest: bytes, dst: End) -> None:
         frame = cur.frame
         assert frame is not None
         record = Applied(fault, frame, time.monotonic(), keys=self._touched_keys(cur, fault))
@@ -421,7 +456,7 @@ class FaultProxy:
             return (keys[first],)
         return tuple(keys[first:])
 
-    def _send(self, link: _Link, dst: socket.socket, data: bytes, cur: _Cursor) -> None:
+    def _send(self, link: _Link, dst: End, data: bytes, cur: _Cursor) -> None:
         if not data:
             return
         while not self._healed.is_set():  # partitioned: hold every byte, keep the socket open
@@ -430,13 +465,13 @@ class FaultProxy:
             self._healed.wait(_TICK_S)
         try:
             dst.sendall(data)
-        except OSError:
+        except (OSError, ssl.SSLError):
             link.kill(rst=False)
             raise _Closed() from None
         with self._lock:
             self.bytes[cur.direction] += len(data)
 
-    def _trickle(self, link: _Link, dst: socket.socket, data: bytes, rate_bps: int, cur: _Cursor) -> None:
+    def _trickle(self, link: _Link, dst: End, data: bytes, rate_bps: int, cur: _Cursor) -> None:
         piece = max(1, rate_bps // 20)
         for i in range(0, len(data), piece):
             if link.dead.is_set() or self._closing.is_set():
@@ -444,6 +479,17 @@ class FaultProxy:
             self._send(link, dst, data[i : i + piece], cur)
             if self._closing.wait(piece / rate_bps):
                 raise _Closed()
+
+
+def _tls_contexts() -> tuple[ssl.SSLContext, ssl.SSLContext]:
+    """(toward the client, toward the node): the test CA's node certificate, and a context
+    that trusts the test CA (the same settings a client of a TLS node has)."""
+    from memkv.config import ClientTls
+    from memkv.tls import client_context, server_context
+    from tests.tlscerts import session_pki
+
+    pki = session_pki()
+    return server_context(pki.server.cert, pki.server.key, None), client_context(ClientTls(ca=pki.ca))
 
 
 class RandomFaults:

@@ -13,7 +13,9 @@ timeout, trickles them (a slow reader as the node sees it), and SIGKILLs the nod
   `memkv_client_integrity_failures`, and the connection stays usable;
 * no call waits past the client's io_timeout_s (plus slack) whatever the fault.
 
-Bounded by a load count and a wall-clock budget, both scaled by MEMKV_FAULT_SCALE.
+Bounded by a load count and a wall-clock budget, both scaled by MEMKV_FAULT_SCALE. The test runs
+twice: plain, and against a TLS-only node with the proxy terminating and re-originating TLS
+(`[tls]`: the faults act on the decrypted frames, so TLS itself cannot catch them).
 """
 
 from __future__ import annotations
@@ -27,10 +29,11 @@ import pytest
 
 from tests.conftest import build_client, poll_until
 from tests.faults.figures import scaled, scaled_s
-from tests.faults.nodeops import NodeKiller, integrity_failures, start_on_port
+from tests.faults.nodeops import NodeKiller, integrity_failures, start_again
 from tests.faults.proxy import C2S, S2C, Fault, FaultProxy, RandomFaults
 
 pytestmark = pytest.mark.faults
+OVER_TLS_TOO = True  # tests/conftest.py: [plain] and [tls]
 
 IO_TIMEOUT_S = 0.5
 SLACK_S = 1.5
@@ -80,18 +83,19 @@ def test_loads_under_fault_injection_are_byte_exact_or_a_miss(start_node, auth_k
     restarts = 0
     integrity_before = integrity_failures()
 
-    with FaultProxy((node.host, port), plan, name="integrity") as proxy:
+    tls = node.client_tls  # set by start_node: None for a plain node
+    with FaultProxy((node.host, port), plan, name="integrity", tls=tls is not None) as proxy:
         class _Addr:
             host, port = proxy.host, proxy.port
 
         client = build_client([_Addr], auth_key_hex, io_timeout_s=IO_TIMEOUT_S, connect_timeout_s=IO_TIMEOUT_S,
-                              down_for_s=0.05)
+                              down_for_s=0.05, tls=tls)
         started = time.monotonic()
         try:
             while loads < max_loads and time.monotonic() - started < budget_s:
                 if killer.fired.is_set():  # the node died mid-transfer: bring an empty one back
                     killer.node.proc.wait(10)
-                    fresh = start_on_port(auth_key_hex, port, capacity="256MiB")
+                    fresh = start_again(killer.node)
                     start_node.nodes.append(fresh)
                     killer.node = fresh
                     restarts += 1

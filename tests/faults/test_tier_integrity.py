@@ -105,6 +105,7 @@ def test_promotions_under_fault_injection_are_byte_exact_or_a_miss(monkeypatch, 
             stored_value_flips=len(stored_flips), integrity_failures_caught=int(caught), seconds=round(took, 1))
 
 
+@pytest.mark.over_tls_too  # [tls]: a TLS-only node, the proxy re-encrypting the flipped byte
 def test_flipped_byte_in_a_stored_value_is_a_miss_and_is_purged(monkeypatch, start_node, auth_key_hex, tmp_path, figures):
     node = start_node(capacity="64MiB")
     flip_next_put = threading.Event()
@@ -115,8 +116,8 @@ def test_flipped_byte_in_a_stored_value_is_a_miss_and_is_purged(monkeypatch, sta
             return Fault.flip(frame.payload_start + 1000, xor=0x20)  # a byte of the first value
         return None
 
-    with FaultProxy((node.host, node.port), plan, name="flip") as proxy:
-        ts.point_tier_at(monkeypatch, [proxy.address], auth_key_hex)
+    with FaultProxy((node.host, node.port), plan, name="flip", tls=node.client_tls is not None) as proxy:
+        ts.point_tier_at(monkeypatch, [proxy.address], auth_key_hex, tls=node.client_tls)
         with h.HeadlessEngine([ts.memkv_tier(blocks_per_op=1)], h.Geometry(num_rows=16)) as engine:
             tier = ts.tier_of(engine)
             corrupt, clean = h.make_keys(2)

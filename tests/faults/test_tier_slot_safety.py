@@ -30,6 +30,7 @@ IO_TIMEOUT_S = 0.5
 HOLD_S = IO_TIMEOUT_S * 4
 
 
+@pytest.mark.over_tls_too  # [tls]: the stall lands inside a TLS stream (a TLS-only node, a TLS proxy)
 def test_abandoned_promotion_never_writes_into_its_rows_after_the_job_was_reported(
         monkeypatch, start_node, auth_key_hex, tmp_path, figures):
     node = start_node(capacity="64MiB")
@@ -42,9 +43,9 @@ def test_abandoned_promotion_never_writes_into_its_rows_after_the_job_was_report
         return None
 
     geometry = h.Geometry(worker_kv_bytes_per_block=128 << 10, num_rows=16)  # 256 KiB rows
-    with FaultProxy((node.host, node.port), plan, name="slot") as proxy:
+    with FaultProxy((node.host, node.port), plan, name="slot", tls=node.client_tls is not None) as proxy:
         config = ts.client_config(tmp_path, io_timeout_s=IO_TIMEOUT_S, down_for_s=0.05)
-        ts.point_tier_at(monkeypatch, [proxy.address], auth_key_hex, config)
+        ts.point_tier_at(monkeypatch, [proxy.address], auth_key_hex, config, tls=node.client_tls)
         with h.HeadlessEngine([ts.memkv_tier(blocks_per_op=4)], geometry) as engine:
             tier = ts.tier_of(engine)
             keys = h.make_keys(2)

@@ -150,7 +150,10 @@ def client_config(tmp_path, *, io_timeout_s: float, connect_timeout_s: float = 1
     return str(path)
 
 
-def point_tier_at(monkeypatch, addresses: Sequence[str], key_hex: str, config_path: str | None = None) -> None:
+def point_tier_at(monkeypatch, addresses: Sequence[str], key_hex: str, config_path: str | None = None,
+                  tls=None) -> None:
+    """The tier's environment, as a user sets it; `tls` (a ClientTls: a TLS node's
+    `client_tls`) sets MEMKV_TLS_CA."""
     import memkv_vllm
 
     monkeypatch.setenv("MEMKV_SERVERS", ",".join(addresses))
@@ -159,8 +162,11 @@ def point_tier_at(monkeypatch, addresses: Sequence[str], key_hex: str, config_pa
         monkeypatch.setenv("MEMKV_CONFIG", config_path)
     else:
         monkeypatch.delenv("MEMKV_CONFIG", raising=False)
-    for var in ("MEMKV_LICENSE", "MEMKV_TRANSPORT"):
+    for var in ("MEMKV_LICENSE", "MEMKV_TRANSPORT", "MEMKV_TLS_CA", "MEMKV_TLS_CERT", "MEMKV_TLS_KEY",
+                "MEMKV_TLS_SERVER_NAME"):
         monkeypatch.delenv(var, raising=False)
+    if tls is not None:
+        monkeypatch.setenv("MEMKV_TLS_CA", tls.ca)
     memkv_vllm.register()
 
 

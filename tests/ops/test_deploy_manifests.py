@@ -16,8 +16,8 @@ Behaviour under test:
   raises RLIMIT_MEMLOCK to the pool size, and refuses an RDMA setup that cannot pin the pool;
 * the Secret template holds no usable key;
 * the Dockerfile's final stage runs as a non-root user, exposes 9900 and 9901, starts
-  `memkv serve --listen 0.0.0.0:9900` with the key file, and its HEALTHCHECK command, run
-  against a live node, succeeds (and fails once the node is gone);
+  `memkv serve --listen 0.0.0.0:9900` with the key file, and its HEALTHCHECK is `memkv health`
+  (run against live plain and TLS nodes in tests/ops/test_cli_health.py);
 * the systemd unit passes `systemd-analyze verify` (when available; a structural check
   otherwise), is hardened, and its ExecStart parses.
 """
@@ -406,23 +406,12 @@ def healthcheck_argv() -> list[str]:
 
 
 @pytest.mark.unit
-def test_the_dockerfile_healthcheck_asks_the_admin_port_for_health() -> None:
+def test_the_dockerfile_healthcheck_is_memkv_health() -> None:
+    """`memkv health` finds the admin port and TLS in the node's own command line; it runs
+    against real plain and TLS nodes, as Docker runs it, in tests/ops/test_cli_health.py."""
     argv = healthcheck_argv()
-    assert argv[0] == "python" and "http://127.0.0.1:9901/v1/health" in " ".join(argv)
-
-
-@pytest.mark.integration
-def test_the_healthcheck_command_passes_on_a_live_node_and_fails_without_one() -> None:
-    key = new_key_hex()
-    node = LocalNode(key, capacity="64MiB")
-    try:
-        argv = [sys.executable] + [a.replace(":9901/", f":{node.admin_port}/") for a in healthcheck_argv()[1:]]
-        ok = subprocess.run(argv, capture_output=True, text=True, timeout=20)
-        assert ok.returncode == 0, ok.stderr
-    finally:
-        node.stop()
-    gone = subprocess.run(argv, capture_output=True, text=True, timeout=20)
-    assert gone.returncode != 0
+    assert argv == ["memkv", "health"]
+    assert cli._parser().parse_args(argv[1:]).func is cli.cmd_health
 
 
 @pytest.mark.integration

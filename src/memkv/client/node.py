@@ -47,6 +47,7 @@ _VERIFY_CHUNK = 16 << 20
 # Over TLS a receive takes one 16 KiB record per call (a GIL hand-off each) whatever the piece
 # size, so pieces this small cost no extra hand-offs and are hashed while still in L2 cache
 # (16 MiB pieces were hashed from DRAM: 10% of a TLS GET on the 2-vCPU VM, docs/performance.md).
+# The pieces are cut inside sockio's loop over records (its `on_piece`), not by a loop here.
 _TLS_VERIFY_CHUNK = 256 << 10
 
 # The socket seam: how a connection's socket comes to be. `Client(config, connect=...)` hands
@@ -304,11 +305,7 @@ class NodeConnection:
             hasher = None
         step = _TLS_VERIFY_CHUNK if isinstance(self.sock, ssl.SSLSocket) else _VERIFY_CHUNK
         with self._io("read"):
-            for off in range(0, len(view), step):
-                chunk = view[off : off + step]
-                recv_exactly_into(self.sock, chunk, deadline)
-                if hasher is not None:
-                    hasher.update(chunk)
+            recv_exactly_into(self.sock, view, deadline, hasher.update if hasher is not None else None, step)
         return hasher is not None and hmac.compare_digest(checksummer.finish(hasher), checksum)
 
     def get_values(self, keys: Sequence[bytes], checksummer: Checksummer) -> list[bytes | None]:
