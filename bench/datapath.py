@@ -20,7 +20,9 @@ Targets (16 MiB): memkv >= 0.8 x raw, >= 2 x Redis. Results: bench/out/datapath.
 above inside TLS 1.3, same certificate and cipher), MemKV over TLS (`--tls-cert`, the client
 with MEMKV_TLS_CA), and plain MemKV, interleaved: the three take turns on blocks of
 `--block-values` values per thread (order reversed every other block), so that the host's
-drift within a repetition hits them alike. Target: memkv-tls >= 0.9 x raw-tls. It also reports CPU
+drift within a repetition hits them alike; "block-median" is memkv-tls/raw-tls from each
+block's pair of timings, the median over the blocks (a burst of other work on the host spoils
+a block, not the repetition). Target: memkv-tls >= 0.9 x raw-tls. It also reports CPU
 seconds per GB moved (client and server processes together: user + system time), i.e. how many
 cores one GB/s costs. `--ktls` asks OpenSSL for kernel TLS (OP_ENABLE_KTLS) on both sides and
 says whether the kernel offers it (the `tls` ULP).
@@ -321,7 +323,7 @@ def ulp_of(sock: socket.socket) -> str:
         return f"unknown ({errno.errorcode.get(exc.errno or 0, exc.errno)})"
 
 
-def measure_tls(value_bytes: int, n: int, threads: int, reps: int, ktls: bool, block_values: int = 2) -> dict:
+def measure_tls(value_bytes: int, n: int, threads: int, reps: int, ktls: bool, block_values: int = 1) -> dict:
     """raw-tls vs memkv-tls vs plain memkv, same values, same run (see the module docstring)."""
     import ssl
 
@@ -366,6 +368,7 @@ def measure_tls(value_bytes: int, n: int, threads: int, reps: int, ktls: bool, b
         }
         rates: dict[str, list[float]] = {name: [] for name in ops}
         cpu: dict[str, list[float]] = {name: [] for name in ops}  # CPU seconds per GB moved
+        block_ratios: dict[str, list[float]] = {f"memkv-tls/raw-tls {op}": [] for op in ("put", "get")}
         with concurrent.futures.ThreadPoolExecutor(threads) as ex:
             for fn, _ in ops.values():
                 list(ex.map(fn, per_thread))
@@ -379,18 +382,25 @@ def measure_tls(value_bytes: int, n: int, threads: int, reps: int, ktls: bool, b
                 for op in ("put", "get"):
                     names = [name for name in ops if name.endswith(op)]
                     spent = {name: [0.0, 0.0] for name in names}  # seconds, CPU seconds
+                    per_block: dict[str, list[float]] = {name: [] for name in names}
                     for b, block in enumerate(blocks):
                         for name in names if b % 2 == 0 else names[::-1]:
                             fn, pid = ops[name]
                             c0, s0 = cpu_seconds(), cpu_seconds(pid)
                             t = time.perf_counter()
                             list(ex.map(fn, block))
-                            spent[name][0] += time.perf_counter() - t
+                            dt = time.perf_counter() - t
+                            spent[name][0] += dt
+                            per_block[name].append(dt)
                             spent[name][1] += cpu_seconds() - c0 + cpu_seconds(pid) - s0
                             if op == "get":
                                 for i in (i for idx in block for i in idx):
                                     assert slot(dst, i) == slot(src, i), f"{name} returned wrong bytes"
                                     dst[i * value_bytes : i * value_bytes + 8] = b"\0" * 8
+                    # The same ratio from each block's pair of timings, median over the blocks: a
+                    # burst of another process's work spoils a block or two, not the repetition.
+                    block_ratios[f"memkv-tls/raw-tls {op}"].append(statistics.median(
+                        r / m for r, m in zip(per_block[f"raw-tls {op}"], per_block[f"memkv-tls {op}"])))
                     for name, (dt, used) in spent.items():
                         rates[name].append(value_bytes * n / dt / 1e9)
                         cpu[name].append(used / (value_bytes * n / 1e9))
@@ -410,7 +420,8 @@ def measure_tls(value_bytes: int, n: int, threads: int, reps: int, ktls: bool, b
         ratios[f"memkv-tls/raw-tls {op}"] = per_rep(f"memkv-tls {op}", f"raw-tls {op}")
         ratios[f"memkv-tls/memkv {op}"] = per_rep(f"memkv-tls {op}", f"memkv {op}")
     return {"value_bytes": value_bytes, "values": n, "threads": threads, "nodes": 1, "blocks_per_op": 1, "reps": reps,
-            "interleaved_block_values": block_values, "gbps": rates, "cpu_s_per_gb": cpu, "ratios": ratios, "openssl": ssl.OPENSSL_VERSION,
+            "interleaved_block_values": block_values, "gbps": rates, "cpu_s_per_gb": cpu,
+            "block_median_ratios": block_ratios, "ratios": ratios, "openssl": ssl.OPENSSL_VERSION,
             "ktls_requested": ktls, "ktls_kernel": ktls_available(), "raw_tls_socket_ulp": raw_ulp, "redis": "not run"}
 
 
@@ -429,6 +440,8 @@ def print_tls(r: dict) -> None:
         print(f"  {who:<11}" + "".join(f"{x:>14.2f}" for x in med + cpu))
     for name, vals in r["ratios"].items():
         print(f"  {name:<24} median {statistics.median(vals):.2f}  (per rep {min(vals):.2f}-{max(vals):.2f})")
+    for name, vals in r["block_median_ratios"].items():
+        print(f"  {name:<24} block-median {statistics.median(vals):.2f}  (per rep {min(vals):.2f}-{max(vals):.2f})")
 
 
 def print_config(r: dict) -> None:
@@ -481,7 +494,7 @@ def main() -> None:
     ap.add_argument("--tls", action="store_true", help="raw ssl socket vs MemKV over TLS vs plain MemKV")
     ap.add_argument("--ktls", action="store_true", help="with --tls: ask OpenSSL for kernel TLS on both sides")
     ap.add_argument("--out", default=None, help="with --tls: the JSON file's name under bench/out/")
-    ap.add_argument("--block-values", type=int, default=2,
+    ap.add_argument("--block-values", type=int, default=1,
                     help="with --tls: values per thread in each interleaved block (raw-tls, memkv-tls, memkv take turns)")
     ap.add_argument("--raw-server", nargs=2, metavar=("PORT_FILE", "SLOTS"), help=argparse.SUPPRESS)
     ap.add_argument("--raw-tls", nargs=3, metavar=("CERT", "KEY", "KTLS"), help=argparse.SUPPRESS)

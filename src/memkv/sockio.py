@@ -13,26 +13,31 @@ deadline raises socket.timeout. Costs one setsockopt per syscall (per MiB of a v
 
 TLS (`ssl.SSLSocket`, memkv/tls.py). Kernel timeouts do not reach through OpenSSL (a read
 that times out is retried inside `_ssl`), and an SSLSocket takes no flags (no MSG_WAITALL) and
-has no sendmsg. So on an SSLSocket the same functions use Python's socket timeout, cut to the
-time left. Receives still land in the caller's memoryview (`SSLSocket.read(n, view)` copies
-one decrypted TLS record, up to 16 KiB, into it per call): the loop per record is the hot
-Python code of a TLS GET, so it does one read call and one clock read per record and nothing
-else, re-cutting the timeout at most every _TLS_REARM_S; `on_piece` lets a caller hash the
-value piece by piece inside that same loop. Sends encrypt from the caller's memory into
+has no sendmsg. Small transfers (headers, meta, values under _TLS_BLOCKING_BYTES) use Python's
+socket timeout, cut to the time left. A large transfer with a deadline runs on the socket in
+blocking mode instead, bounded by memkv.watchdog (it shuts the socket down at the deadline): a
+timeout makes the socket non-blocking underneath, and every record not yet whole then costs a
+failed read, a poll() and two more GIL hand-offs (~6% of a TLS GET, docs/performance.md).
+Receives land in the caller's memoryview (`SSLSocket.read(n, view)` copies one decrypted TLS
+record, up to 16 KiB, into it per call): the loop per record is the hot Python code of a TLS
+GET, so it does one read call per record and nothing else (plus, on the timeout path, one
+clock read, re-cutting the timeout at most every _TLS_REARM_S); `on_piece` lets a caller hash
+the value piece by piece inside that same loop. Sends encrypt from the caller's memory into
 OpenSSL's record buffer: that is the one copy per byte (the ciphertext has to be written
-somewhere). A send is one `sendall` per buffer: `_ssl` bounds the whole SSL_write by the
-socket timeout it starts with, which is cut to the time left, so the deadline holds without
-splitting the value.
+somewhere), one `sendall` per buffer.
 """
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import ssl
 import struct
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import cast
+
+from memkv.watchdog import WATCHDOG
 
 # Pieces smaller than this are joined into one send; larger ones go out as they are.
 _GATHER_BELOW = 64 << 10
@@ -40,6 +45,8 @@ _GATHER_BELOW = 64 << 10
 # syscall per record (settimeout sets O_NONBLOCK again). It is cut at most this often instead, so
 # a transfer may outlive its deadline by at most this much.
 _TLS_REARM_S = 0.05
+# TLS transfers from this size on run blocking, bounded by the watchdog (module docstring).
+_TLS_BLOCKING_BYTES = 1 << 20
 
 
 def set_timeouts(sock: socket.socket, recv_s: float, send_s: float | None = None) -> None:
@@ -141,6 +148,22 @@ def _tls_recv_into(
     piece_bytes: int = 0,
 ) -> None:
     """recv_exactly_into on TLS: one record per call, copied into `view` in place."""
+    if deadline is not None and len(view) >= _TLS_BLOCKING_BYTES:
+        if deadline <= time.monotonic():
+            raise TimeoutError(f"deadline passed after 0 of {len(view)} bytes")
+        with WATCHDOG.guard(sock, deadline), _blocking(sock):
+            _tls_records_into(sock, view, None, on_piece, piece_bytes)
+        return
+    _tls_records_into(sock, view, deadline, on_piece, piece_bytes)
+
+
+def _tls_records_into(
+    sock: ssl.SSLSocket,
+    view: memoryview,
+    deadline: float | None,
+    on_piece: Callable[[memoryview], object] | None,
+    piece_bytes: int,
+) -> None:
     got, total = 0, len(view)
     # SSLSocket.read(n, buffer) returns the count: what recv_into calls, minus its argument checks
     # (typeshed types only read(n) -> bytes).
@@ -166,6 +189,18 @@ def _tls_recv_into(
             done = got
     if on_piece is not None and done < total:
         on_piece(view[done:total])
+
+
+@contextlib.contextmanager
+def _blocking(sock: ssl.SSLSocket) -> Iterator[None]:
+    """The block with `sock` in blocking mode (no Python timeout), its timeout restored after."""
+    before = sock.gettimeout()
+    sock.settimeout(None)
+    try:
+        yield
+    finally:
+        with contextlib.suppress(OSError):  # a socket the watchdog cut, or one closed meanwhile
+            sock.settimeout(before)
 
 
 def recv_exactly(sock: socket.socket, n: int, deadline: float | None = None) -> bytearray:
@@ -200,9 +235,15 @@ def _send_one(sock: socket.socket, buf: bytes | bytearray | memoryview, deadline
 
 def _tls_send(sock: ssl.SSLSocket, buf: bytes | bytearray | memoryview, deadline: float | None) -> None:
     view = memoryview(buf).cast("B")
+    if deadline is not None and len(view) >= _TLS_BLOCKING_BYTES:
+        if deadline <= time.monotonic():
+            raise TimeoutError(f"deadline passed after 0 of {len(view)} bytes")
+        with WATCHDOG.guard(sock, deadline), _blocking(sock):
+            sock.sendall(view)  # encrypts from `view`: the one copy
+        return
     if deadline is not None:
-        _arm(sock, socket.SO_SNDTIMEO, deadline, 0, len(view))  # bounds the whole SSL_write below
-    sock.sendall(view)  # encrypts from `view`: the one copy
+        _arm(sock, socket.SO_SNDTIMEO, deadline, 0, len(view))  # _ssl bounds the whole SSL_write by it
+    sock.sendall(view)
 
 
 def send_all(

@@ -117,3 +117,96 @@ def test_without_a_deadline_transfers_complete_as_before():
     assert bytes(got) == b"head" + payload
     a.close()
     b.close()
+
+
+# -- TLS: a large transfer runs blocking, bounded by memkv.watchdog ------------------------------
+
+
+def tls_pair(timeout_s: float = 5.0) -> tuple[socket.socket, socket.socket]:
+    """A TLS 1.3 connection over 127.0.0.1 with the test CA's node certificate (a: client)."""
+    from memkv.config import ClientTls
+    from memkv.tls import client_context, server_context
+    from tests.tlscerts import session_pki
+
+    pki = session_pki()
+    a, b = pair(timeout_s)
+    server = server_context(pki.server.cert, pki.server.key, None)
+    done: list[socket.socket] = []
+    t = threading.Thread(target=lambda: done.append(server.wrap_socket(b, server_side=True)), daemon=True)
+    t.start()
+    ta = client_context(ClientTls(ca=pki.ca)).wrap_socket(a, server_hostname="127.0.0.1")
+    t.join(5)
+    (tb,) = done
+    for s in (ta, tb):
+        set_timeouts(s, timeout_s)
+    return ta, tb
+
+
+def test_tls_recv_of_a_large_value_gives_up_at_the_deadline_while_records_trickle_in():
+    a, b = tls_pair(timeout_s=0.5)  # each record arrives well within the socket timeout
+    stop = threading.Event()
+
+    def trickle() -> None:  # 100 one-byte records over 10 s: 2 MiB never arrive whole
+        for _ in range(100):
+            if stop.wait(0.1):
+                return
+            try:
+                b.send(b"x")
+            except OSError:
+                return
+
+    t = threading.Thread(target=trickle, daemon=True)
+    t.start()
+    try:
+        with pytest.raises(socket.timeout):
+            recv_exactly_into(a, memoryview(bytearray(2 << 20)), time.monotonic() + 1.0)
+        assert a.gettimeout() == 0.5  # the blocking mode of the transfer is undone
+    finally:
+        stop.set()
+        t.join(5)
+        a.close()
+        b.close()
+
+
+def test_tls_send_of_a_large_value_gives_up_at_the_deadline_while_the_peer_reads_slowly():
+    a, b = tls_pair(timeout_s=0.5)
+    stop = threading.Event()
+
+    def sip() -> None:  # 4 KiB every 100 ms: 64 MiB would take hours
+        for _ in range(100):
+            if stop.wait(0.1):
+                return
+            try:
+                b.recv(4096)
+            except OSError:
+                return
+
+    t = threading.Thread(target=sip, daemon=True)
+    t.start()
+    try:
+        with pytest.raises(socket.timeout):
+            send_all(a, [memoryview(bytearray(64 << 20))], time.monotonic() + 1.0)
+    finally:
+        stop.set()
+        t.join(5)
+        a.close()
+        b.close()
+
+
+def test_tls_large_values_arrive_whole_within_the_deadline_and_the_connection_stays_usable():
+    a, b = tls_pair()
+    value = bytes(range(256)) * (12 << 12)  # 12 MiB
+    got = bytearray(len(value))
+    pieces: list[int] = []
+    t = threading.Thread(target=lambda: send_all(b, [b"head", value, b"tail"], time.monotonic() + 20), daemon=True)
+    t.start()
+    try:
+        assert recv_exactly(a, 4, time.monotonic() + 20) == b"head"
+        recv_exactly_into(a, memoryview(got), time.monotonic() + 20, lambda piece: pieces.append(len(piece)), 256 << 10)
+        assert recv_exactly(a, 4, time.monotonic() + 20) == b"tail"
+        t.join(20)
+        assert got == value
+        assert sum(pieces) == len(value) and all(n >= 256 << 10 for n in pieces[:-1])  # on_piece covers it in order
+    finally:
+        a.close()
+        b.close()
