@@ -269,8 +269,9 @@ class MemKVDirectManager(OffloadingManager):
         self._unref(rid, keep=loading)  # staged past the loaded prefix: not needed any more
         return MemKVLoadStoreSpec(slots)
 
-    def complete_load(self, keys, req_context) -> None:
-        rid = req_context.req_id
+    def _pop_load(self, rid: str, keys) -> set | None:
+        """The keys of `rid`'s load job with these keys, forgotten; None for a load that a
+        reset_cache flushed (its pins were dropped or fenced there)."""
         jobs = self._loads.get(rid, [])
         keyset = set(keys)
         for i, job in enumerate(jobs):
@@ -278,9 +279,16 @@ class MemKVDirectManager(OffloadingManager):
                 del jobs[i]
                 break
         else:
-            return  # a load flushed by reset_cache: its pins were dropped there
+            return None
         if not jobs:
             self._loads.pop(rid, None)
+        return keyset
+
+    def complete_load(self, keys, req_context) -> None:
+        rid = req_context.req_id
+        keyset = self._pop_load(rid, keys)
+        if keyset is None:
+            return
         for key in keyset:
             e = self._entries.get(key)
             if e is not None and e.pins:
@@ -781,16 +789,9 @@ class LeasedDirectManager(MemKVDirectManager):
 
     def complete_load(self, keys, req_context) -> None:
         rid = req_context.req_id
-        jobs = self._loads.get(rid, [])
-        keyset = set(keys)
-        for i, job in enumerate(jobs):
-            if set(job) == keyset:
-                del jobs[i]
-                break
-        else:
-            return  # a load flushed by reset_cache: its pins were fenced there
-        if not jobs:
-            self._loads.pop(rid, None)
+        keyset = self._pop_load(rid, keys)
+        if keyset is None:
+            return
         for key in keyset:
             h = self._held.get(key)
             if h is not None and h.pins:
