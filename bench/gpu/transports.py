@@ -78,7 +78,7 @@ def main() -> int:
             xfer_rows.append((tag, f"FAILED rc={rc} (see xfer-{tag}.log)", None, []))
         print(f"xfer {tag}: rc={rc}", flush=True)
     tcp_rate = {v: g for t, v, g, _ in xfer_rows if t == "tcp"}
-    print("\n| 8 GiB MemKV -> pinned memory, outside vLLM | variant | GB/s (median) | x TCP | seconds |")
+    print(f"\n| {args.values} x 16 MiB MemKV -> pinned memory, outside vLLM | variant | GB/s (median) | x TCP | seconds |")
     print("|---|---|---:|---:|---|")
     for tag, var, g, secs in xfer_rows:
         ratio = f"{g / tcp_rate[var]:.2f}x" if g and tcp_rate.get(var) else "-"

@@ -34,8 +34,9 @@ core finishes the cascade on its own time.
 
 --inproc runs the engine core in the engine's process (VLLM_ENABLE_V1_MULTIPROCESSING=0) so the
 tier object is reachable: its counters (`tier.stats.totals`, the values behind
-vllm:kv_offload_memkv_*) and the stage breakdown of each promotion (TierProbe) are recorded,
-and --sweep can swap settings on the live tier. vLLM's Prometheus metrics (llm.get_metrics())
+vllm:kv_offload_memkv_*) are recorded and --sweep can swap settings on the live tier. The stage
+breakdown of each promotion (tier_probe.py) is recorded in both layouts: in the default one vLLM
+loads the probe into the engine core as a general plugin and it writes to TTFT_PROBE_FILE. vLLM's Prometheus metrics (llm.get_metrics())
 are recorded in both layouts. Greedy output (max_tokens=1, top-5 logprobs) must be identical in
 every phase of a prompt, across engines too; a mismatch is reported and makes the exit status 1.
 
@@ -833,10 +834,11 @@ def run_child(spec: dict, env: dict, timeout_s: float) -> dict | None:
     spec_path = spec["out"] + ".spec"
     with open(spec_path, "w") as f:
         json.dump(spec, f)
-    probe_file = spec["out"] + ".probe.jsonl"  # the engine core's stage timestamps (tier_probe.py)
-    if os.path.exists(probe_file):
-        os.unlink(probe_file)
-    env = {**env, PROBE_ENV: probe_file}
+    if not spec.get("inproc"):  # in-process, ttft.py wraps the tier object itself (no second probe)
+        probe_file = spec["out"] + ".probe.jsonl"  # the engine core's stage timestamps (tier_probe.py)
+        if os.path.exists(probe_file):
+            os.unlink(probe_file)
+        env = {**env, PROBE_ENV: probe_file}
     t = time.perf_counter()
     # Own session: on a timeout the whole group goes (engine core and workers included), so a
     # hung engine cannot hold the GPU into the next phase or call.
@@ -980,7 +982,7 @@ def main() -> int:
     ap.add_argument("--notier-reps", type=int, default=None, help="cold runs per length in notier (default: --reps)")
     ap.add_argument("--inproc", action="store_true",
                     help="engine core in the engine's process (VLLM_ENABLE_V1_MULTIPROCESSING=0): the tier object is "
-                         "reachable (stage breakdown, tier counters, --sweep). Default: vLLM's own layout, engine core "
+                         "reachable (tier counters, --sweep). Default: vLLM's own layout, engine core "
                          "in its own process, as `vllm serve` runs it")
     ap.add_argument("--tier-json", default=None,
                     help=f"the memkv tier config (JSON object); default README's {json.dumps(README_TIER)}")

@@ -83,7 +83,7 @@ def test_rdma_mode_with_a_missing_device_or_bad_delay_refuses_to_start(monkeypat
 
 @requires_nixl
 @pytest.mark.integration
-def test_agents_get_parallel_ucx_workers_and_concurrent_transfers(monkeypatch):
+def test_agents_get_the_configured_ucx_workers_and_thread_sync(monkeypatch):
     """Over cma the copy runs inside the call that posts a WRITE: NIXL's strict sync mode and
     one UCX worker made a node copy one value at a time (issue 16). The defaults are rw and 8
     workers; the setting reaches NIXL (read back from the backend's own parameters)."""

@@ -285,7 +285,7 @@ class _BindingsWithTamedConfig:
         return getattr(self._real, name)
 
 
-def _tamed_agent(api: Any, name: str, delay_us: int, workers: int) -> Any:
+def _tamed_agent(api: Any, name: str, delay_us: int, workers: int, sync: str) -> Any:
     real = api.nixlBind
     base: Any = real.nixlAgentConfig
 
@@ -295,7 +295,6 @@ def _tamed_agent(api: Any, name: str, delay_us: int, workers: int) -> Any:
                 value = delay_us
             super().__setattr__(field, value)
 
-    sync = thread_sync()
     config = api.nixl_agent_config(
         enable_prog_thread=True,  # UCX over tcp needs the *target's* thread to land a WRITE
         enable_listen_thread=False,  # metadata goes over MemKV's authenticated connection
@@ -368,19 +367,19 @@ class NixlAgent:
         api = _import_api()
         delay_us = progress_delay_us()
         workers = ucx_workers()
-        thread_sync()  # a bad value fails here, before NIXL starts
+        sync = thread_sync()  # bad values fail here, before NIXL starts
         _apply_devices(devices)
         self.name = f"memkv-{role}-{uuid.uuid4().hex[:16]}"
         try:
             with _native_output() as native, _translate("create an agent with the UCX backend"):
-                self._agent = _tamed_agent(api, self.name, delay_us, workers)
+                self._agent = _tamed_agent(api, self.name, delay_us, workers, sync)
         except RdmaError as exc:
             reason = _reason(native)
             raise RdmaError(f"{exc}{' -- NIXL/UCX said: ' + reason if reason else ''}{_ucx_tls_hint()}") from exc
         if "UCX" not in self._agent.backends:
             raise RdmaError(f"NIXL: the UCX backend did not load (plugins: {self._agent.plugin_list})")
         self.progress_delay_us = delay_us
-        self.thread_sync = thread_sync()
+        self.thread_sync = sync
         with _translate("read the UCX backend's parameters"):  # what NIXL took, not what we asked
             self.ucx_workers = int(self._agent.get_backend_params("UCX").get("num_workers", "0"))
         log.debug(
