@@ -903,8 +903,10 @@ class LeasedDirectManager(MemKVDirectManager):
 
     def on_request_finished(self, req_context) -> None:
         rid = req_context.req_id
-        dropped = [k for k in self._lookup.cleanup(rid) if k not in self._held]
-        if dropped:  # leased by a probe, never answered as a HIT: nobody holds them
+        fenced = {k for _, keys in self._lease_fence for k in keys}
+        dropped = [k for k in self._lookup.cleanup(rid) if k not in self._held and k not in fenced]
+        if dropped:  # leased by a probe, never answered as a HIT: nobody holds them (a load
+            # flushed by reset_cache still streams under the fenced ones: the fence releases them)
             self._release_values([vk for k in dropped for vk in self.keys.value_keys(k)])
         self._unref(rid, keep=self._pinned_keys(rid))
 
