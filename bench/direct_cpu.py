@@ -10,11 +10,13 @@ both): an engine (tests/conformance/direct_harness.py: scheduler connector + one
 connector per rank, CPU tensors for the GPU) prefills one prompt of `--chunks` chunks and waits
 until every put is done (store: request arrival -> idle); it is shut down; a restarted engine
 of the same mode asks for the same prompt (load: request arrival -> every rank's blocks loaded;
-every loaded byte is then checked, outside the timing). "staged" gets a staging region sized
+every loaded byte is then checked, outside the timing), split at the step where every lookup
+has answered (the load job is issued then): "lookups" before, "then" after. "staged" gets a staging region sized
 for the whole prompt (so every chunk is reusable: its load is the exists probe, the prefetch
 into staging by the engine core's threads and the workers' copies); "leased" a ring of
 1/`--ring-div` of the prompt (its load: the leasing lookup, then each worker streaming its
-rank's values through the ring with its fetch threads and copies). Thread counts are the keys'
+rank's values through the ring with its fetch threads and copies: the "then" part is the
+stream). Thread counts are the keys'
 defaults (`n_read_threads`/`n_write_threads` = 8) unless `--threads` is given. Printed and in
 bench/out/direct_cpu.json: per mode the median (min-max) load and store time, the load's GB/s,
 and the ratio of the medians leased/staged (plus the median of the per-repetition ratios).
@@ -68,8 +70,9 @@ def one(mode: str, tp: int, chunks: int, chunk_tokens: int, ring_div: int, threa
     with dh.DirectEngine(g, config, token_budget=8192, step_sleep_s=0.0005, check_loads=False) as restarted:
         req = restarted.add_request(tag, tokens)
         t = time.perf_counter()
-        restarted.run_until(lambda: req.matched_tokens is not None and req.status.name != "WAITING_FOR_REMOTE_KVS",
-                            timeout_s=600)
+        restarted.run_until(lambda: req.matched_tokens is not None, timeout_s=600)
+        lookup_s = time.perf_counter() - t  # every lookup answered: the load job is issued in this step
+        restarted.run_until(lambda: req.status.name != "WAITING_FOR_REMOTE_KVS", timeout_s=600)
         load_s = time.perf_counter() - t
         steps = restarted.step_count
         restarted.check_loaded(req)  # byte for byte, outside the timing
@@ -80,14 +83,19 @@ def one(mode: str, tp: int, chunks: int, chunk_tokens: int, ring_div: int, threa
                                              ("n_fetch", "n_put", "load_batch", "store_batch", "copy_waits")}
     nbytes = chunks * tp * g.value_bytes
     return {"mode": mode, "tp": tp, "chunks": chunks, "value_bytes": g.value_bytes, "prompt_bytes": nbytes,
-            "staging_bytes": region, "store_s": store_s, "load_s": load_s, "load_steps": steps,
-            "matched_tokens": matched, "load_gb_s": nbytes / load_s / 1e9, "rank0_streams": ring}
+            "staging_bytes": region, "store_s": store_s, "load_s": load_s, "lookup_s": lookup_s,
+            "after_lookup_s": load_s - lookup_s, "load_steps": steps, "matched_tokens": matched,
+            "load_gb_s": nbytes / load_s / 1e9, "after_lookup_gb_s": nbytes / (load_s - lookup_s) / 1e9,
+            "rank0_streams": ring}
 
 
 def _median_row(runs: list[dict]) -> dict:
     loads = [r["load_s"] for r in runs]
     stores = [r["store_s"] for r in runs]
     return {"staging_mib": runs[0]["staging_bytes"] / MIB, "load_s_median": statistics.median(loads),
+            "lookup_s_median": statistics.median(r["lookup_s"] for r in runs),
+            "after_lookup_s_median": statistics.median(r["after_lookup_s"] for r in runs),
+            "after_lookup_gb_s_median": statistics.median(r["after_lookup_gb_s"] for r in runs),
             "load_s_min": min(loads), "load_s_max": max(loads), "store_s_median": statistics.median(stores),
             "store_s_min": min(stores), "store_s_max": max(stores),
             "load_gb_s_median": statistics.median(r["load_gb_s"] for r in runs),
@@ -131,8 +139,9 @@ def main() -> int:
                     r = one(mode, tp, args.chunks, args.chunk_tokens, args.ring_div, args.threads)
                     assert r["matched_tokens"] == args.chunks * args.chunk_tokens, r
                     runs[mode].append(r)
-                    print(f"  rep {rep} TP={tp} {mode}: load {r['load_s']:.3f} s ({r['load_gb_s']:.2f} GB/s), "
-                          f"store {r['store_s']:.2f} s", flush=True)
+                    print(f"  rep {rep} TP={tp} {mode}: load {r['load_s']:.3f} s ({r['load_gb_s']:.2f} GB/s; lookups "
+                          f"{r['lookup_s']:.3f} s, then {r['after_lookup_s']:.3f} s), store {r['store_s']:.2f} s",
+                          flush=True)
             row: dict = {"tp": tp, "prompt_mib": runs[modes[0]][0]["prompt_bytes"] / MIB,
                          "modes": {m: _median_row(rs) for m, rs in runs.items()}, "runs": runs}
             if set(modes) == {"staged", "leased"}:
@@ -142,9 +151,12 @@ def main() -> int:
                     a["load_s"] / b["load_s"] for a, b in zip(runs["leased"], runs["staged"]))
             results.append(row)
             for m, s in row["modes"].items():
+                # "staged" copies from staging in the step its lookups HIT: its "then" is ~0
+                stream = f" = {s['after_lookup_gb_s_median']:.2f} GB/s" if m == "leased" else ""
                 print(f"TP={tp} {m}: prompt {row['prompt_mib']:.0f} MiB, staging {s['staging_mib']:.0f} MiB: load "
                       f"(restarted engine) {s['load_s_median']:.3f} s ({s['load_s_min']:.3f}-{s['load_s_max']:.3f}) "
-                      f"= {s['load_gb_s_median']:.2f} GB/s; store {s['store_s_median']:.2f} s", flush=True)
+                      f"= {s['load_gb_s_median']:.2f} GB/s (lookups {s['lookup_s_median']:.3f} s, then "
+                      f"{s['after_lookup_s_median']:.3f} s{stream}); store {s['store_s_median']:.2f} s", flush=True)
             if "leased_over_staged_load" in row:
                 print(f"TP={tp} leased/staged load: {row['leased_over_staged_load']:.2f} (medians), "
                       f"{row['leased_over_staged_load_per_rep_median']:.2f} (median of per-rep ratios)", flush=True)
