@@ -235,8 +235,9 @@ class StreamingTransfers:
         self.store_ring.close()
         for name, _ in self._threads:
             self._queues[name].put(None)
+        deadline = time.monotonic() + timeout_s  # one bound for all the threads, not one each
         for _, t in self._threads:
-            t.join(timeout_s)
+            t.join(max(0.0, deadline - time.monotonic()))
 
     # -- threads ---------------------------------------------------------------------------------
 
