@@ -14,7 +14,10 @@ its ring of staging slots. Asserted with real `memkv serve` nodes and CPU tensor
 * a node stalled (SIGSTOP) between the lookup and the load that comes back within the retry
   window: the load succeeds, byte-exact;
 * a corrupt value (a byte flipped on its way into the node): it never reaches the GPU tensors,
-  the engine fails loudly naming it, and the value is purged (a restarted engine recomputes).
+  the engine fails loudly naming it, and the value is purged (a restarted engine recomputes);
+* vLLM's `reset_prefix_cache(reset_connector=True)` with a leased load in flight (its node
+  stalled): the flushed load completes byte-exact, its leases stay fenced until it is done
+  (0.33: on_reset_flushed; earlier: a few steps) and are released after it, none leaks.
 
 Every loop is bounded by the harness (steps and wall time); no assert on a duration.
 """
@@ -23,6 +26,7 @@ from __future__ import annotations
 
 import signal
 import threading
+import time
 import uuid
 
 import pytest
@@ -33,6 +37,7 @@ from memkv_vllm.direct.streaming import LoadFailed
 from tests.conformance import direct_harness as dh
 from tests.conformance.conftest import point_at
 from tests.conformance.test_memkv_tier import _sigstop
+from tests.faults.nodeops import metric_value, metrics_of
 from tests.faults.proxy import C2S, Fault, FaultProxy
 
 pytestmark = pytest.mark.conformance
@@ -212,3 +217,93 @@ def test_corrupt_value_never_reaches_the_gpu_fails_loudly_and_is_purged(monkeypa
             assert not restarted.manager.client.exists([flipped[0].keys[0]])[0], "the corrupt value was not purged"
             third = restarted.run(tag, tokens)
             assert third.matched_tokens == bad * g.block_size  # recomputed from the purged chunk on
+
+
+def test_reset_cache_with_a_leased_load_in_flight_loads_byte_exact_and_releases_every_lease(
+        monkeypatch, private_cluster, auth_key_hex, tmp_path):
+    """vLLM's reset_prefix_cache(reset_connector=True) while a load streams: the connector flushes
+    the job to the workers (wait(): the load is waited for, vllm-spec-api.md 4.3) and ignores its
+    report, so the manager fences the job's leases instead of releasing them under the stream
+    (0.33: until on_reset_flushed; earlier: RESET_FENCE_STEPS steps, which end after the flush's
+    wait returned). Asserted: every lease of the load is still held on the healthy node after the
+    reset, the flushed load's bytes are exact on every rank (harness), and no lease is left on
+    either node afterwards. 0.26+: the request goes on, the same engine loads the prompt again
+    byte-exact, and every value can then be deleted at once (a DELETE succeeds at once only for
+    a value nobody leases, docs/protocol.md section 12). 0.25: vLLM's own connector raises at the
+    next step of a request that lived across a reset (its stale job ids, whatever the spec;
+    docs/compatibility.md); the leases are released before that."""
+    import vllm
+
+    point_at(monkeypatch, private_cluster, auth_key_hex)
+    cfg = tmp_path / "memkv.yaml"
+    cfg.write_text("io_timeout_s: 0.5\ndown_for_s: 0.2\n")
+    monkeypatch.setenv("MEMKV_CONFIG", str(cfg))
+    g = dh.Geometry(world_size=2)
+    healthy, stalled = private_cluster
+    tokens = N_CHUNKS * g.block_size + 3
+    timer: list[threading.Timer] = []
+
+    def stall(engine: dh.DirectEngine, req: dh.Request, matched: int) -> None:
+        if matched and not timer:  # after the HIT, before the load job: the load will be in flight
+            _sigstop(stalled)
+            timer.append(threading.Timer(1.5, stalled.signal, (signal.SIGCONT,)))
+
+    def leases() -> float:
+        return sum(metric_value(metrics_of(n), "memkv_node_leases") for n in private_cluster)
+
+    def controls_done(m) -> None:
+        for _ in range(500):  # bounded: the control thread runs the releases and renewals queued
+            if all(f.done() for f in m._ctl_futures):
+                return
+            time.sleep(0.01)
+        raise AssertionError("lease control still running after 5 s")
+
+    with dh.DirectEngine(g, dh.direct_config(load_retry_s=30.0, load_guarantee="leased")) as engine:
+        m = engine.manager
+        tag, _ = _tag_with_chunk_on(engine, stalled.address)
+        engine.run(tag, tokens)
+        value_keys = [vk for k in dh.prompt_keys(tag, N_CHUNKS, g) for vk in m.keys.value_keys(k)]
+        engine.before_alloc = stall
+        req = engine.add_request(tag, tokens)
+        try:
+            engine.run_until(lambda: engine.load_jobs >= 1, what="the load job")
+            engine.before_alloc = None
+            assert timer, "the lookup should have matched"
+            workers = [w.connector_worker.worker for w in engine.workers]
+            assert all(w._jobs for w in workers), "the load should be in flight at the reset"
+            assert req.status.name == "WAITING_FOR_REMOTE_KVS"
+            assert engine.connector.reset_cache() in (True, None)
+            assert not m._held and m._lease_fence, "the in-flight load's leases should be fenced, not released"
+            controls_done(m)
+            ours = sum(m.client.owner(vk).name == healthy.address for vk in value_keys)
+            assert metric_value(metrics_of(healthy), "memkv_node_leases") == ours, "a lease ended under the load"
+            timer[0].start()  # the node comes back within load_retry_s: the flushed load completes
+            engine.run_until(lambda: req.status.name == "WAITING", timeout_s=60,
+                             what="the flushed load")  # its bytes are checked on every rank by the harness
+        finally:
+            for t in timer:
+                t.cancel() if not t.is_alive() else t.join(10)
+            stalled.signal(signal.SIGCONT)
+        assert req.loaded_blocks == N_CHUNKS * g.blocks_per_chunk
+        assert not any(w._jobs for w in workers)
+        if vllm.__version__.startswith("0.25."):
+            with pytest.raises(KeyError):  # vLLM 0.25: the request's job ids died with the reset
+                engine.step()  # ... after on_schedule_end ended the fence
+            assert not m._lease_fence and not m._held
+            controls_done(m)
+            assert leases() == 0, f"{leases():g} lease(s) left on the nodes"
+            return
+        engine.run_until(lambda: req.is_finished(), timeout_s=60, what="the request after its load")
+        engine.run_until_idle(timeout_s=60)
+        engine.run_until(lambda: not m._lease_fence, what="the fenced leases")
+        assert not m._held
+        controls_done(m)
+        assert leases() == 0, f"{leases():g} lease(s) of the flushed load left on the nodes"
+        again = engine.run(tag, tokens, timeout_s=60)
+        assert again.matched_tokens == N_CHUNKS * g.block_size
+        assert again.loaded_blocks == N_CHUNKS * g.blocks_per_chunk  # byte-exact on every rank (harness)
+        engine.run_until_idle(timeout_s=60)
+        assert not m._held and not m._lease_fence
+        controls_done(m)
+        deleted = m.client.delete(value_keys)
+        assert all(deleted), f"{deleted.count(False)} of {len(deleted)} values still leased (or gone)"

@@ -109,8 +109,8 @@ def test_a_failed_fetch_is_retried_into_a_fresh_slot_and_the_failed_one_stays_qu
     def section(slot: int) -> memoryview:
         return memoryview(region)[slot * 8 : slot * 8 + 8]
 
-    def copy(job, chunk, slot, to_staging):
-        filled.append(slot)
+    def copy(items, to_staging):
+        filled.extend(slot for _, _, slot in items)
 
     t = StreamingTransfers(Client(), 0, section, 4, copy, blocks_per_op=1, load_retry_s=5.0,
                            load_failure_grace_s=60.0, clock=clock)

@@ -130,7 +130,9 @@ class MemKVDirectManager(OffloadingManager):
         self._fence: list[tuple[int, list[_Entry]]] = []  # (steps left, entries) after reset_cache
         # Grace 0: a failed prefetch is reported at once (its lookup answers MISS now); what may
         # still land late is handled per slot here (_late), not by withholding the result.
-        self._pool = TransferPool(settings.n_read_threads, settings.n_write_threads, 0.0)
+        # "leased" moves no value bytes on this side (the workers do, with these thread counts).
+        self._pool = None if settings.leased else TransferPool(settings.n_read_threads, settings.n_write_threads,
+                                                               0.0)
         self._late: list[tuple[float, int]] = []  # (release time, slot): failed RDMA prefetches
         self._lookup = self._open_lookup()
         self._step_yield_s = settings.step_yield_ms / 1000.0
@@ -422,6 +424,8 @@ class MemKVDirectManager(OffloadingManager):
         return TaskResult(ok, may_land_late=result.may_land_late)
 
     def _drain(self) -> None:
+        if self._pool is None:  # "leased": no transfer pool on this side (LeasedDirectManager)
+            return
         if self._late:
             now = self._clock()
             due = [slot for t, slot in self._late if t <= now]
@@ -614,7 +618,8 @@ class MemKVDirectManager(OffloadingManager):
             return
         self._closed = True
         self._lookup.shutdown()
-        self._pool.shutdown()
+        if self._pool is not None:
+            self._pool.shutdown()
         self.client.close()
         self._flat = None
         if self._region is not None:
@@ -622,7 +627,7 @@ class MemKVDirectManager(OffloadingManager):
 
 
 # -------------------------------------------------------------------------------------------------
-# load_guarantee "leased" (the default)
+# load_guarantee "leased" (opt-in)
 # -------------------------------------------------------------------------------------------------
 
 
@@ -898,8 +903,10 @@ class LeasedDirectManager(MemKVDirectManager):
 
     def on_request_finished(self, req_context) -> None:
         rid = req_context.req_id
-        dropped = [k for k in self._lookup.cleanup(rid) if k not in self._held]
-        if dropped:  # leased by a probe, never answered as a HIT: nobody holds them
+        fenced = {k for _, keys in self._lease_fence for k in keys}
+        dropped = [k for k in self._lookup.cleanup(rid) if k not in self._held and k not in fenced]
+        if dropped:  # leased by a probe, never answered as a HIT: nobody holds them (a load
+            # flushed by reset_cache still streams under the fenced ones: the fence releases them)
             self._release_values([vk for k in dropped for vk in self.keys.value_keys(k)])
         self._unref(rid, keep=self._pinned_keys(rid))
 

@@ -3,9 +3,28 @@
 Each worker (one per TP rank) moves its own rank's values: a load job fetches them from MemKV
 into free slots of its ring, the client verifies each value (whole, exact length, checksum) and
 only then are the bytes copied to the job's GPU blocks; a store job copies GPU blocks into free
-slots and puts them. Two threads per direction, so the network and the copies overlap: while
-chunk i is copied, chunk i+1 is fetched (or put). A job of any length streams through the ring,
-which never grows: staging stays `staging_mb` whatever the prompt.
+slots and puts them. A job of any length streams through the ring, which never grows: staging
+stays `staging_mb` whatever the prompt.
+
+Threads, per direction (so the network and the copies overlap, and several requests are on the
+network at once):
+
+  loads   one dispatcher ("fetch"): takes free load slots, up to `load_batch` chunks at a time,
+          and hands (chunks, slots) to the fetch pool; `n_fetch` fetch threads: one
+          `batch_load_into` each, retried as below; one copy thread ("scatter"): takes every
+          fetched batch that is ready, queues all their GPU copies at once and waits for them
+          once (CUDA: one event on the side stream), then gives the slots back.
+  stores  one copy thread ("gather"): takes up to `blocks_per_op` free store slots, copies that
+          many chunks out of the GPU (one wait), hands them in batches of `store_batch` to
+          `n_put` put threads (`batch_put_views` each), which give the slots back.
+
+While chunks i.. are copied, chunks i+1.. are fetched (or put) by the other threads. A job
+completes only when every batch of it is done (loads: copied to the GPU; stores: put returned)
+and its dispatcher is past its last chunk; jobs complete in any order (vLLM consumes
+`get_finished` per job id, every release). `n_fetch` and `n_put` are the `n_read_threads` and
+`n_write_threads` keys, capped at the slots of their half of the ring (a thread beyond that
+could never hold a slot); a batch is sized so that half of a direction's slots can be on the
+network while the other half is copied: `max(1, min(blocks_per_op, slots // (2 * threads)))`.
 
 The ring. Rank r's ring is section r of every slot of the engine's staging region (staging.py):
 ranks never share bytes, and the region stays pinned once. The first half of the slots serves
@@ -16,19 +35,22 @@ rank's value at lookup time, so while its node lives the bytes are there and unc
 that fails (a connection reset, a stalled or restarting node, a checksum mismatch on the wire)
 is retried with backoff until `load_retry_s` has passed since the batch's first attempt. Past
 that the values that failed are deleted (a purge: a corrupt value must not fail the restarted
-engine again; on its node the delete takes effect once the leases end) and the job fails loudly: `get_finished()` (or `wait()`) raises LoadFailed naming the rank,
-the key, the node and its last error, and nothing of the failed chunk reaches the GPU -- an
-unverified or partial value is never copied. Quarantine: a slot whose fetch failed is reused
-only after the fetch returned (TCP: `batch_load_into` returns once its receiving threads have;
-RDMA, where a node may still WRITE after the client gave up: `load_failure_grace_s` later).
+engine again; on its node the delete takes effect once the leases end) and the job fails
+loudly: `get_finished()` (or `wait()`) raises LoadFailed naming the rank, the key, the node and
+its last error, and nothing of the failed chunk reaches the GPU -- an unverified or partial
+value is never copied, and once a job has failed no later batch of it is copied either.
+Quarantine: a slot whose fetch failed is reused only after the fetch returned (TCP:
+`batch_load_into` returns once its receiving threads have; RDMA, where a node may still WRITE
+after the client gave up: `load_failure_grace_s` later; a fetch that raised: the same grace).
 
 Stores are best effort (a failed put is a future MISS: lookups lease, so a value that is not on
 its node is never claimed). `wait()` of a store job stops it from copying further chunks (they
 are shed and counted) and returns once no copy touches its GPU blocks; puts of chunks already
 copied finish on their own.
 
-Threading: submit/get_finished/wait/shutdown on the worker's connector thread; the four
-threads below own their queues' items. `_lock` guards `_done` and the counters.
+Threading: submit/get_finished/wait/shutdown on the worker's connector thread; each pool thread
+owns the items it took from its queue (their slots until it gives them back or passes them on).
+`_lock` guards `_done`, every job's `pending` and the counters.
 """
 
 from __future__ import annotations
@@ -121,7 +143,7 @@ class Chunk:
 
 class Job:
     __slots__ = ("job_id", "load", "chunks", "event", "started", "error", "cancelled", "copies_done", "done",
-                 "nbytes", "shed", "failed_puts")
+                 "nbytes", "shed", "failed_puts", "pending")
 
     def __init__(self, job_id: int, load: bool, chunks: list[Chunk], event: Any, nbytes: int) -> None:
         self.job_id = job_id
@@ -136,18 +158,29 @@ class Job:
         self.nbytes = nbytes
         self.shed = 0
         self.failed_puts = 0
+        self.pending = 1  # batches in flight, +1 while its dispatcher (loads) / gather (stores) runs
+
+
+# copy(items, to_staging): every (job, chunk, slot) of `items` between its GPU blocks and its slot,
+# returning once all of them are complete (CUDA: queued on the side stream, one wait).
+CopyBatch = Callable[[list[tuple[Job, Chunk, int]], bool], None]
+
+
+def batch_size(blocks_per_op: int, slots: int, threads: int) -> int:
+    """Chunks per fetch (put): half of a direction's slots on the network, `threads` at once."""
+    return max(1, min(blocks_per_op, slots // (2 * threads)))
 
 
 class StreamingTransfers:
-    """The four threads and two rings of one worker (see the module docstring).
+    """The threads and two rings of one worker (see the module docstring).
 
-    `section(slot)` is this rank's writable view of a slot; `copy(job, chunk, slot, to_staging)`
-    moves one chunk between the GPU and a slot and returns once the copy is complete."""
+    `section(slot)` is this rank's writable view of a slot; `copy(items, to_staging)` moves a
+    batch of chunks between the GPU and their slots and returns once every copy is complete."""
 
     def __init__(self, client: Any, rank: int, section: Callable[[int], memoryview], num_slots: int,
-                 copy: Callable[[Job, Chunk, int, bool], None], blocks_per_op: int, load_retry_s: float,
-                 load_failure_grace_s: float, on_thread_start: Callable[[], None] = lambda: None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 copy: CopyBatch, blocks_per_op: int, load_retry_s: float, load_failure_grace_s: float,
+                 on_thread_start: Callable[[], None] = lambda: None, clock: Callable[[], float] = time.monotonic,
+                 fetch_threads: int = 1, put_threads: int = 1) -> None:
         self.client = client
         self.rank = rank
         self._section = section
@@ -159,24 +192,35 @@ class StreamingTransfers:
         n_load = max(1, num_slots // 2)
         self.load_ring = SlotRing(list(range(n_load)), clock)
         self.store_ring = SlotRing(list(range(n_load, num_slots)), clock)
+        self.n_fetch = max(1, min(fetch_threads, self.load_ring.size))
+        self.n_put = max(1, min(put_threads, max(1, self.store_ring.size)))
+        self.load_batch = batch_size(blocks_per_op, self.load_ring.size, self.n_fetch)
+        self.store_batch = batch_size(blocks_per_op, self.store_ring.size, self.n_put)
         self._lock = threading.Lock()
         self._done: list[Job] = []
         self.retries = 0
         self.shed = 0
         self.failed_puts = 0
+        self.copy_waits = 0  # copy batches waited for (one synchronize each), both directions
         self._queues: dict[str, queue.SimpleQueue[Any]] = {n: queue.SimpleQueue() for n in
-                                                             ("fetch", "scatter", "gather", "put")}
+                                                             ("dispatch", "fetch", "scatter", "gather", "put")}
         self._on_thread_start = on_thread_start
-        self._threads = [threading.Thread(target=self._loop, args=(name, fn), name=f"memkv-direct-{name}", daemon=True)
-                         for name, fn in (("fetch", self._fetch_job), ("scatter", self._scatter),
-                                          ("gather", self._gather_job), ("put", self._put))]
-        for t in self._threads:
+        plan = [("dispatch", self._dispatch_job, 1), ("fetch", self._fetch_batch, self.n_fetch),
+                ("scatter", None, 1), ("gather", self._gather_job, 1), ("put", self._put, self.n_put)]
+        self._threads: list[tuple[str, threading.Thread]] = []
+        for name, fn, n in plan:
+            for k in range(n):
+                target = self._scatter_loop if fn is None else self._loop
+                args = () if fn is None else (name, fn)
+                self._threads.append((name, threading.Thread(target=target, args=args, daemon=True,
+                                                             name=f"memkv-direct-{name}-{k}")))
+        for _, t in self._threads:
             t.start()
 
     # -- connector thread ------------------------------------------------------------------------
 
     def submit(self, job: Job) -> None:
-        self._queues["fetch" if job.load else "gather"].put(job)
+        self._queues["dispatch" if job.load else "gather"].put(job)
 
     def take_done(self) -> list[Job]:
         with self._lock:
@@ -189,10 +233,11 @@ class StreamingTransfers:
     def shutdown(self, timeout_s: float = 5.0) -> None:
         self.load_ring.close()
         self.store_ring.close()
-        for q in self._queues.values():
-            q.put(None)
-        for t in self._threads:
-            t.join(timeout_s)
+        for name, _ in self._threads:
+            self._queues[name].put(None)
+        deadline = time.monotonic() + timeout_s  # one bound for all the threads, not one each
+        for _, t in self._threads:
+            t.join(max(0.0, deadline - time.monotonic()))
 
     # -- threads ---------------------------------------------------------------------------------
 
@@ -204,37 +249,73 @@ class StreamingTransfers:
             if item is None:
                 return
             try:
-                fn(item)
-            except Exception as exc:  # a bug must fail the job loudly, never hang it
-                job = item if isinstance(item, Job) else item[0]
+                fn(item)  # settles what it took: slots given back or passed on, job.pending
+            except Exception:  # the job already failed (_internal_error); keep the thread alive
                 log.exception("MemKV direct mode: %s thread failed", name)
-                job.error = job.error or f"MemKV direct mode: rank {self.rank}: internal error in {name}: {exc!r}"
-                self._finish(job)
 
-    def _finish(self, job: Job) -> None:
-        if job.done.is_set():
-            return
-        job.copies_done.set()
+    def _internal_error(self, job: Job, where: str, exc: BaseException) -> None:
+        """A bug must fail the job loudly, never hang it: set before the job is settled."""
+        job.error = job.error or f"MemKV direct mode: rank {self.rank}: internal error in {where}: {exc!r}"
+
+    def _settle(self, job: Job) -> None:
+        """One batch of `job` (or its dispatcher) is done; the last one completes the job."""
         with self._lock:
-            self._done.append(job)
-        job.done.set()
+            job.pending -= 1
+            last = job.pending == 0
+        if last:
+            job.copies_done.set()
+            with self._lock:
+                self._done.append(job)
+            job.done.set()
 
-    def _fetch_job(self, job: Job) -> None:
+    def _hand(self, name: str, job: Job, batch: list[Chunk], slots: list[int]) -> None:
+        with self._lock:
+            job.pending += 1
+        self._queues[name].put((job, batch, slots))
+
+    # loads: dispatch -> fetch (n_fetch threads) -> scatter
+
+    def _dispatch_job(self, job: Job) -> None:
         chunks = job.chunks
         i = 0
-        while i < len(chunks) and job.error is None:
-            slots = self.load_ring.take(min(self._step, len(chunks) - i))
-            if not slots:  # closed: shutting down
-                job.error = f"MemKV direct mode: rank {self.rank}: worker shut down with a load in flight"
-                break
-            batch = chunks[i : i + len(slots)]
-            slots = self._fetch(job, batch, slots)
-            if job.error is not None:
-                self.load_ring.give(slots)
-                break
-            self._queues["scatter"].put((job, batch, slots))
-            i += len(batch)
-        self._queues["scatter"].put((job, None, None))  # after its batches: the job's end
+        try:
+            while i < len(chunks) and job.error is None:
+                slots = self.load_ring.take(min(self.load_batch, len(chunks) - i))
+                if not slots:  # closed: shutting down
+                    job.error = f"MemKV direct mode: rank {self.rank}: worker shut down with a load in flight"
+                    break
+                batch = chunks[i : i + len(slots)]
+                self._hand("fetch", job, batch, slots)
+                i += len(batch)
+        except Exception as exc:
+            self._internal_error(job, "dispatch", exc)
+            raise
+        finally:
+            self._settle(job)
+
+    def _fetch_batch(self, item: tuple[Job, list[Chunk], list[int]]) -> None:
+        job, batch, slots = item
+        if job.error is not None:  # an earlier batch failed: the job is over, fetch nothing more
+            self.load_ring.give(slots)
+            self._settle(job)
+            return
+        try:
+            keep = self._fetch(job, batch, slots)
+        except BaseException as exc:
+            # The fetch raised (a bug, or the client closed under it): whatever it may still
+            # write, its slots come back only after the grace.
+            until = self._clock() + self._grace_s
+            for s in slots:
+                if s >= 0:
+                    self.load_ring.quarantine(s, until)
+            self._internal_error(job, "fetch", exc)
+            self._settle(job)
+            raise
+        if job.error is not None:
+            self.load_ring.give(keep)
+            self._settle(job)
+            return
+        self._queues["scatter"].put((job, batch, keep))  # job.pending passes on with the item
 
     def _fetch(self, job: Job, batch: list[Chunk], slots: list[int]) -> list[int]:
         """Fetch `batch` into `slots`, retrying what failed until load_retry_s; returns the slots
@@ -249,22 +330,28 @@ class StreamingTransfers:
             failed = [j for j, ok in zip(pending, result.ok) if not ok]
             if not failed:
                 return slots
-            if result.may_land_late:  # a node may still WRITE into these slots
+            if result.may_land_late:  # a node may still WRITE into these slots: each retry takes another
+                until = self._clock() + self._grace_s
                 for j in failed:
-                    self.load_ring.quarantine(slots[j], self._clock() + self._grace_s)
-                    more = self.load_ring.take(1, timeout_s=max(0.0, deadline - self._clock()))
+                    self.load_ring.quarantine(slots[j], until)
+                    slots[j] = -1
+                for j in failed:
+                    wait_s = 0.0 if job.error is not None else max(0.0, deadline - self._clock())
+                    more = self.load_ring.take(1, timeout_s=wait_s)
                     if not more:
-                        job.error = self._failure(batch[j].key, attempts, "no staging slot left out of quarantine")
-                        return [s for k, s in enumerate(slots) if k not in failed]
+                        job.error = job.error or self._failure(batch[j].key, attempts,
+                                                               "no staging slot left out of quarantine")
+                        return [s for s in slots if s >= 0]
                     slots[j] = more[0]
             left = deadline - self._clock()
-            if left <= 0:
-                job.error = self._failure(batch[failed[0]].key, attempts, None)
-                # Purge what failed (a DELETE of a leased value takes effect when its leases end),
-                # so that a corrupt value makes the restarted engine recompute, not fail again.
-                # A node that is down answers False: nothing lost.
-                self.client.delete([batch[j].key for j in failed])
-                return [s for k, s in enumerate(slots) if not (result.may_land_late and k in failed)]
+            if left <= 0 or job.error is not None:  # out of time, or another batch of the job failed
+                if job.error is None:
+                    job.error = self._failure(batch[failed[0]].key, attempts, None)
+                    # Purge what failed (a DELETE of a leased value takes effect when its leases
+                    # end), so that a corrupt value makes the restarted engine recompute, not fail
+                    # again. A node that is down answers False: nothing lost.
+                    self.client.delete([batch[j].key for j in failed])
+                return slots  # over RDMA the failed ones were quarantined and replaced above
             with self._lock:
                 self.retries += len(failed)
             time.sleep(min(backoff, left))
@@ -281,18 +368,43 @@ class StreamingTransfers:
                 f"leased at lookup and vLLM cannot recompute a chunk it committed to load, so the engine stops "
                 f"here rather than copy unverified bytes to the GPU (docs/direct-mode.md, 'Residual risk').")
 
-    def _scatter(self, item: tuple[Job, list[Chunk] | None, list[int] | None]) -> None:
-        job, batch, slots = item
-        if batch is None:
-            self._finish(job)
-            return
-        assert slots is not None
+    def _scatter_loop(self) -> None:
+        """Copies every fetched batch that is ready in one go (one wait), so a ring of
+        single-chunk fetches does not cost one synchronize per chunk."""
+        self._on_thread_start()
+        q = self._queues["scatter"]
+        while True:
+            items = [q.get()]
+            # Bounded: every item holds at least one load slot.
+            while items[-1] is not None and len(items) <= self.load_ring.size:
+                try:
+                    items.append(q.get_nowait())
+                except queue.Empty:
+                    break
+            stop = items[-1] is None
+            ready = [item for item in items if item is not None]
+            if ready:
+                self._scatter(ready)
+            if stop:
+                return
+
+    def _scatter(self, items: list[tuple[Job, list[Chunk], list[int]]]) -> None:
+        todo = [(job, c, s) for job, batch, slots in items if job.error is None for c, s in zip(batch, slots)]
         try:
-            if job.error is None:
-                for chunk, slot in zip(batch, slots):
-                    self._copy(job, chunk, slot, False)
+            if todo:
+                self._copy(todo, False)
+                with self._lock:
+                    self.copy_waits += 1
+        except Exception as exc:  # a bug must fail the jobs loudly, never hang them
+            log.exception("MemKV direct mode: scatter thread failed")
+            for job, _, _ in items:
+                job.error = job.error or f"MemKV direct mode: rank {self.rank}: internal error in scatter: {exc!r}"
         finally:
-            self.load_ring.give(slots)
+            for job, _, slots in items:
+                self.load_ring.give(slots)
+                self._settle(job)
+
+    # stores: gather -> put (n_put threads)
 
     def _gather_job(self, job: Job) -> None:
         chunks = job.chunks
@@ -308,32 +420,38 @@ class StreamingTransfers:
                     break
                 batch = chunks[i : i + len(slots)]
                 try:
-                    for chunk, slot in zip(batch, slots):
-                        self._copy(job, chunk, slot, True)
+                    self._copy([(job, c, s) for c, s in zip(batch, slots)], True)
                 except BaseException:
                     self.store_ring.give(slots)
                     raise
-                self._queues["put"].put((job, batch, slots))
+                with self._lock:
+                    self.copy_waits += 1
+                sb = self.store_batch
+                for lo in range(0, len(batch), sb):
+                    self._hand("put", job, batch[lo : lo + sb], slots[lo : lo + sb])
                 i += len(batch)
+        except Exception as exc:
+            self._internal_error(job, "gather", exc)
+            raise
         finally:
             job.copies_done.set()
             if job.shed:
                 with self._lock:
                     self.shed += job.shed
-            self._queues["put"].put((job, None, None))
+            self._settle(job)
 
-    def _put(self, item: tuple[Job, list[Chunk] | None, list[int] | None]) -> None:
+    def _put(self, item: tuple[Job, list[Chunk], list[int]]) -> None:
         job, batch, slots = item
-        if batch is None:
-            self._finish(job)
-            return
-        assert slots is not None
         try:
             stored = self.client.batch_put_views([(c.key, self._section(s)) for c, s in zip(batch, slots)])
+        except Exception:
+            stored = [False] * len(batch)
+            log.exception("MemKV direct mode: a put failed")
         finally:
             self.store_ring.give(slots)
         bad = len(stored) - sum(stored)
         if bad:
-            job.failed_puts += bad
             with self._lock:
+                job.failed_puts += bad
                 self.failed_puts += bad
+        self._settle(job)

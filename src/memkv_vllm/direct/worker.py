@@ -1,9 +1,10 @@
 """`MemKVDirectWorker`: the worker side of direct mode.
 
-load_guarantee "leased" (the default): the worker moves its own rank's values itself, streaming
+load_guarantee "leased" (opt-in): the worker moves its own rank's values itself, streaming
 them through its ring of staging slots (memkv_vllm.direct.streaming): a load job fetches each
-chunk's value (leased by the scheduler at lookup, verified by the client) and copies it to the
-GPU blocks; a store job copies GPU blocks into slots and puts them. A job of any length fits.
+chunk's value (leased by the scheduler at lookup, verified by the client; `n_read_threads`
+fetch threads) and copies it to the GPU blocks; a store job copies GPU blocks into slots and
+puts them (`n_write_threads` put threads). A job of any length fits.
 
 load_guarantee "staged": copies only, never the network. A store job copies this rank's GPU
 blocks of each chunk into this rank's section of the chunk's staging slot; a load job copies
@@ -20,7 +21,10 @@ layer refs 0..L-1 with page sizes p_i, ref i's `blocks_per_chunk` pages are cont
 
 GPU ordering: a job's copies run on this worker's side stream, which first waits on the
 stream that was current at submit (the compute that wrote a store's blocks; pending zeroing of
-blocks re-allocated to a load). CPU tensors (the conformance suite) copy synchronously.
+blocks re-allocated to a load). "leased": a batch of chunks (every fetched chunk that is ready,
+or one gather of up to `blocks_per_op`) is queued on the direction's side stream at once and
+waited for with one event. CPU tensors (the conformance suite) copy synchronously, through the
+same batches.
 The staging region is mapped and host-registered with CUDA (pinned) once, in get_worker.
 
 Threading: every method is called by the worker's connector on one thread; "leased" jobs run on
@@ -103,26 +107,39 @@ class MemKVDirectWorker(OffloadingWorker):
             return flat[start : start + layout.value_bytes]
 
         st = self.settings
-        self._streams = StreamingTransfers(client, layout.rank, section, layout.num_slots, self._copy_chunk,
+        self._streams = StreamingTransfers(client, layout.rank, section, layout.num_slots, self._copy_batch,
                                            st.blocks_per_op, st.load_retry_s, st.load_failure_grace_s,
-                                           on_thread_start)
+                                           on_thread_start, fetch_threads=st.n_read_threads,
+                                           put_threads=st.n_write_threads)
+        log.info("MemKV direct mode: rank %d streams through %d load + %d store slot(s): %d fetch thread(s) of "
+                 "%d chunk(s), %d put thread(s) of %d chunk(s)", layout.rank, self._streams.load_ring.size,
+                 self._streams.store_ring.size, self._streams.n_fetch, self._streams.load_batch,
+                 self._streams.n_put, self._streams.store_batch)
 
-    def _copy_chunk(self, job: Job, chunk: Chunk, slot: int, to_staging: bool) -> None:
-        """One chunk between its GPU blocks and `slot`; returns once the copy is complete (the
-        slot is then reused). On CUDA: on this direction's side stream, after the compute that
-        was current when the job was submitted."""
+    def _copy_batch(self, items: list[tuple[Job, Chunk, int]], to_staging: bool) -> None:
+        """Every (job, chunk, slot) of `items` between the chunk's GPU blocks and the slot; returns
+        once all the copies are complete (the slots are then reused). On CUDA: queued together on
+        this direction's side stream, after the compute that was current when each job was
+        submitted, then one event waited for."""
         staging = self._staging
-        base = self.layout.section_offset(slot, self.layout.rank)
-        runs = [(t, b, n, page, base + off) for t, b, n, page, off in chunk.runs]
+        runs = []
+        for _, chunk, slot in items:
+            base = self.layout.section_offset(slot, self.layout.rank)
+            runs += [(t, b, n, page, base + off) for t, b, n, page, off in chunk.runs]
         if not self._cuda:
             self._copy(staging, runs, to_staging, non_blocking=False)
             return
         stream = self._store_stream if to_staging else self._load_stream
-        if job.event is not None:
-            stream.wait_event(job.event)
+        waited: set[int] = set()
+        for job, _, _ in items:
+            if job.event is not None and id(job) not in waited:
+                stream.wait_event(job.event)
+                waited.add(id(job))
         with torch.cuda.stream(stream):
             self._copy(staging, runs, to_staging, non_blocking=True)
-        stream.synchronize()
+            done = torch.cuda.Event()
+            done.record(stream)
+        done.synchronize()
 
     def _submit_streaming(self, job_id: int, gpu_spec, keys: list[bytes], load: bool) -> bool:
         chunks_runs = self._chunk_runs(gpu_spec, len(keys))
