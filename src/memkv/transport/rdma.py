@@ -31,7 +31,6 @@ connection; `_NotifInbox` has its own lock.
 
 from __future__ import annotations
 
-import collections
 import itertools
 import logging
 import struct
@@ -56,7 +55,6 @@ log = logging.getLogger("memkv.client")
 # before the client's read timeout.
 WINDOW_SHARE = 0.5
 ATTACH_TIMEOUT_S = 10.0  # at least this long for an RDMA_ATTACH reply (see _attach)
-_NOTIF_BACKLOG = 4096  # notifications kept for requests nobody waits for any more
 
 
 class RdmaRefused(RdmaError):
@@ -69,31 +67,154 @@ class RdmaRefused(RdmaError):
         self.connection_closed = connection_closed
 
 
+class _Ticket:
+    """One expected notification: `(peer, message)`; `arrived` once it came (`event` then set)."""
+
+    __slots__ = ("arrived", "event", "key")
+
+    def __init__(self, key: tuple[str, bytes]) -> None:
+        self.key = key
+        self.event = threading.Event()
+        self.arrived = False
+
+
 class _NotifInbox:
-    """Notifications of one agent, shared by every loading thread: each waits for its token."""
+    """Notifications of one agent, handed to the loading thread that waits for each.
 
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._arrived: collections.OrderedDict[tuple[str, bytes], None] = collections.OrderedDict()
+    A loader takes a ticket (`expect`) *before* it sends its RDMA_GET, so no notification of
+    its own can come before the inbox knows whom it belongs to; a notification with no ticket
+    (its loader gave up, a duplicate, another client's token) is dropped and counted in
+    `dropped`. `wait(ticket, deadline)` first reads NIXL itself, once, if no other thread is
+    reading at that moment (the common case: the notification is already there when the reply
+    arrives, and this costs one NIXL call, as before); otherwise it blocks on the ticket's
+    event, which releases the GIL until the inbox's thread (`memkv-rdma-notifs`, started on
+    the first blocked wait) sets it. That thread reads NIXL only while some loader is blocked
+    (polling from 20 us, backing off to 1 ms), and sleeps on a condition otherwise: an idle
+    client makes no NIXL calls. NIXL's getNotifs releases the GIL inside (nixl 1.5.1
+    bindings); the reads of notifications are serialised by `_reading`, never waited for by
+    a loader. `close()` wakes every blocked loader (their wait returns False) and joins the
+    thread."""
 
-    def wait(self, agent: NixlAgent, peer: str, notif: bytes, deadline: float) -> bool:
-        key = (peer, notif)
-        pause = 20e-6
+    POLL_MIN_S = 20e-6
+    POLL_MAX_S = 1e-3
+    JOIN_TIMEOUT_S = 5.0
+
+    def __init__(self, agent: NixlAgent) -> None:
+        self._agent = agent
+        self._cond = threading.Condition(threading.Lock())  # guards everything below
+        self._tickets: dict[tuple[str, bytes], _Ticket] = {}
+        self._blocked = 0  # loaders blocked in wait(): the thread reads NIXL while > 0
+        self._closed = False
+        self._thread: threading.Thread | None = None
+        self._reading = threading.Lock()  # one reader of NIXL's notifications at a time
+        self.dropped = 0  # notifications that had no ticket (late, duplicate, unknown)
+
+    def expect(self, peer: str, notif: bytes) -> _Ticket:
+        """A ticket for the notification `notif` from `peer`; take it before the request goes."""
+        ticket = _Ticket((peer, notif))
+        with self._cond:
+            if self._closed:
+                raise RdmaError("the RDMA transport is closed")
+            if ticket.key in self._tickets:  # tokens are unique per client: a bug, not a peer's doing
+                raise ValueError(f"a notification {notif!r} from {peer} is already expected")
+            self._tickets[ticket.key] = ticket
+        return ticket
+
+    def cancel(self, ticket: _Ticket) -> None:
+        """Give up a ticket (the request was never sent, or its reply failed)."""
+        with self._cond:
+            if self._tickets.get(ticket.key) is ticket:
+                del self._tickets[ticket.key]
+
+    def wait(self, ticket: _Ticket, deadline: float) -> bool:
+        """True once the ticket's notification arrived; False at `deadline` or on close. The
+        ticket is spent either way (a notification arriving after this is dropped)."""
+        try:
+            if not ticket.event.is_set() and self._reading.acquire(blocking=False):
+                try:
+                    self._read()
+                finally:
+                    self._reading.release()
+            if ticket.event.is_set():
+                return ticket.arrived
+            with self._cond:
+                if self._closed:
+                    return False
+                self._blocked += 1
+                if self._thread is None:
+                    self._thread = threading.Thread(target=self._run, name="memkv-rdma-notifs", daemon=True)
+                    self._thread.start()
+                self._cond.notify_all()
+            try:
+                ticket.event.wait(max(0.0, deadline - time.monotonic()))
+            finally:
+                with self._cond:
+                    self._blocked -= 1
+            return ticket.arrived
+        finally:
+            self.cancel(ticket)
+
+    def _read(self) -> int:
+        """Take NIXL's new notifications and wake their tickets; returns how many came. The
+        caller holds `_reading`."""
+        got = self._agent.take_notifs()
+        n = 0
+        if got:
+            with self._cond:
+                for sender, messages in got.items():
+                    for msg in messages:
+                        n += 1
+                        ticket = self._tickets.pop((sender, msg), None)
+                        if ticket is None:
+                            self.dropped += 1
+                            continue
+                        ticket.arrived = True
+                        ticket.event.set()
+        return n
+
+    def _run(self) -> None:
+        """The inbox's thread: reads NIXL while a loader is blocked, sleeps otherwise; ends on
+        close. A NIXL error is logged once and retried at the slowest pace (the waiters' own
+        deadlines bound what they lose)."""
+        pause = self.POLL_MIN_S
+        warned = False
         while True:
-            with self._lock:
-                if key not in self._arrived:
-                    for sender, messages in agent.take_notifs().items():
-                        for msg in messages:
-                            self._arrived[(sender, msg)] = None
-                    while len(self._arrived) > _NOTIF_BACKLOG:
-                        self._arrived.popitem(last=False)
-                if key in self._arrived:
-                    del self._arrived[key]
-                    return True
-            if time.monotonic() >= deadline:
-                return False
+            with self._cond:
+                while not self._blocked and not self._closed:
+                    self._cond.wait()
+                    pause = self.POLL_MIN_S
+                if self._closed:
+                    return
+            try:
+                with self._reading:
+                    came = self._read()
+            except RdmaError as exc:
+                (log.debug if warned else log.warning)("MemKV: reading RDMA notifications failed: %s", exc)
+                warned, came, pause = True, 0, self.POLL_MAX_S
+            if came:
+                pause = self.POLL_MIN_S
+                continue
             time.sleep(pause)
-            pause = min(2 * pause, 1e-3)
+            pause = min(2 * pause, self.POLL_MAX_S)
+
+    def close(self) -> None:
+        """Stop the thread and wake every blocked loader (their waits return False)."""
+        with self._cond:
+            self._closed = True
+            thread, self._thread = self._thread, None
+            tickets = list(self._tickets.values())
+            self._tickets.clear()
+            self._cond.notify_all()
+        for ticket in tickets:
+            ticket.event.set()  # arrived stays False
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(self.JOIN_TIMEOUT_S)
+            if thread.is_alive():
+                log.warning("MemKV: the RDMA notification thread did not stop within %.0f s", self.JOIN_TIMEOUT_S)
+
+    @property
+    def thread(self) -> threading.Thread | None:
+        return self._thread
 
 
 class RdmaTransport(Transport):
@@ -112,7 +233,7 @@ class RdmaTransport(Transport):
         self._latched: str | None = None
         self._attached: weakref.WeakKeyDictionary[NodeConnection, str] = weakref.WeakKeyDictionary()
         self._tokens = itertools.count(1)
-        self._inbox = _NotifInbox()
+        self._inbox: _NotifInbox | None = None  # with the agent
         self._warned = False
         self.register_ms: float | None = None  # how long NIXL took to register the pool
 
@@ -145,6 +266,7 @@ class RdmaTransport(Transport):
                 error = f"cannot register the pool: {exc}"
             else:
                 self._agent, self._pool, self._metadata = agent, pool, metadata
+                self._inbox = _NotifInbox(agent)
                 self.register_ms = took_ms
         if error is not None or agent is None:
             self._give_up(error or "no NIXL agent")
@@ -174,10 +296,10 @@ class RdmaTransport(Transport):
     def _unregister(self) -> None:
         """Undo a registration at startup (nothing was loaded over RDMA yet)."""
         with self._lock:
-            agent, pool = self._agent, self._pool
-            self._agent = self._pool = None
+            agent, pool, inbox = self._agent, self._pool, self._inbox
+            self._agent = self._pool = self._inbox = None
             self._attached = weakref.WeakKeyDictionary()  # a later registration attaches afresh
-        _release(agent, pool)
+        _release(agent, pool, inbox)
 
     def _give_up(self, reason: str) -> None:
         """RDMA cannot be set up: `rdma` refuses to start, `auto` latches to TCP."""
@@ -253,8 +375,8 @@ class RdmaTransport(Transport):
         """One RDMA_GET on one node. Per item: (loaded and verified, a write may still land)."""
         nodes = self._nodes
         n = len(keys)
-        agent = self._agent
-        if agent is None or not self.rdma_active:  # latched (or closed) meanwhile
+        inbox = self._inbox
+        if inbox is None or not self.rdma_active:  # latched (or closed) meanwhile
             return [(ok, False) for ok in self._tcp.get_into(keys, views)]
         io_timeout_s = nodes.io_timeout_s
         window_ms = max(1, min(p.MAX_RDMA_WINDOW_MS, int(io_timeout_s * 1000 * WINDOW_SHARE)))
@@ -264,22 +386,29 @@ class RdmaTransport(Transport):
             nodes.count_failure(node, "get", exc)
             return [(False, False)] * n
         sent = False
+        ticket = None
         t = time.perf_counter()
         try:
             peer = self._attach(conn)
+            # The ticket comes before the request: the notification cannot precede it.
             token = next(self._tokens)
+            ticket = inbox.expect(peer, struct.pack(">Q", token))
             conn.send(p.RdmaGetRequest(tuple(keys), tuple(len(v) for v in views), tuple(addrs), window_ms, token))
             sent = True
             reply = conn.read_reply()
             if not isinstance(reply, p.RdmaGetReply) or len(reply.items) != n:
                 raise RemoteProtocolError(f"{node.name}: RDMA_GET reply does not match the request")
         except RdmaRefused as exc:
+            if ticket is not None:
+                inbox.cancel(ticket)
             node.give_back(conn, exc if exc.connection_closed else None)  # else the connection is in step
             self._failed(str(exc))
             if self.mode == "auto":  # nothing was posted: these slots can take the TCP path now
                 return [(ok, False) for ok in self._tcp.get_into(keys, views)]
             return [(False, False)] * n
         except MemKVError as exc:
+            if ticket is not None:
+                inbox.cancel(ticket)  # a notification that still comes is dropped
             node.give_back(conn, exc)
             nodes.count_failure(node, "get", exc)
             if sent:
@@ -291,17 +420,22 @@ class RdmaTransport(Transport):
                 )
             return [(False, sent)] * n
         except BaseException as exc:
+            if ticket is not None:
+                inbox.cancel(ticket)
             node.give_back(conn, exc)
             raise
         node.give_back(conn)
+        assert ticket is not None  # taken before the request was sent
 
         notified = True
         if any(it.status == p.ItemStatus.OK for it in reply.items):
             try:
-                notified = self._inbox.wait(agent, peer, struct.pack(">Q", token), time.monotonic() + io_timeout_s)
+                notified = inbox.wait(ticket, time.monotonic() + io_timeout_s)
             except RdmaError as exc:
                 log.debug("%s", exc)
                 notified = False
+        else:  # nothing was written: no notification comes
+            inbox.cancel(ticket)
         out: list[tuple[bool, bool]] = []
         problem = None
         bad_sums = 0
@@ -350,19 +484,23 @@ class RdmaTransport(Transport):
     # -- shutdown ---------------------------------------------------------------------------------
 
     def close(self) -> None:
-        """Deregister the pool and drop the agent: after this no node can write into the pool
-        through this client's UCX endpoint (the client closed its connections first, so nodes
-        have already dropped its metadata)."""
+        """Stop the notification thread (a loader still waiting gets False), deregister the pool
+        and drop the agent: after this no node can write into the pool through this client's
+        UCX endpoint (the client closed its connections first, so nodes have already dropped
+        its metadata). Idempotent."""
         with self._lock:
-            agent, pool = self._agent, self._pool
-            self._agent = None
+            agent, pool, inbox = self._agent, self._pool, self._inbox
+            self._agent = self._pool = self._inbox = None
             if self._latched is None:
                 self._latched = "client closed"
-        _release(agent, pool)
+        _release(agent, pool, inbox)
 
 
-def _release(agent: NixlAgent | None, pool: Registration | None) -> None:
-    """Deregister the pool (if any) and close the agent (if any): a failure only logs."""
+def _release(agent: NixlAgent | None, pool: Registration | None, inbox: _NotifInbox | None = None) -> None:
+    """Stop the inbox's thread, deregister the pool (if any) and close the agent (if any): a
+    failure only logs."""
+    if inbox is not None:
+        inbox.close()  # before the agent goes: its thread calls into the agent
     if agent is None:
         return
     if pool is not None:
