@@ -173,6 +173,9 @@ def main() -> None:
     ap.add_argument("--compare", choices=("yield", "transport"), default="yield")
     ap.add_argument("--step-yield-ms", type=float, default=1.0, help="--compare transport: the tier's step_yield_ms")
     ap.add_argument("--ucx-tls", default="cma,tcp,self", help="--compare transport: UCX_TLS for RDMA (nodes and client)")
+    ap.add_argument("--warmup", type=int, default=None,
+                    help="unrecorded rounds of every setting first (default: 1 with --compare transport, else 0): "
+                         "the nodes register their buffers with NIXL the first time each is a write source")
     ap.add_argument("--breakdown", action="store_true", help="--compare transport: time the loaders' phases")
     ap.add_argument("--label", default="", help="free text stored in the JSON (e.g. which code ran)")
     ap.add_argument("--out", default=None, help="JSON path (default bench/out/busy_scheduler[_rdma].json)")
@@ -190,6 +193,8 @@ def main() -> None:
         os.environ.update({"UCX_TLS": ucx_tls_for_host(args.ucx_tls), "UCX_NET_DEVICES": "lo",
                            "NIXL_LOG_LEVEL": os.environ.get("NIXL_LOG_LEVEL", "WARN")})
         os.environ.setdefault("MEMKV_NIXL_PROGRESS_DELAY_US", "100")
+    # The nodes (`python -m memkv serve`) run this tree's code too, not whatever the venv installed.
+    os.environ["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), *filter(None, [os.environ.get("PYTHONPATH")])])
     geometry, nodes = start_tier_cluster(args.rows, parse_size(args.row_size, "--row-size"), 1.5, 64 << 20)
     base = {"type": "memkv", "n_read_threads": args.threads, "n_write_threads": args.threads,
             "lookup_timeout_s": args.timeout_s}
@@ -212,6 +217,12 @@ def main() -> None:
             first.finish_request(req)
             first.step()
             first.run_until_idle(timeout_s=300, max_steps=10**7, poll_s=0.001)
+        warmup = args.warmup if args.warmup is not None else (1 if transport else 0)
+        for _ in range(warmup):
+            for name, (tier_keys, tier_env) in settings.items():
+                with env(tier_env):
+                    r = promote_busy({**base, **tier_keys}, geometry, keys, payloads, args.timeout_s)
+                print(f"warm-up {name}: {r['seconds'] * 1000:8.1f} ms (not recorded)", flush=True)
         if breakdown is not None:
             breakdown.install()
         for rep in range(args.reps):

@@ -106,6 +106,7 @@ class RdmaResponder:
             # sync mode); the later attaches only count. Under `_lock`, so a last detach cannot
             # remove the peer between the lookup and the count.
             name = self._loaded.get(msg.metadata)
+            loaded = name is None
             if name is None:
                 try:
                     name = engine.add_peer(msg.metadata)
@@ -117,7 +118,7 @@ class RdmaResponder:
             self._peers[name] = self._peers.get(name, 0) + 1
         if old is not None:
             self.detach_peer(old)
-        log.info("RDMA: %s attached from %s", name, ctx.peer)
+        log.info("RDMA: %s attached from %s (%s)", name, ctx.peer, "metadata loaded" if loaded else "metadata already loaded")
         return p.RdmaAttachReply(p.RdmaAttachStatus.OK, engine.name)
 
     def get(self, ctx: RequestContext, msg: p.RdmaGetRequest) -> p.RdmaGetReply:

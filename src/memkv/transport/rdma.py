@@ -84,35 +84,35 @@ class _NotifInbox:
     A loader takes a ticket (`expect`) *before* it sends its RDMA_GET, so no notification of
     its own can come before the inbox knows whom it belongs to; a notification with no ticket
     (its loader gave up, a duplicate, another client's token) is dropped and counted in
-    `dropped`. `wait(ticket, deadline)` first reads NIXL itself, once, if no other thread is
-    reading at that moment (the common case: the notification is already there when the reply
-    arrives, and this costs one NIXL call, as before); otherwise it blocks on the ticket's
-    event, which releases the GIL until the inbox's thread (`memkv-rdma-notifs`, started on
-    the first blocked wait) sets it. That thread reads NIXL only while some loader is blocked
-    (polling from 20 us, backing off to 1 ms), and sleeps on a condition otherwise: an idle
-    client makes no NIXL calls. NIXL's getNotifs releases the GIL inside (nixl 1.5.1
-    bindings); the reads of notifications are serialised by `_reading`, never waited for by
-    a loader. `close()` wakes every blocked loader (their wait returns False) and joins the
-    thread."""
+    `dropped`. `wait(ticket, deadline)` reads NIXL's new notifications itself when no other
+    loader is reading at that moment (`_reading` is only ever tried, never waited for) and
+    wakes the tickets of every notification it read; otherwise, or when its own has not come
+    yet, it waits on its ticket's event, without the GIL, for 20 us doubling to 1 ms, and
+    tries again, until the deadline. So the common case (the notification is there when the
+    reply arrives) costs one NIXL call, and a loader never queues for the GIL while holding a
+    lock that other loaders wait on. NIXL's getNotifs releases the GIL inside (nixl 1.5.1).
+
+    Why no notification thread (measured, docs/performance.md "RDMA vs TCP under a busy
+    scheduler"): under a scheduler that holds the GIL, each hand-off between threads costs a
+    GIL acquisition (up to the 5 ms switch interval): a thread that reads and wakes the loader
+    needs three where the loader reading itself needs one, and its waits were 10x longer.
+    `close()` wakes every waiting loader (its wait returns False)."""
 
     POLL_MIN_S = 20e-6
     POLL_MAX_S = 1e-3
-    JOIN_TIMEOUT_S = 5.0
 
     def __init__(self, agent: NixlAgent) -> None:
         self._agent = agent
-        self._cond = threading.Condition(threading.Lock())  # guards everything below
+        self._lock = threading.Lock()  # guards _tickets, _closed, dropped; never held in NIXL
         self._tickets: dict[tuple[str, bytes], _Ticket] = {}
-        self._blocked = 0  # loaders blocked in wait(): the thread reads NIXL while > 0
         self._closed = False
-        self._thread: threading.Thread | None = None
-        self._reading = threading.Lock()  # one reader of NIXL's notifications at a time
+        self._reading = threading.Lock()  # one reader of NIXL's notifications at a time (only tried)
         self.dropped = 0  # notifications that had no ticket (late, duplicate, unknown)
 
     def expect(self, peer: str, notif: bytes) -> _Ticket:
         """A ticket for the notification `notif` from `peer`; take it before the request goes."""
         ticket = _Ticket((peer, notif))
-        with self._cond:
+        with self._lock:
             if self._closed:
                 raise RdmaError("the RDMA transport is closed")
             if ticket.key in self._tickets:  # tokens are unique per client: a bug, not a peer's doing
@@ -121,100 +121,64 @@ class _NotifInbox:
         return ticket
 
     def cancel(self, ticket: _Ticket) -> None:
-        """Give up a ticket (the request was never sent, or its reply failed)."""
-        with self._cond:
+        """Give up a ticket (the request was never sent, nothing was written, or it failed)."""
+        with self._lock:
             if self._tickets.get(ticket.key) is ticket:
                 del self._tickets[ticket.key]
 
+    @property
+    def expected(self) -> int:
+        """Tickets outstanding (for tests: 0 once every load has returned)."""
+        with self._lock:
+            return len(self._tickets)
+
     def wait(self, ticket: _Ticket, deadline: float) -> bool:
         """True once the ticket's notification arrived; False at `deadline` or on close. The
-        ticket is spent either way (a notification arriving after this is dropped)."""
+        ticket is spent either way (a notification arriving after this is dropped). Raises
+        RdmaError when NIXL fails to read notifications."""
+        pause = self.POLL_MIN_S
         try:
-            if not ticket.event.is_set() and self._reading.acquire(blocking=False):
-                try:
-                    self._read()
-                finally:
-                    self._reading.release()
-            if ticket.event.is_set():
-                return ticket.arrived
-            with self._cond:
-                if self._closed:
+            while True:  # bounded by the deadline
+                if ticket.event.is_set():
+                    return ticket.arrived
+                if self._reading.acquire(blocking=False):
+                    try:
+                        self._read()
+                    finally:
+                        self._reading.release()
+                    if ticket.event.is_set():
+                        return ticket.arrived
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
                     return False
-                self._blocked += 1
-                if self._thread is None:
-                    self._thread = threading.Thread(target=self._run, name="memkv-rdma-notifs", daemon=True)
-                    self._thread.start()
-                self._cond.notify_all()
-            try:
-                ticket.event.wait(max(0.0, deadline - time.monotonic()))
-            finally:
-                with self._cond:
-                    self._blocked -= 1
-            return ticket.arrived
+                ticket.event.wait(min(pause, remaining))  # set at once by whoever reads it
+                pause = min(2 * pause, self.POLL_MAX_S)
         finally:
             self.cancel(ticket)
 
-    def _read(self) -> int:
-        """Take NIXL's new notifications and wake their tickets; returns how many came. The
-        caller holds `_reading`."""
+    def _read(self) -> None:
+        """Take NIXL's new notifications and wake their tickets. The caller holds `_reading`."""
         got = self._agent.take_notifs()
-        n = 0
-        if got:
-            with self._cond:
-                for sender, messages in got.items():
-                    for msg in messages:
-                        n += 1
-                        ticket = self._tickets.pop((sender, msg), None)
-                        if ticket is None:
-                            self.dropped += 1
-                            continue
-                        ticket.arrived = True
-                        ticket.event.set()
-        return n
-
-    def _run(self) -> None:
-        """The inbox's thread: reads NIXL while a loader is blocked, sleeps otherwise; ends on
-        close. A NIXL error is logged once and retried at the slowest pace (the waiters' own
-        deadlines bound what they lose)."""
-        pause = self.POLL_MIN_S
-        warned = False
-        while True:
-            with self._cond:
-                while not self._blocked and not self._closed:
-                    self._cond.wait()
-                    pause = self.POLL_MIN_S
-                if self._closed:
-                    return
-            try:
-                with self._reading:
-                    came = self._read()
-            except RdmaError as exc:
-                (log.debug if warned else log.warning)("MemKV: reading RDMA notifications failed: %s", exc)
-                warned, came, pause = True, 0, self.POLL_MAX_S
-            if came:
-                pause = self.POLL_MIN_S
-                continue
-            time.sleep(pause)
-            pause = min(2 * pause, self.POLL_MAX_S)
+        if not got:
+            return
+        with self._lock:
+            for sender, messages in got.items():
+                for msg in messages:
+                    ticket = self._tickets.pop((sender, msg), None)
+                    if ticket is None:
+                        self.dropped += 1
+                        continue
+                    ticket.arrived = True
+                    ticket.event.set()
 
     def close(self) -> None:
-        """Stop the thread and wake every blocked loader (their waits return False)."""
-        with self._cond:
+        """Wake every waiting loader (their waits return False); later tickets are refused."""
+        with self._lock:
             self._closed = True
-            thread, self._thread = self._thread, None
             tickets = list(self._tickets.values())
             self._tickets.clear()
-            self._cond.notify_all()
         for ticket in tickets:
             ticket.event.set()  # arrived stays False
-        if thread is not None and thread is not threading.current_thread():
-            thread.join(self.JOIN_TIMEOUT_S)
-            if thread.is_alive():
-                log.warning("MemKV: the RDMA notification thread did not stop within %.0f s", self.JOIN_TIMEOUT_S)
-
-    @property
-    def thread(self) -> threading.Thread | None:
-        return self._thread
 
 
 class RdmaTransport(Transport):
@@ -484,7 +448,7 @@ class RdmaTransport(Transport):
     # -- shutdown ---------------------------------------------------------------------------------
 
     def close(self) -> None:
-        """Stop the notification thread (a loader still waiting gets False), deregister the pool
+        """Close the inbox (a loader still waiting gets False), deregister the pool
         and drop the agent: after this no node can write into the pool through this client's
         UCX endpoint (the client closed its connections first, so nodes have already dropped
         its metadata). Idempotent."""
@@ -497,10 +461,10 @@ class RdmaTransport(Transport):
 
 
 def _release(agent: NixlAgent | None, pool: Registration | None, inbox: _NotifInbox | None = None) -> None:
-    """Stop the inbox's thread, deregister the pool (if any) and close the agent (if any): a
+    """Close the inbox (if any), deregister the pool (if any) and close the agent (if any): a
     failure only logs."""
     if inbox is not None:
-        inbox.close()  # before the agent goes: its thread calls into the agent
+        inbox.close()  # before the agent goes: waiting loaders return instead of calling into it
     if agent is None:
         return
     if pool is not None:
