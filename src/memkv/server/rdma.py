@@ -118,7 +118,9 @@ class RdmaResponder:
             self._peers[name] = self._peers.get(name, 0) + 1
         if old is not None:
             self.detach_peer(old)
-        log.info("RDMA: %s attached from %s (%s)", name, ctx.peer, "metadata loaded" if loaded else "metadata already loaded")
+        log.info(
+            "RDMA: %s attached from %s (%s)", name, ctx.peer, "metadata loaded" if loaded else "metadata already loaded"
+        )
         return p.RdmaAttachReply(p.RdmaAttachStatus.OK, engine.name)
 
     def get(self, ctx: RequestContext, msg: p.RdmaGetRequest) -> p.RdmaGetReply:

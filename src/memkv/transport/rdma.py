@@ -92,11 +92,12 @@ class _NotifInbox:
     reply arrives) costs one NIXL call, and a loader never queues for the GIL while holding a
     lock that other loaders wait on. NIXL's getNotifs releases the GIL inside (nixl 1.5.1).
 
-    Why no notification thread (measured, docs/performance.md "RDMA vs TCP under a busy
-    scheduler"): under a scheduler that holds the GIL, each hand-off between threads costs a
-    GIL acquisition (up to the 5 ms switch interval): a thread that reads and wakes the loader
-    needs three where the loader reading itself needs one, and its waits were 10x longer.
-    `close()` wakes every waiting loader (its wait returns False)."""
+    Why no notification thread: one was built (it read NIXL while loaders slept on their
+    events) and measured in the same run as this inbox under a busy scheduler: no difference
+    (RDMA / TCP 0.90 vs 0.92, docs/performance.md "RDMA vs TCP under a busy scheduler"), and
+    under a scheduler that holds the GIL every hand-off between threads costs a GIL
+    acquisition (a thread that reads and wakes the loader needs three where the loader
+    reading itself needs one). `close()` wakes every waiting loader (its wait returns False)."""
 
     POLL_MIN_S = 20e-6
     POLL_MAX_S = 1e-3
