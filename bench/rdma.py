@@ -38,6 +38,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+# The node (`python -m memkv serve`) runs this tree's code too, not whatever the venv installed.
+os.environ["PYTHONPATH"] = os.pathsep.join([sys.path[0], *filter(None, [os.environ.get("PYTHONPATH")])])
 
 from memkv.benchmark import fill_pattern, prefaulted_pool  # noqa: E402
 from memkv.client.cluster import Client  # noqa: E402

@@ -81,6 +81,7 @@ class RdmaResponder:
         self._unavailable: str | None = None
         self._by_conn: dict[Hashable, str] = {}  # RequestContext.connection -> peer agent name
         self._peers: dict[str, int] = {}  # peer agent name -> attached connections
+        self._loaded: dict[bytes, str] = {}  # metadata loaded into NIXL -> its agent name (while attached)
         self._regs: dict[int, Registration] = {}  # id(ValueBuffer) -> its registration
         self._stuck: list[tuple[Write, list[Entry]]] = []
         self._reaper: threading.Thread | None = None
@@ -99,17 +100,27 @@ class RdmaResponder:
         engine = self._engine_or_none()
         if engine is None:
             return p.RdmaAttachReply(p.RdmaAttachStatus.UNAVAILABLE, self._unavailable or "no RDMA")
-        try:
-            name = engine.add_peer(msg.metadata)
-        except RdmaError as exc:
-            return p.RdmaAttachReply(p.RdmaAttachStatus.REJECTED, str(exc))
         with self._lock:
+            # A client attaches each of its connections with the same metadata: NIXL loads it
+            # once (add_remote_agent is exclusive of every transfer in flight under the `rw`
+            # sync mode); the later attaches only count. Under `_lock`, so a last detach cannot
+            # remove the peer between the lookup and the count.
+            name = self._loaded.get(msg.metadata)
+            loaded = name is None
+            if name is None:
+                try:
+                    name = engine.add_peer(msg.metadata)
+                except RdmaError as exc:
+                    return p.RdmaAttachReply(p.RdmaAttachStatus.REJECTED, str(exc))
+                self._loaded[msg.metadata] = name
             old = self._by_conn.get(ctx.connection)
             self._by_conn[ctx.connection] = name
             self._peers[name] = self._peers.get(name, 0) + 1
         if old is not None:
             self.detach_peer(old)
-        log.info("RDMA: %s attached from %s", name, ctx.peer)
+        log.info(
+            "RDMA: %s attached from %s (%s)", name, ctx.peer, "metadata loaded" if loaded else "metadata already loaded"
+        )
         return p.RdmaAttachReply(p.RdmaAttachStatus.OK, engine.name)
 
     def get(self, ctx: RequestContext, msg: p.RdmaGetRequest) -> p.RdmaGetReply:
@@ -168,12 +179,15 @@ class RdmaResponder:
                 self._peers[name] = left
                 return
             self._peers.pop(name, None)
+            for metadata in [md for md, n in self._loaded.items() if n == name]:
+                del self._loaded[metadata]  # a new attach loads it again
             engine = self._engine
+            if engine is not None:
+                try:
+                    engine.remove_peer(name)  # no transfer towards it can be created any more
+                except RdmaError as exc:
+                    log.debug("%s", exc)
         if engine is not None:
-            try:
-                engine.remove_peer(name)  # no transfer towards it can be created any more
-            except RdmaError as exc:
-                log.debug("%s", exc)
             log.info("RDMA: %s detached", name)
 
     # -- the write (a seam: tests/rdma/late_node.py delays `_write` and can stretch its window) ----
