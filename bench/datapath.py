@@ -276,7 +276,10 @@ def measure(value_bytes: int, n: int, threads: int, n_nodes: int, reps: int, bpo
         if rclient is not None:
             ops["redis put"] = lambda idx: [rclient.set(keys[i], slot(src, i)) for i in idx]
             ops["redis get"] = redis_get
+        server_pid = {"raw": raw.pid, "memkv": nodes[0].pid if n_nodes == 1 else None,
+                      "redis": redis_proc.pid if redis_proc is not None else None}
         rates: dict[str, list[float]] = {name: [] for name in ops}
+        cpu: dict[str, list[float]] = {name: [] for name in ops}  # CPU seconds per GB moved
         block_ratios: dict[str, list[float]] = {f"memkv/raw {op}": [] for op in ("put", "get")}
         # Interleaved: each repetition moves the values in blocks of `block_values` batches per
         # thread, the systems taking turns on every block (order reversed every other block), so
@@ -290,13 +293,17 @@ def measure(value_bytes: int, n: int, threads: int, n_nodes: int, reps: int, bpo
                 for op in ("put", "get"):
                     names = [name for name in ops if name.endswith(op)]
                     spent = dict.fromkeys(names, 0.0)
+                    used = dict.fromkeys(names, 0.0)
                     per_block: dict[str, list[float]] = {name: [] for name in names}
                     for b, block in enumerate(blocks):
                         for name in names if b % 2 == 0 else names[::-1]:
+                            pid = server_pid[name.split()[0]]
+                            c0, s0 = cpu_seconds(), cpu_seconds(pid) if pid else 0.0
                             t = time.perf_counter()
                             list(ex.map(ops[name], block))
                             dt = time.perf_counter() - t
                             spent[name] += dt
+                            used[name] += cpu_seconds() - c0 + (cpu_seconds(pid) - s0 if pid else 0.0)
                             per_block[name].append(dt)
                             if name == "memkv get":
                                 for i in (i for idx in block for i in idx):
@@ -308,6 +315,7 @@ def measure(value_bytes: int, n: int, threads: int, n_nodes: int, reps: int, bpo
                         r / m for r, m in zip(per_block[f"raw {op}"], per_block[f"memkv {op}"])))
                     for name, dt in spent.items():
                         rates[name].append(value_bytes * n / dt / 1e9)
+                        cpu[name].append(used[name] / (value_bytes * n / 1e9))
         client.close()
     finally:
         rawc.close()
@@ -324,7 +332,8 @@ def measure(value_bytes: int, n: int, threads: int, n_nodes: int, reps: int, bpo
     if rclient is not None:
         ratios.update({f"memkv/redis {op}": per_rep(f"memkv {op}", f"redis {op}") for op in ("put", "get")})
     return {"value_bytes": value_bytes, "values": n, "threads": threads, "nodes": n_nodes, "blocks_per_op": bpo,
-            "reps": reps, "interleaved_block_values": block_values, "gbps": rates, "block_median_ratios": block_ratios,
+            "reps": reps, "interleaved_block_values": block_values, "gbps": rates, "cpu_s_per_gb": cpu,
+            "block_median_ratios": block_ratios,
             "ratios": ratios, "redis": redis_note, "src": str(SRC)}
 
 
@@ -488,10 +497,14 @@ def print_tls(r: dict) -> None:
 def print_config(r: dict) -> None:
     print(f"\n{format_size(r['value_bytes'])} values x {r['values']}, {r['threads']} threads, {r['nodes']} node(s), "
           f"{r['blocks_per_op']} per batch, {r['reps']} reps; redis: {r['redis']}")
-    print(f"  {'':<11}" + "".join(f"{op:>12}" for op in ("put GB/s", "get GB/s")))
+    cols = ("put GB/s", "get GB/s", "put cpu-s/GB", "get cpu-s/GB") if "cpu_s_per_gb" in r else ("put GB/s", "get GB/s")
+    print(f"  {'':<11}" + "".join(f"{op:>14}" for op in cols))
     for who in ("raw", "memkv", "redis"):
         if f"{who} put" in r["gbps"]:
-            print(f"  {who:<11}" + "".join(f"{statistics.median(r['gbps'][f'{who} {op}']):>12.2f}" for op in ("put", "get")))
+            figures = [statistics.median(r["gbps"][f"{who} {op}"]) for op in ("put", "get")]
+            if "cpu_s_per_gb" in r:
+                figures += [statistics.median(r["cpu_s_per_gb"][f"{who} {op}"]) for op in ("put", "get")]
+            print(f"  {who:<11}" + "".join(f"{x:>14.2f}" for x in figures))
     for name, vals in r["ratios"].items():
         print(f"  {name:<18} median {statistics.median(vals):.2f}  (per rep {min(vals):.2f}-{max(vals):.2f})")
     for name, vals in r.get("block_median_ratios", {}).items():
