@@ -147,33 +147,32 @@ def _recv_pieces_into(
     step: int,
 ) -> None:
     """recv_exactly_into on TCP with `on_piece`: one MSG_WAITALL receive per piece of `step`
-    bytes, then `on_piece` on it (a checksum hashes it while it is in cache). The kernel
-    timeout is cut to the time left at most every _REARM_S, not before every piece (a
-    setsockopt per piece), so a transfer may outlive its deadline by at most that much."""
-    got, total = 0, len(view)
+    bytes, then `on_piece` on it (a checksum hashes it while it is in cache). This loop runs
+    once per piece (64 times for a 16 MiB value in 256 KiB pieces), so it does little else: the
+    kernel timeout is cut to the time left at most every _REARM_S, not before every piece, so a
+    transfer may outlive its deadline by at most that much."""
+    total = len(view)
     armed = -1.0  # when the timeout was last cut to the time left
     monotonic = time.monotonic
     recv_into = sock.recv_into
-    while got < total:
-        if deadline is not None:
-            now = monotonic()
-            if now - armed > _REARM_S:  # each receive may block for the timeout set at `armed`
-                left = deadline - now
-                if left <= 0:
-                    raise TimeoutError(f"deadline passed after {got} of {total} bytes")
-                sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, _timeval(max(left, 0.001)))
-                armed = now
-        start = got - got % step  # the piece being received
-        end = min(total, start + step)
+    waitall = socket.MSG_WAITALL
+    for start in range(0, total, step):
+        piece = view[start : start + step]
+        if deadline is not None and monotonic() - armed > _REARM_S:  # each receive may block that long
+            armed = monotonic()
+            _arm(sock, socket.SO_RCVTIMEO, deadline, start, total)
         try:
-            n = recv_into(view[got:end], end - got, socket.MSG_WAITALL)
+            n = recv_into(piece, 0, waitall)
         except BlockingIOError:
-            raise TimeoutError(f"timed out after {got} of {total} bytes") from None
-        if n == 0:
-            raise PeerClosed(got, total)
-        got += n
-        if got == end:
-            on_piece(view[start:end])
+            raise TimeoutError(f"timed out after {start} of {total} bytes") from None
+        if n != len(piece):  # cut short: the timeout expired, a signal came, or the peer closed
+            if n == 0:
+                raise PeerClosed(start, total)
+            try:
+                _recv_into(sock, piece[n:], deadline)  # the rest, the timeout cut before each call
+            except PeerClosed as exc:
+                raise PeerClosed(start + n + exc.got, total) from None
+        on_piece(piece)
 
 
 def _tls_recv_into(
