@@ -2,14 +2,18 @@
 
 Values move between sockets and caller-owned memory with `recv_into` / `sendmsg` on
 memoryviews: no intermediate bytes object, no per-value allocation. Both release the GIL for
-the whole syscall. These functions raise plain OSError / ConnectionError / socket.timeout;
-callers translate them (client: errors.map_os_error; node: close the connection).
+the whole syscall. On TCP a frame's header and its values leave in one `sendmsg` (the peer
+wakes once); a value is received with MSG_WAITALL whole, or piece by piece when the caller
+hashes it (`on_piece`, one receive per piece). These functions raise plain OSError /
+ConnectionError / socket.timeout; callers translate them (client: errors.map_os_error; node:
+close the connection).
 
 Deadlines. A kernel timeout bounds one syscall, not a transfer: a peer that trickles a byte
 before each timeout expires (or reads a byte at a time) would keep a transfer alive forever.
 Pass `deadline` (a `time.monotonic()` instant) to bound the whole transfer: before each syscall
 the socket's kernel timeout is cut to the time left, and a transfer still unfinished at the
-deadline raises socket.timeout. Costs one setsockopt per syscall (per MiB of a value).
+deadline raises socket.timeout. Costs one setsockopt per syscall; a receive in pieces cuts it
+at most every _REARM_S instead (so it may outlive its deadline by that much).
 
 TLS (`ssl.SSLSocket`, memkv/tls.py). Kernel timeouts do not reach through OpenSSL (a read
 that times out is retried inside `_ssl`), and an SSLSocket takes no flags (no MSG_WAITALL) and

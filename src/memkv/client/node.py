@@ -304,8 +304,8 @@ class NodeConnection:
     def _recv_verified(
         self, view: memoryview, algo: int, checksum: bytes, checksummer: Checksummer, deadline: float
     ) -> bool:
-        """Receive a value into `view` in chunks, hashing each chunk while it is still in cache
-        (hashing 16 MiB afterwards would read it back from DRAM)."""
+        """Receive a value into `view` in pieces, hashing each piece right after it arrived
+        (`_receive_step` says how large: in cache, or fewer GIL hand-offs)."""
         try:
             hasher = checksummer.hasher(algo)
         except ValueError:  # unknown algorithm: receive (to keep the stream in step), then fail
