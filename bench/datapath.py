@@ -12,7 +12,16 @@ slow state, so only same-repetition ratios mean anything):
     store: what MemKV adds costs the difference.
   * redis: a real `redis-server` started by the bench (skipped if not installed; `apt-get
     install redis-server`), driven by redis-py with SET/GET of the same values.
-Targets (16 MiB): memkv >= 0.8 x raw, >= 2 x Redis. Results: bench/out/datapath.json.
+The systems take turns on blocks of `--block-values` batches of `--blocks-per-op` values per
+thread (order reversed every other block), and "block-median" is memkv/raw from each block's
+pair of timings, the median over the blocks of a repetition; CPU seconds per GB (client and
+server process) come with it. Targets (16 MiB): memkv >= 0.9 x raw, >= 2 x Redis. Results:
+bench/out/datapath.json (`--out` names another file).
+
+    python bench/datapath.py --src ../main/src     # another revision's memkv (client and nodes)
+
+`--src DIR` measures the memkv package under DIR instead of this checkout's (the nodes it starts
+get the same PYTHONPATH): run it alternating with a plain invocation for a before/after.
 
     python bench/datapath.py --tls                 # TLS: bench/out/datapath_tls.json
 
