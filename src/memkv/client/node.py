@@ -43,8 +43,8 @@ from memkv.sockio import PeerClosed, recv_exactly, recv_exactly_into, send_all, 
 # Values are received and hashed in pieces: small ones while few threads of the process receive
 # at once, large ones otherwise (`_receive_step`). A small piece is hashed right after its
 # receive, while the kernel's copy left it in cache: 256 KiB pieces hash at ~35 GB/s on the
-# 2-vCPU VM, a 16 MiB value reread afterwards at 5-10 GB/s, and there that reread was half of
-# the client's CPU time of a GET (docs/performance.md, "Data path"). But every piece costs two
+# 2-vCPU VM, a 16 MiB value reread afterwards at 5-10 GB/s: there the reread cost as much CPU as
+# half of the client's kernel time of a GET (docs/performance.md, "Data path"). But every piece costs two
 # GIL hand-offs: with many receiving threads, and in a busy process (vLLM's engine loop holds the
 # GIL), 1-4 MiB pieces cut a 16-thread load on the GPU host from 14 to 12 GB/s, and from 8 to
 # 2-5 GB/s beside a busy thread (bench/gpu/xfer.py), whose 300 MiB L3 holds the values anyway.
