@@ -12,7 +12,16 @@ slow state, so only same-repetition ratios mean anything):
     store: what MemKV adds costs the difference.
   * redis: a real `redis-server` started by the bench (skipped if not installed; `apt-get
     install redis-server`), driven by redis-py with SET/GET of the same values.
-Targets (16 MiB): memkv >= 0.8 x raw, >= 2 x Redis. Results: bench/out/datapath.json.
+The systems take turns on blocks of `--block-values` batches of `--blocks-per-op` values per
+thread (order reversed every other block), and "block-median" is memkv/raw from each block's
+pair of timings, the median over the blocks of a repetition; CPU seconds per GB (client and
+server process) come with it. Targets (16 MiB): memkv >= 0.9 x raw, >= 2 x Redis. Results:
+bench/out/datapath.json (`--out` names another file).
+
+    python bench/datapath.py --src ../main/src     # another revision's memkv (client and nodes)
+
+`--src DIR` measures the memkv package under DIR instead of this checkout's (the nodes it starts
+get the same PYTHONPATH): run it alternating with a plain invocation for a before/after.
 
     python bench/datapath.py --tls                 # TLS: bench/out/datapath_tls.json
 
@@ -47,8 +56,26 @@ import threading
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+
+
+def _src_argument(argv: list[str]) -> Path | None:
+    """`--src DIR` (read before the imports below: it picks the memkv they import)."""
+    for i, arg in enumerate(argv):
+        if arg == "--src" and i + 1 < len(argv):
+            return Path(argv[i + 1]).resolve()
+        if arg.startswith("--src="):
+            return Path(arg.split("=", 1)[1]).resolve()
+    return None
+
+
+# The memkv measured: this checkout's src/, or another revision's (--src) for a before/after run;
+# the nodes the bench starts run the same code (PYTHONPATH).
+SRC = _src_argument(sys.argv) or Path(__file__).resolve().parents[1] / "src"
+if not (SRC / "memkv" / "__init__.py").is_file():
+    sys.exit(f"--src {SRC}: no memkv package there (give the src/ directory of a MemKV checkout)")
+sys.path.insert(0, str(SRC))
 sys.path.insert(1, str(Path(__file__).resolve().parents[1]))  # tests/tlscerts.py for --tls
+NODE_ENV = {"PYTHONPATH": str(SRC)}
 
 from memkv.benchmark import fill_pattern, prefaulted_pool  # noqa: E402
 from memkv.client.cluster import Client  # noqa: E402
@@ -218,11 +245,12 @@ def start_redis(max_bytes: int):
 # -- one configuration ---------------------------------------------------------------------------------
 
 
-def measure(value_bytes: int, n: int, threads: int, n_nodes: int, reps: int, bpo: int, with_redis: bool) -> dict:
+def measure(value_bytes: int, n: int, threads: int, n_nodes: int, reps: int, bpo: int, with_redis: bool,
+            block_values: int = 1) -> dict:
     raw, raw_port = start_raw(value_bytes, n)
     key = new_key_hex()
     capacity = str(int(value_bytes * n * 1.3 / n_nodes) + (64 << 20))
-    nodes = [LocalNode(key, capacity=capacity) for _ in range(n_nodes)]
+    nodes = [LocalNode(key, capacity=capacity, env=NODE_ENV) for _ in range(n_nodes)]
     redis_proc, rclient, redis_note = start_redis(value_bytes) if with_redis else (None, None, "not run")
     rawc = RawClient(raw_port)
     try:
@@ -257,18 +285,46 @@ def measure(value_bytes: int, n: int, threads: int, n_nodes: int, reps: int, bpo
         if rclient is not None:
             ops["redis put"] = lambda idx: [rclient.set(keys[i], slot(src, i)) for i in idx]
             ops["redis get"] = redis_get
+        server_pid = {"raw": raw.pid, "memkv": nodes[0].pid if n_nodes == 1 else None,
+                      "redis": redis_proc.pid if redis_proc is not None else None}
         rates: dict[str, list[float]] = {name: [] for name in ops}
+        cpu: dict[str, list[float]] = {name: [] for name in ops}  # CPU seconds per GB moved
+        block_ratios: dict[str, list[float]] = {f"memkv/raw {op}": [] for op in ("put", "get")}
+        # Interleaved: each repetition moves the values in blocks of `block_values` batches per
+        # thread, the systems taking turns on every block (order reversed every other block), so
+        # a drift of the host's speed within a repetition hits them alike.
+        step = bpo * block_values
+        blocks = [[idx[b : b + step] for idx in per_thread] for b in range(0, max(map(len, per_thread)), step)]
         with concurrent.futures.ThreadPoolExecutor(threads) as ex:
             for fn in ops.values():  # warm-up: connections, first touch of server memory
                 list(ex.map(fn, per_thread))
             for _ in range(reps):
-                for name, fn in ops.items():
-                    t = time.perf_counter()
-                    list(ex.map(fn, per_thread))
-                    rates[name].append(value_bytes * n / (time.perf_counter() - t) / 1e9)
-                    if name == "memkv get":
-                        assert dst == src, "memkv get returned wrong bytes"
-                        dst[:8] = b"\0" * 8  # the next repetition must write it again
+                for op in ("put", "get"):
+                    names = [name for name in ops if name.endswith(op)]
+                    spent = dict.fromkeys(names, 0.0)
+                    used = dict.fromkeys(names, 0.0)
+                    per_block: dict[str, list[float]] = {name: [] for name in names}
+                    for b, block in enumerate(blocks):
+                        for name in names if b % 2 == 0 else names[::-1]:
+                            pid = server_pid[name.split()[0]]
+                            c0, s0 = cpu_seconds(), cpu_seconds(pid) if pid else 0.0
+                            t = time.perf_counter()
+                            list(ex.map(ops[name], block))
+                            dt = time.perf_counter() - t
+                            spent[name] += dt
+                            used[name] += cpu_seconds() - c0 + (cpu_seconds(pid) - s0 if pid else 0.0)
+                            per_block[name].append(dt)
+                            if name == "memkv get":
+                                for i in (i for idx in block for i in idx):
+                                    assert slot(dst, i) == slot(src, i), "memkv get returned wrong bytes"
+                                    dst[i * value_bytes : i * value_bytes + 8] = b"\0" * 8  # must be written again
+                    # memkv/raw from each block's pair of timings, median over the blocks: a burst
+                    # of another process's work spoils a block or two, not the repetition.
+                    block_ratios[f"memkv/raw {op}"].append(statistics.median(
+                        r / m for r, m in zip(per_block[f"raw {op}"], per_block[f"memkv {op}"])))
+                    for name, dt in spent.items():
+                        rates[name].append(value_bytes * n / dt / 1e9)
+                        cpu[name].append(used[name] / (value_bytes * n / 1e9))
         client.close()
     finally:
         rawc.close()
@@ -285,7 +341,9 @@ def measure(value_bytes: int, n: int, threads: int, n_nodes: int, reps: int, bpo
     if rclient is not None:
         ratios.update({f"memkv/redis {op}": per_rep(f"memkv {op}", f"redis {op}") for op in ("put", "get")})
     return {"value_bytes": value_bytes, "values": n, "threads": threads, "nodes": n_nodes, "blocks_per_op": bpo,
-            "reps": reps, "gbps": rates, "ratios": ratios, "redis": redis_note}
+            "reps": reps, "interleaved_block_values": block_values, "gbps": rates, "cpu_s_per_gb": cpu,
+            "block_median_ratios": block_ratios,
+            "ratios": ratios, "redis": redis_note, "src": str(SRC)}
 
 
 def cpu_seconds(pid: int | None = None) -> float:
@@ -339,8 +397,9 @@ def measure_tls(value_bytes: int, n: int, threads: int, reps: int, ktls: bool, b
         ctx.options |= OP_ENABLE_KTLS
     key = new_key_hex()
     capacity = str(int(value_bytes * n * 1.3) + (64 << 20))
-    tls_node = LocalNode(key, capacity=capacity, extra_args=["--tls-cert", pki.server.cert, "--tls-key", pki.server.key])
-    plain_node = LocalNode(key, capacity=capacity)
+    tls_node = LocalNode(key, capacity=capacity, extra_args=["--tls-cert", pki.server.cert, "--tls-key", pki.server.key],
+                         env=NODE_ENV)
+    plain_node = LocalNode(key, capacity=capacity, env=NODE_ENV)
     rawc = RawClient(raw_port, ctx)
     try:
         auth = AuthKey.from_hex(key, "bench")
@@ -447,12 +506,18 @@ def print_tls(r: dict) -> None:
 def print_config(r: dict) -> None:
     print(f"\n{format_size(r['value_bytes'])} values x {r['values']}, {r['threads']} threads, {r['nodes']} node(s), "
           f"{r['blocks_per_op']} per batch, {r['reps']} reps; redis: {r['redis']}")
-    print(f"  {'':<11}" + "".join(f"{op:>12}" for op in ("put GB/s", "get GB/s")))
+    cols = ("put GB/s", "get GB/s", "put cpu-s/GB", "get cpu-s/GB") if "cpu_s_per_gb" in r else ("put GB/s", "get GB/s")
+    print(f"  {'':<11}" + "".join(f"{op:>14}" for op in cols))
     for who in ("raw", "memkv", "redis"):
         if f"{who} put" in r["gbps"]:
-            print(f"  {who:<11}" + "".join(f"{statistics.median(r['gbps'][f'{who} {op}']):>12.2f}" for op in ("put", "get")))
+            figures = [statistics.median(r["gbps"][f"{who} {op}"]) for op in ("put", "get")]
+            if "cpu_s_per_gb" in r:
+                figures += [statistics.median(r["cpu_s_per_gb"][f"{who} {op}"]) for op in ("put", "get")]
+            print(f"  {who:<11}" + "".join(f"{x:>14.2f}" for x in figures))
     for name, vals in r["ratios"].items():
         print(f"  {name:<18} median {statistics.median(vals):.2f}  (per rep {min(vals):.2f}-{max(vals):.2f})")
+    for name, vals in r.get("block_median_ratios", {}).items():
+        print(f"  {name:<18} block-median {statistics.median(vals):.2f}  (per rep {min(vals):.2f}-{max(vals):.2f})")
 
 
 def plot_sweep(rows: list[dict], path: Path) -> None:
@@ -493,9 +558,11 @@ def main() -> None:
     ap.add_argument("--sweep", action="store_true", help="sizes 1-64 MiB, threads 1-16, nodes 1-4")
     ap.add_argument("--tls", action="store_true", help="raw ssl socket vs MemKV over TLS vs plain MemKV")
     ap.add_argument("--ktls", action="store_true", help="with --tls: ask OpenSSL for kernel TLS on both sides")
-    ap.add_argument("--out", default=None, help="with --tls: the JSON file's name under bench/out/")
+    ap.add_argument("--out", default=None, help="the JSON file's name under bench/out/")
     ap.add_argument("--block-values", type=int, default=1,
-                    help="with --tls: values per thread in each interleaved block (raw-tls, memkv-tls, memkv take turns)")
+                    help="values (with --tls) or batches per thread in each interleaved block (the systems take turns)")
+    ap.add_argument("--src", default=None, metavar="DIR",
+                    help="measure the memkv under DIR (another revision's src/) instead of this checkout's")
     ap.add_argument("--raw-server", nargs=2, metavar=("PORT_FILE", "SLOTS"), help=argparse.SUPPRESS)
     ap.add_argument("--raw-tls", nargs=3, metavar=("CERT", "KEY", "KTLS"), help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -514,10 +581,11 @@ def main() -> None:
         (OUT / name).write_text(json.dumps({"benchmark": "datapath-tls", "date": stamp, "machine": machine, **r}, indent=2))
         return
     if not args.sweep:
-        r = measure(value_bytes, args.values, args.threads, args.nodes, args.reps, args.blocks_per_op, not args.no_redis)
-        print(f"datapath -- {machine} -- {stamp}")
+        r = measure(value_bytes, args.values, args.threads, args.nodes, args.reps, args.blocks_per_op, not args.no_redis,
+                    args.block_values)
+        print(f"datapath -- {machine} -- {stamp} -- memkv from {SRC}")
         print_config(r)
-        (OUT / "datapath.json").write_text(json.dumps({"benchmark": "datapath", "date": stamp, "machine": machine, **r}, indent=2))
+        (OUT / (args.out or "datapath.json")).write_text(json.dumps({"benchmark": "datapath", "date": stamp, "machine": machine, **r}, indent=2))
         return
     rows = []
     total_bytes = 512 << 20  # per measurement, whatever the value size

@@ -2,14 +2,18 @@
 
 Values move between sockets and caller-owned memory with `recv_into` / `sendmsg` on
 memoryviews: no intermediate bytes object, no per-value allocation. Both release the GIL for
-the whole syscall. These functions raise plain OSError / ConnectionError / socket.timeout;
-callers translate them (client: errors.map_os_error; node: close the connection).
+the whole syscall. On TCP a frame's header and its values leave in one `sendmsg` (the peer
+wakes once); a value is received with MSG_WAITALL whole, or piece by piece when the caller
+hashes it (`on_piece`, one receive per piece). These functions raise plain OSError /
+ConnectionError / socket.timeout; callers translate them (client: errors.map_os_error; node:
+close the connection).
 
 Deadlines. A kernel timeout bounds one syscall, not a transfer: a peer that trickles a byte
 before each timeout expires (or reads a byte at a time) would keep a transfer alive forever.
 Pass `deadline` (a `time.monotonic()` instant) to bound the whole transfer: before each syscall
 the socket's kernel timeout is cut to the time left, and a transfer still unfinished at the
-deadline raises socket.timeout. Costs one setsockopt per syscall (per MiB of a value).
+deadline raises socket.timeout. Costs one setsockopt per syscall; a receive in pieces cuts it
+at most every _REARM_S instead (so it may outlive its deadline by that much).
 
 TLS (`ssl.SSLSocket`, memkv/tls.py). Kernel timeouts do not reach through OpenSSL (a read
 that times out is retried inside `_ssl`), and an SSLSocket takes no flags (no MSG_WAITALL) and
@@ -21,7 +25,7 @@ failed read, a poll() and two more GIL hand-offs (~6% of a TLS GET, docs/perform
 Receives land in the caller's memoryview (`SSLSocket.read(n, view)` copies one decrypted TLS
 record, up to 16 KiB, into it per call): the loop per record is the hot Python code of a TLS
 GET, so it does one read call per record and nothing else (plus, on the timeout path, one
-clock read, re-cutting the timeout at most every _TLS_REARM_S); `on_piece` lets a caller hash
+clock read, re-cutting the timeout at most every _REARM_S); `on_piece` lets a caller hash
 the value piece by piece inside that same loop. Sends encrypt from the caller's memory into
 OpenSSL's record buffer: that is the one copy per byte (the ciphertext has to be written
 somewhere), one `sendall` per buffer.
@@ -41,10 +45,13 @@ from memkv.watchdog import WATCHDOG
 
 # Pieces smaller than this are joined into one send; larger ones go out as they are.
 _GATHER_BELOW = 64 << 10
-# A TLS receive takes one record (16 KiB) per call; cutting the timeout before each would cost a
-# syscall per record (settimeout sets O_NONBLOCK again). It is cut at most this often instead, so
-# a transfer may outlive its deadline by at most this much.
-_TLS_REARM_S = 0.05
+# Buffers per sendmsg call (Linux's IOV_MAX is 1024).
+_IOV_MAX = 512
+# A TLS receive takes one record (16 KiB) per call, a TCP receive with `on_piece` one piece;
+# cutting the timeout before each would cost a syscall per record or piece (settimeout sets
+# O_NONBLOCK again). It is cut at most this often instead, so a transfer may outlive its
+# deadline by at most this much.
+_REARM_S = 0.05
 # TLS transfers from this size on run blocking, bounded by the watchdog (module docstring).
 _TLS_BLOCKING_BYTES = 1 << 20
 
@@ -118,11 +125,7 @@ def recv_exactly_into(
     if on_piece is None:
         _recv_into(sock, view, deadline)
         return
-    step = piece_bytes or len(view)
-    for off in range(0, len(view), step):
-        piece = view[off : off + step]
-        _recv_into(sock, piece, deadline)
-        on_piece(piece)
+    _recv_pieces_into(sock, view, deadline, on_piece, piece_bytes or len(view))
 
 
 def _recv_into(sock: socket.socket, view: memoryview, deadline: float | None) -> None:
@@ -138,6 +141,42 @@ def _recv_into(sock: socket.socket, view: memoryview, deadline: float | None) ->
         if n == 0:
             raise PeerClosed(got, total)
         got += n
+
+
+def _recv_pieces_into(
+    sock: socket.socket,
+    view: memoryview,
+    deadline: float | None,
+    on_piece: Callable[[memoryview], object],
+    step: int,
+) -> None:
+    """recv_exactly_into on TCP with `on_piece`: one MSG_WAITALL receive per piece of `step`
+    bytes, then `on_piece` on it (a checksum hashes it while it is in cache). This loop runs
+    once per piece (64 times for a 16 MiB value in 256 KiB pieces), so it does little else: the
+    kernel timeout is cut to the time left at most every _REARM_S, not before every piece, so a
+    transfer may outlive its deadline by at most that much."""
+    total = len(view)
+    armed = -1.0  # when the timeout was last cut to the time left
+    monotonic = time.monotonic
+    recv_into = sock.recv_into
+    waitall = socket.MSG_WAITALL
+    for start in range(0, total, step):
+        piece = view[start : start + step]
+        if deadline is not None and monotonic() - armed > _REARM_S:  # each receive may block that long
+            armed = monotonic()
+            _arm(sock, socket.SO_RCVTIMEO, deadline, start, total)
+        try:
+            n = recv_into(piece, 0, waitall)
+        except BlockingIOError:
+            raise TimeoutError(f"timed out after {start} of {total} bytes") from None
+        if n != len(piece):  # cut short: the timeout expired, a signal came, or the peer closed
+            if n == 0:
+                raise PeerClosed(start, total)
+            try:
+                _recv_into(sock, piece[n:], deadline)  # the rest, the timeout cut before each call
+            except PeerClosed as exc:
+                raise PeerClosed(start + n + exc.got, total) from None
+        on_piece(piece)
 
 
 def _tls_recv_into(
@@ -174,7 +213,7 @@ def _tls_records_into(
     while got < total:
         if deadline is not None:
             now = monotonic()
-            if now - armed > _TLS_REARM_S:  # each call may block for the timeout set at `armed`
+            if now - armed > _REARM_S:  # each call may block for the timeout set at `armed`
                 left = deadline - now
                 if left <= 0:
                     raise TimeoutError(f"deadline passed after {got} of {total} bytes")
@@ -249,19 +288,44 @@ def _tls_send(sock: ssl.SSLSocket, buf: bytes | bytearray | memoryview, deadline
 def send_all(
     sock: socket.socket, buffers: Sequence[bytes | bytearray | memoryview], deadline: float | None = None
 ) -> None:
-    """Send every buffer in order. Small pieces (headers, meta, small values) are joined into
-    one syscall; large values are sent from their own memory."""
-    try:
-        small: list[bytes | bytearray | memoryview] = []
-        for buf in buffers:
-            if len(buf) < _GATHER_BELOW:
-                small.append(buf)
-                continue
-            if small:
-                _send_one(sock, b"".join(small), deadline)
-                small = []
-            _send_one(sock, buf, deadline)
+    """Send every buffer in order. Small pieces (headers, meta, small values) are joined; on TCP
+    everything then goes out in one `sendmsg` (a frame's header and its values in one syscall,
+    so the peer wakes once), large values from their own memory. TLS has no sendmsg: one
+    `sendall` per large value, the small pieces before it joined into one."""
+    gathered: list[bytes | bytearray | memoryview] = []
+    small: list[bytes | bytearray | memoryview] = []
+    for buf in buffers:
+        if len(buf) < _GATHER_BELOW:
+            small.append(buf)
+            continue
         if small:
-            _send_one(sock, b"".join(small) if len(small) > 1 else small[0], deadline)
+            gathered.append(b"".join(small) if len(small) > 1 else small[0])
+            small = []
+        gathered.append(buf)
+    if small:
+        gathered.append(b"".join(small) if len(small) > 1 else small[0])
+    try:
+        if isinstance(sock, ssl.SSLSocket) or len(gathered) == 1:
+            for buf in gathered:
+                _send_one(sock, buf, deadline)
+            return
+        _sendmsg_all(sock, [memoryview(b).cast("B") for b in gathered], deadline)
     except BlockingIOError:
         raise TimeoutError("send timed out") from None
+
+
+def _sendmsg_all(sock: socket.socket, views: list[memoryview], deadline: float | None) -> None:
+    """All of `views` through sendmsg, at most _IOV_MAX buffers per call. A blocking sendmsg
+    queues everything unless the (cut) kernel timeout expires, so this is one call per frame."""
+    sent_total, total = 0, sum(map(len, views))
+    first = 0  # views[first:] are still (partly) unsent
+    while first < len(views):
+        if deadline is not None:
+            _arm(sock, socket.SO_SNDTIMEO, deadline, sent_total, total)
+        sent = sock.sendmsg(views[first : first + _IOV_MAX])
+        sent_total += sent
+        while first < len(views) and sent >= len(views[first]):
+            sent -= len(views[first])
+            first += 1
+        if sent:
+            views[first] = views[first][sent:]

@@ -40,10 +40,17 @@ from memkv.errors import (
 from memkv.integrity import Checksummer
 from memkv.sockio import PeerClosed, recv_exactly, recv_exactly_into, send_all, set_timeouts
 
-# Values are received and hashed in pieces of this size. Large pieces matter more than cache
-# locality: every piece costs two GIL hand-offs, and in a busy process (vLLM's engine loop holds
-# the GIL) 1 MiB pieces cut a 16-thread load from 8 to 2 GB/s on the GPU host (bench/gpu/xfer.py).
-_VERIFY_CHUNK = 16 << 20
+# Values are received and hashed in pieces: small ones while few threads of the process receive
+# at once, large ones otherwise (`_receive_step`). A small piece is hashed right after its
+# receive, while the kernel's copy left it in cache: 256 KiB pieces hash at ~35 GB/s on the
+# 2-vCPU VM, a 16 MiB value reread afterwards at 5-10 GB/s: there the reread cost as much CPU as
+# half of the client's kernel time of a GET (docs/performance.md, "Data path"). But every piece costs two
+# GIL hand-offs: with many receiving threads, and in a busy process (vLLM's engine loop holds the
+# GIL), 1-4 MiB pieces cut a 16-thread load on the GPU host from 14 to 12 GB/s, and from 8 to
+# 2-5 GB/s beside a busy thread (bench/gpu/xfer.py), whose 300 MiB L3 holds the values anyway.
+_VERIFY_CHUNK = 16 << 20  # while more than _SMALL_PIECES_UP_TO threads receive
+_VERIFY_PIECE = 256 << 10  # while at most _SMALL_PIECES_UP_TO threads receive
+_SMALL_PIECES_UP_TO = 2
 # Over TLS a receive takes one 16 KiB record per call (a GIL hand-off each) whatever the piece
 # size, so pieces this small cost no extra hand-offs and are hashed while still in L2 cache
 # (16 MiB pieces were hashed from DRAM: 10% of a TLS GET on the 2-vCPU VM, docs/performance.md).
@@ -297,14 +304,14 @@ class NodeConnection:
     def _recv_verified(
         self, view: memoryview, algo: int, checksum: bytes, checksummer: Checksummer, deadline: float
     ) -> bool:
-        """Receive a value into `view` in chunks, hashing each chunk while it is still in cache
-        (hashing 16 MiB afterwards would read it back from DRAM)."""
+        """Receive a value into `view` in pieces, hashing each piece right after it arrived
+        (`_receive_step` says how large: in cache, or fewer GIL hand-offs)."""
         try:
             hasher = checksummer.hasher(algo)
         except ValueError:  # unknown algorithm: receive (to keep the stream in step), then fail
             hasher = None
-        step = _TLS_VERIFY_CHUNK if isinstance(self.sock, ssl.SSLSocket) else _VERIFY_CHUNK
-        with self._io("read"):
+        with _RECEIVERS.receiving() as receivers, self._io("read"):
+            step = _receive_step(isinstance(self.sock, ssl.SSLSocket), receivers)
             recv_exactly_into(self.sock, view, deadline, hasher.update if hasher is not None else None, step)
         return hasher is not None and hmac.compare_digest(checksummer.finish(hasher), checksum)
 
@@ -328,6 +335,36 @@ class NodeConnection:
                 raise IntegrityError(f"{self.name}: checksum mismatch on a {item.length}-byte value")
             out.append(bytes(buf))
         return out
+
+
+class _Receivers:
+    """How many threads of this process are receiving a value right now (all clients together)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.count = 0
+
+    @contextlib.contextmanager
+    def receiving(self) -> Iterator[int]:
+        """The block counts as one receiver; yields the count including it."""
+        with self._lock:
+            self.count += 1
+            now = self.count
+        try:
+            yield now
+        finally:
+            with self._lock:
+                self.count -= 1
+
+
+_RECEIVERS = _Receivers()
+
+
+def _receive_step(tls: bool, receivers: int) -> int:
+    """The piece size a value is received and hashed in, with `receivers` threads receiving."""
+    if tls:
+        return _TLS_VERIFY_CHUNK
+    return _VERIFY_PIECE if receivers <= _SMALL_PIECES_UP_TO else _VERIFY_CHUNK
 
 
 class NodeClient:
