@@ -112,6 +112,14 @@ def engine_child(spec: dict) -> int:
             json.dump(result, f, indent=1)
         os.replace(spec["out"] + ".tmp", spec["out"])
 
+    if spec.get("timing"):  # direct mode's per-job stage times (DEBUG, its own logger)
+        import logging
+
+        handler = logging.StreamHandler(sys.stdout)
+        handler.setFormatter(logging.Formatter("[timing %(asctime)s] %(message)s"))
+        timing = logging.getLogger("memkv_vllm.direct.timing")
+        timing.addHandler(handler)
+        timing.setLevel(logging.DEBUG)
     import memkv_vllm
 
     memkv_vllm.register()  # what the vllm.general_plugins entry point does
@@ -213,6 +221,8 @@ def main() -> int:
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--gpu-util", type=float, default=0.85)
     ap.add_argument("--eager", action="store_true")
+    ap.add_argument("--timing", action="store_true",
+                    help="print direct mode's per-job stage times (lookups, network, copies, slot waits)")
     ap.add_argument("--child-timeout-s", type=float, default=1500)
     args = ap.parse_args()
     if args.engine_child:
@@ -231,7 +241,7 @@ def main() -> int:
             for role in ("main", "restart"):
                 spec = {"mode": mode, "role": role, "tokens": tokens, "staging_mb": args.staging_mb,
                         "load_guarantee": args.load_guarantee, "cpu_gib": args.cpu_gib, "shape": args.shape, "tp": args.tp, "gpu_util": args.gpu_util,
-                        "eager": args.eager, "out": os.path.join(args.out_dir, f"{mode}-{role}.json")}
+                        "eager": args.eager, "timing": args.timing, "out": os.path.join(args.out_dir, f"{mode}-{role}.json")}
                 with open(spec["out"] + ".spec", "w") as f:
                     json.dump(spec, f)
                 t = time.perf_counter()

@@ -65,6 +65,7 @@ from memkv_vllm.lookup import LookupService
 from memkv_vllm.transfers import LOAD, STORE, TaskResult, TransferPool
 
 log = logging.getLogger("vllm.memkv_vllm.direct")
+timing = logging.getLogger("memkv_vllm.direct.timing")  # DEBUG stage times (streaming.py says why)
 
 FILLING, READY, WRITING, PUTTING = "filling", "ready", "writing", "putting"
 RESET_FENCE_STEPS = 2  # <= 0.32: steps after a reset before flushed jobs' slots are reused
@@ -726,6 +727,7 @@ class LeasedDirectManager(MemKVDirectManager):
         self._held: dict[bytes, _Held] = {}
         self._storing: set[bytes] = set()
         self._lease_fence: list[tuple[int, list[bytes]]] = []
+        self._lookup_times: dict[str, tuple[float, int]] = {}  # timing log only: first lookup, calls
         self._ctl = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="memkv-direct-lease")
         self._ctl_futures: list = []  # scheduler-owned; each future is completed by the control thread
         self._renew_every_s = settings.lease_ttl_s / 3
@@ -755,6 +757,9 @@ class LeasedDirectManager(MemKVDirectManager):
     def lookup(self, key, req_context):
         rid = req_context.req_id
         self._looked_up.add(rid)
+        if timing.isEnabledFor(logging.DEBUG):
+            first, calls = self._lookup_times.get(rid, (time.perf_counter(), 0))
+            self._lookup_times[rid] = (first, calls + 1)
         h = self._held.get(key)
         if h is not None:
             self._hold_ref(key, h, rid)
@@ -790,6 +795,10 @@ class LeasedDirectManager(MemKVDirectManager):
             self._hold_ref(key, h, rid)
         self._loads.setdefault(rid, []).append(keys)
         self._unref(rid, keep=set(keys))
+        if rid in self._lookup_times:
+            first, calls = self._lookup_times.pop(rid)
+            timing.debug("request %s: load of %d leased chunk(s) prepared %.3f s after its first lookup "
+                         "(%d lookup call(s))", rid, len(keys), time.perf_counter() - first, calls)
         return MemKVLoadStoreSpec([], keys=[self.keys.chunk_prefix(k) for k in keys])
 
     def complete_load(self, keys, req_context) -> None:
@@ -903,6 +912,7 @@ class LeasedDirectManager(MemKVDirectManager):
 
     def on_request_finished(self, req_context) -> None:
         rid = req_context.req_id
+        self._lookup_times.pop(rid, None)
         fenced = {k for _, keys in self._lease_fence for k in keys}
         dropped = [k for k in self._lookup.cleanup(rid) if k not in self._held and k not in fenced]
         if dropped:  # leased by a probe, never answered as a HIT: nobody holds them (a load

@@ -65,6 +65,9 @@ from collections.abc import Callable
 from typing import Any
 
 log = logging.getLogger("vllm.memkv_vllm.direct")
+# Per-job stage times at DEBUG, outside vLLM's logger tree so that enabling them (bench/gpu/direct.py
+# --timing adds a handler) does not turn on vLLM's own debug output.
+timing = logging.getLogger("memkv_vllm.direct.timing")
 
 BACKOFF_FIRST_S = 0.02
 BACKOFF_MAX_S = 1.0
@@ -143,7 +146,7 @@ class Chunk:
 
 class Job:
     __slots__ = ("job_id", "load", "chunks", "event", "started", "error", "cancelled", "copies_done", "done",
-                 "nbytes", "shed", "failed_puts", "pending")
+                 "nbytes", "shed", "failed_puts", "pending", "net_s", "copy_s", "slot_wait_s", "first_at")
 
     def __init__(self, job_id: int, load: bool, chunks: list[Chunk], event: Any, nbytes: int) -> None:
         self.job_id = job_id
@@ -159,6 +162,12 @@ class Job:
         self.shed = 0
         self.failed_puts = 0
         self.pending = 1  # batches in flight, +1 while its dispatcher (loads) / gather (stores) runs
+        # Stage times for the timing log: thread-seconds on the network and in copies, seconds
+        # waiting for a free slot, and when the first chunk was copied (loads) or put (stores).
+        self.net_s = 0.0
+        self.copy_s = 0.0
+        self.slot_wait_s = 0.0
+        self.first_at = 0.0
 
 
 # copy(items, to_staging): every (job, chunk, slot) of `items` between its GPU blocks and its slot,
@@ -267,6 +276,15 @@ class StreamingTransfers:
             with self._lock:
                 self._done.append(job)
             job.done.set()
+            if timing.isEnabledFor(logging.DEBUG):
+                took = time.perf_counter() - job.started
+                timing.debug("rank %d %s job %d: %d chunk(s), %.0f MiB in %.3f s (%.2f GB/s); first chunk after "
+                             "%.3f s; network %.3f thread-s (%d thread(s)), copies %.3f s, slot waits %.3f s%s",
+                             self.rank, "load" if job.load else "store", job.job_id, len(job.chunks),
+                             job.nbytes / 2**20, took, job.nbytes / max(took, 1e-9) / 1e9,
+                             (job.first_at - job.started) if job.first_at else -1.0, job.net_s,
+                             self.n_fetch if job.load else self.n_put, job.copy_s, job.slot_wait_s,
+                             f"; error: {job.error}" if job.error else "")
 
     def _hand(self, name: str, job: Job, batch: list[Chunk], slots: list[int]) -> None:
         with self._lock:
@@ -280,7 +298,9 @@ class StreamingTransfers:
         i = 0
         try:
             while i < len(chunks) and job.error is None:
+                t0 = time.perf_counter()
                 slots = self.load_ring.take(min(self.load_batch, len(chunks) - i))
+                job.slot_wait_s += time.perf_counter() - t0
                 if not slots:  # closed: shutting down
                     job.error = f"MemKV direct mode: rank {self.rank}: worker shut down with a load in flight"
                     break
@@ -326,7 +346,10 @@ class StreamingTransfers:
         attempts = 0
         while True:
             attempts += 1
+            t0 = time.perf_counter()
             result = self.client.batch_load_into([(batch[j].key, self._section(slots[j])) for j in pending])
+            with self._lock:
+                job.net_s += time.perf_counter() - t0
             failed = [j for j, ok in zip(pending, result.ok) if not ok]
             if not failed:
                 return slots
@@ -392,9 +415,14 @@ class StreamingTransfers:
         todo = [(job, c, s) for job, batch, slots in items if job.error is None for c, s in zip(batch, slots)]
         try:
             if todo:
+                t0 = time.perf_counter()
                 self._copy(todo, False)
+                now = time.perf_counter()
                 with self._lock:
                     self.copy_waits += 1
+                    for job in {id(j): j for j, _, _ in todo}.values():
+                        job.copy_s += now - t0
+                        job.first_at = job.first_at or now
         except Exception as exc:  # a bug must fail the jobs loudly, never hang them
             log.exception("MemKV direct mode: scatter thread failed")
             for job, _, _ in items:
@@ -414,7 +442,10 @@ class StreamingTransfers:
                 if job.cancelled:  # wait(): its GPU blocks are about to be reused
                     job.shed += len(chunks) - i
                     break
+                t0 = time.perf_counter()
                 slots = self.store_ring.take(min(self._step, len(chunks) - i))
+                t1 = time.perf_counter()
+                job.slot_wait_s += t1 - t0
                 if not slots:
                     job.shed += len(chunks) - i
                     break
@@ -424,6 +455,7 @@ class StreamingTransfers:
                 except BaseException:
                     self.store_ring.give(slots)
                     raise
+                job.copy_s += time.perf_counter() - t1
                 with self._lock:
                     self.copy_waits += 1
                 sb = self.store_batch
@@ -442,6 +474,7 @@ class StreamingTransfers:
 
     def _put(self, item: tuple[Job, list[Chunk], list[int]]) -> None:
         job, batch, slots = item
+        t0 = time.perf_counter()
         try:
             stored = self.client.batch_put_views([(c.key, self._section(s)) for c, s in zip(batch, slots)])
         except Exception:
@@ -449,6 +482,10 @@ class StreamingTransfers:
             log.exception("MemKV direct mode: a put failed")
         finally:
             self.store_ring.give(slots)
+        now = time.perf_counter()
+        with self._lock:
+            job.net_s += now - t0
+            job.first_at = job.first_at or now
         bad = len(stored) - sum(stored)
         if bad:
             with self._lock:
