@@ -907,7 +907,9 @@ class LeasedDirectManager(MemKVDirectManager):
         self._advance_lease_fence()
         self._renew()
         self.stats.gauge(tm.LEASED_BYTES, len(self._held) * self.layout.value_bytes * self.layout.world_size)
-        if self._step_yield_s and self._lookup.probing():
+        # Also while a leased load streams: at TP=1 the worker's fetch and copy threads share this
+        # process (and its GIL) with the scheduler loop, which spins while the request waits.
+        if self._step_yield_s and (self._lookup.probing() or self._loads):
             time.sleep(self._step_yield_s)
 
     def on_request_finished(self, req_context) -> None:
