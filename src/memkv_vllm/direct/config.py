@@ -31,7 +31,7 @@ class DirectSettings:
     blocks_per_op: int = 8  # chunks per batched request
     lookup_timeout_s: float = 5.0  # an exists probe or prefetch unresolved this long answers MISS; <= 0 disables
     load_failure_grace_s: float = 60.0  # RDMA: a failed prefetch's slot stays quarantined this long
-    step_yield_ms: float = 1.0  # per scheduler step, GIL given to the transfer threads while a lookup is open
+    step_yield_ms: float = 1.0  # per scheduler step, GIL given to the transfer threads while a lookup or load is open
     # "leased": HIT = every rank's value exists and is leased on its node; workers stream it
     # through staging (any prompt length). "staged": HIT = already in staging and verified.
     load_guarantee: str = STAGED  # leased: opt-in until its streaming is faster than recompute on the GPU (run 20)
