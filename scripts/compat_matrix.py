@@ -90,7 +90,8 @@ def main() -> None:
     rows = []
     for release in chosen:
         verdict, summary, connector, took = run(release, args.reuse, args.direct)
-        print(f"{release}: {verdict} ({summary}; connector layer: {connector}) {took:.0f}s", flush=True)
+        layer = "" if args.direct else f"; connector layer: {connector}"
+        print(f"{release}: {verdict} ({summary}{layer}) {took:.0f}s", flush=True)
         rows.append(f"| {release} | {verdict} | {summary} |" + ("" if args.direct else f" {connector} |"))
     stamp = time.strftime("%Y-%m-%d", time.gmtime())
     machine = f"{platform.machine()}, {platform.system()} {platform.release()}, Python {platform.python_version()}"
