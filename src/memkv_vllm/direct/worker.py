@@ -40,6 +40,7 @@ import torch
 from vllm.v1.kv_offload.base import OffloadingWorker, TransferResult
 
 from memkv_vllm.direct.config import DirectSettings
+from memkv_vllm.direct.copies import copy_runs
 from memkv_vllm.direct.layout import StagingLayout
 from memkv_vllm.direct.staging import StagingRegion
 from memkv_vllm.direct.streaming import Chunk, Job, LoadFailed, StreamingTransfers
@@ -267,20 +268,7 @@ class MemKVDirectWorker(OffloadingWorker):
         return per_chunk
 
     def _copy(self, staging: torch.Tensor, runs, to_staging: bool, non_blocking: bool) -> None:
-        """All `runs` in one `torch._foreach_copy_` call: its loop of copies runs in C++ with the
-        GIL released once. A copy_ per run released and re-took the GIL for each of the hundreds of
-        runs per chunk; beside vLLM's scheduler loop (same process at TP=1) every re-take could
-        wait for a switch interval: 0.8 GB/s on the H200 (docs/direct-mode.md, run 23)."""
-        gpus, hosts = [], []
-        for tensor_idx, block, length, page, offset in runs:
-            gpus.append(self._tensors[tensor_idx][block : block + length, :page])
-            hosts.append(staging[offset : offset + length * page].view(length, page))
-        if not gpus:
-            return
-        if to_staging:
-            torch._foreach_copy_(hosts, gpus, non_blocking=non_blocking)
-        else:
-            torch._foreach_copy_(gpus, hosts, non_blocking=non_blocking)
+        copy_runs(self._tensors, staging, runs, to_staging, non_blocking)  # copies.py says how
 
     def get_finished(self) -> list[TransferResult]:
         done, self._done = self._done, []
