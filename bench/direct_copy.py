@@ -1,4 +1,4 @@
-"""Direct mode's staging <-> KV-cache copies: one `copy_` per run vs the worker's one `torch._foreach_copy_`.
+"""Direct mode's staging <-> KV-cache copies: one `copy_` per run (the worker's) vs one `torch._foreach_copy_`.
 
     .nox/conformance-0-33-0/bin/python bench/direct_copy.py [--chunks 64] [--layers 64] [--reps 5]
     python3 bench/direct_copy.py --device cuda --chunks 512     # GPU host: torch only, no vLLM needed
@@ -6,14 +6,15 @@
 Why: on the H200 (run 23, docs/direct-mode.md) a leased load spent its whole time in the worker's
 copy thread: one `copy_` per (chunk, tensor) run, hundreds per 16 MiB chunk, and every `copy_`
 releases and re-takes the GIL, which at TP=1 the worker shares with vLLM's scheduler loop. The
-worker now issues a batch's runs as one `torch._foreach_copy_` (`memkv_vllm/direct/copies.py`,
-loaded here from its file, so that no vLLM is needed: the GPU host image has torch but not vLLM).
+candidate: a batch's runs as one `torch._foreach_copy_`. Both are `memkv_vllm/direct/copies.py`
+(`copy_runs`, the worker's, and `copy_runs_foreach`), loaded here from its file so that no vLLM
+is needed: the GPU host image has torch but not vLLM.
 
 What runs: KV tensors shaped like the 32B model's pages (`--layers` x K and V, 16-token pages of
 `--page-kib`), a staging buffer of `--chunks` chunks, each chunk's runs as the worker builds them
 (one run per tensor: 4 consecutive pages); per repetition, in alternating order, the copies
-staging -> KV of every chunk with (a) the per-run loop (the code before 711425d, kept here as the
-baseline) and (b) the worker's `_copy`, each alone and beside a thread that spins in Python
+staging -> KV of every chunk with (a) the per-run loop and (b) the foreach call, each alone and
+beside a thread that spins in Python
 (the scheduler's loop with nothing to do). The KV tensors are compared with the staging bytes after
 every copy. `--device cpu` (default): CPU tensors; `--device cuda`: KV tensors on the GPU, staging
 pinned, copies `non_blocking` on a side stream and waited for, as the worker does.
@@ -93,7 +94,7 @@ def main() -> None:
             if not torch.equal(got, want):
                 raise SystemExit(f"copy mismatch in tensor {t}")
 
-    impls = {"loop": run_with(copies.copy_runs_one_by_one), "foreach": run_with(copies.copy_runs)}
+    impls = {"loop": run_with(copies.copy_runs), "foreach": run_with(copies.copy_runs_foreach)}
     results: dict[str, list[float]] = {f"{i}/{c}": [] for c in ("alone", "busy") for i in impls}
     for rep in range(args.reps):
         order = list(impls) if rep % 2 == 0 else list(reversed(impls))

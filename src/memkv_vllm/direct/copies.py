@@ -16,11 +16,25 @@ Run = tuple[int, int, int, int, int]
 
 def copy_runs(tensors: Sequence[torch.Tensor], staging: torch.Tensor, runs: Sequence[Run], to_staging: bool,
               non_blocking: bool) -> None:
-    """All `runs` in one `torch._foreach_copy_` call: its loop of copies runs in C++ with the
-    GIL released once. A copy_ per run released and re-took the GIL for each of the hundreds of
-    runs per chunk; beside vLLM's scheduler loop (same process at TP=1) every re-take could
-    wait behind it: the leased load's copy thread was its bottleneck on the H200
-    (docs/direct-mode.md, run 23). The views are still built one by one in Python."""
+    """One `copy_` per run (the worker's copy). `copy_runs_foreach` issues them as one
+    `torch._foreach_copy_` instead: on the H200 the store direction's copies took 2.7x less time
+    with it (run 24 vs run 23, two machines), but on the CPU box, beside a thread spinning in
+    Python, it was 6-14x *slower* than this loop (bench/direct_copy.py, three quiet runs): its
+    C++ loop appears to re-take the GIL per tensor. So this loop stays until the bench has run
+    on the GPU (`--device cuda`; docs/direct-mode.md, run 24)."""
+    for tensor_idx, block, length, page, offset in runs:
+        gpu = tensors[tensor_idx][block : block + length, :page]
+        host = staging[offset : offset + length * page].view(length, page)
+        if to_staging:
+            host.copy_(gpu, non_blocking=non_blocking)
+        else:
+            gpu.copy_(host, non_blocking=non_blocking)
+
+
+def copy_runs_foreach(tensors: Sequence[torch.Tensor], staging: torch.Tensor, runs: Sequence[Run], to_staging: bool,
+                      non_blocking: bool) -> None:
+    """All `runs` in one `torch._foreach_copy_` call (the views are still built one by one in
+    Python). Not used by the worker: see `copy_runs`; bench/direct_copy.py times both."""
     gpus, hosts = [], []
     for tensor_idx, block, length, page, offset in runs:
         gpus.append(tensors[tensor_idx][block : block + length, :page])
@@ -31,15 +45,3 @@ def copy_runs(tensors: Sequence[torch.Tensor], staging: torch.Tensor, runs: Sequ
         torch._foreach_copy_(hosts, gpus, non_blocking=non_blocking)
     else:
         torch._foreach_copy_(gpus, hosts, non_blocking=non_blocking)
-
-
-def copy_runs_one_by_one(tensors: Sequence[torch.Tensor], staging: torch.Tensor, runs: Sequence[Run],
-                         to_staging: bool, non_blocking: bool) -> None:
-    """The copy before 711425d, one `copy_` per run: bench/direct_copy.py's baseline."""
-    for tensor_idx, block, length, page, offset in runs:
-        gpu = tensors[tensor_idx][block : block + length, :page]
-        host = staging[offset : offset + length * page].view(length, page)
-        if to_staging:
-            host.copy_(gpu, non_blocking=non_blocking)
-        else:
-            gpu.copy_(host, non_blocking=non_blocking)
