@@ -19,7 +19,7 @@ def copy_runs(tensors: Sequence[torch.Tensor], staging: torch.Tensor, runs: Sequ
     """One `copy_` per run (the worker's copy). `copy_runs_foreach` issues them as one
     `torch._foreach_copy_` instead: on the H200 the store direction's copies took 2.7x less time
     with it (run 24 vs run 23, two machines), but on the CPU box, beside a thread spinning in
-    Python, it was 6-14x *slower* than this loop (bench/direct_copy.py, three quiet runs): its
+    Python, it was 6-50x *slower* than this loop (bench/direct_copy.py, five quiet runs): its
     C++ loop appears to re-take the GIL per tensor. So this loop stays until the bench has run
     on the GPU (`--device cuda`; docs/direct-mode.md, run 24)."""
     for tensor_idx, block, length, page, offset in runs:

@@ -907,9 +907,11 @@ class LeasedDirectManager(MemKVDirectManager):
         self._advance_lease_fence()
         self._renew()
         self.stats.gauge(tm.LEASED_BYTES, len(self._held) * self.layout.value_bytes * self.layout.world_size)
-        # Also while a leased load streams: at TP=1 the worker's fetch and copy threads share this
-        # process (and its GIL) with the scheduler loop, which spins while the request waits.
-        if self._step_yield_s and (self._lookup.probing() or self._loads):
+        # Also while a leased load streams, at TP=1 only: then the worker's fetch and copy threads
+        # share this process (and its GIL) with the scheduler loop, which spins while the request
+        # waits; at TP > 1 they run in the worker processes and a sleep here would buy nothing.
+        loads_here = bool(self._loads) and self.layout.world_size == 1
+        if self._step_yield_s and (self._lookup.probing() or loads_here):
             time.sleep(self._step_yield_s)
 
     def on_request_finished(self, req_context) -> None:
