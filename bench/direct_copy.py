@@ -18,7 +18,10 @@ beside a thread that spins in Python
 (the scheduler's loop with nothing to do). The KV tensors are compared with the staging bytes after
 every copy. `--device cpu` (default): CPU tensors; `--device cuda`: KV tensors on the GPU, staging
 pinned, copies `non_blocking` on a side stream and waited for, as the worker does.
-Prints medians and the ratio loop / foreach per condition; writes bench/out/direct_copy.json.
+Also `SectionCopier` (the worker's copy since 2026-12-02: one host <-> device copy per chunk
+into a device scratch, then one gather + one scatter per KV tensor) for each `--scratch-chunks`.
+Both directions: "load" (staging -> KV) and "store" (KV -> staging, checked against the bytes).
+Prints medians and the ratio loop / each other per condition; writes bench/out/direct_copy.json.
 """
 
 from __future__ import annotations
@@ -59,6 +62,9 @@ def main() -> None:
     ap.add_argument("--pages-per-chunk", type=int, default=4)
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    ap.add_argument("--scratch-chunks", type=int, nargs="*", default=[4, 16],
+                    help="SectionCopier variants to time: chunks its scratch holds")
+    ap.add_argument("--shuffle", action="store_true", help="permute the GPU blocks: one run per page")
     ap.add_argument("--out", default=str(ROOT / "bench" / "out" / "direct_copy.json"))
     args = ap.parse_args()
     copies = load_copies()
@@ -69,63 +75,88 @@ def main() -> None:
     num_blocks = args.chunks * ppc
     tensors = [torch.zeros(num_blocks, page, dtype=torch.int8, device=args.device) for _ in range(n_tensors)]
     section = n_tensors * ppc * page
-    staging = torch.randint(-128, 127, (args.chunks * section,), dtype=torch.int8)
-    if cuda:
-        staging = staging.pin_memory()
-    runs = [(t, c * ppc, ppc, page, c * section + t * ppc * page) for c in range(args.chunks) for t in range(n_tensors)]
+    want = torch.randint(-128, 127, (args.chunks * section,), dtype=torch.int8)
+    staging = want.clone().pin_memory() if cuda else want.clone()
+    blocks = torch.arange(num_blocks)
+    if args.shuffle:  # blocks of a long-lived engine: no two consecutive, one run per page
+        blocks = blocks[torch.randperm(num_blocks, generator=torch.Generator().manual_seed(1))]
+    block_of = [int(b) for b in blocks]
+    rel = [[(t, block_of[c * ppc + j], 1, page, t * ppc * page + j * page) for t in range(n_tensors) for j in range(ppc)]
+           if args.shuffle else [(t, c * ppc, ppc, page, t * ppc * page) for t in range(n_tensors)]
+           for c in range(args.chunks)]
+    runs = [(t, b, n, p, c * section + off) for c in range(args.chunks) for t, b, n, p, off in rel[c]]
+    sections = [(c * section, rel[c]) for c in range(args.chunks)]
     stream = torch.cuda.Stream() if cuda else None
 
-    def run_with(fn):
-        def go(tensors_, staging_, runs_) -> None:
+    def on_stream(fn):
+        def go() -> None:
             if stream is None:
-                fn(tensors_, staging_, runs_, False, False)
+                fn(False)
                 return
             with torch.cuda.stream(stream):
-                fn(tensors_, staging_, runs_, False, True)
+                fn(True)
                 done = torch.cuda.Event()
                 done.record(stream)
             done.synchronize()
         return go
 
-    def check() -> None:
+    def check(to_staging: bool) -> None:
+        if to_staging:
+            if not torch.equal(staging, want):
+                raise SystemExit("store: staging differs from the KV bytes")
+            return
         for t in range(0, n_tensors, max(1, n_tensors // 8)):
-            got = tensors[t].view(args.chunks, ppc * page).cpu()
-            want = staging.view(args.chunks, n_tensors, ppc * page)[:, t]
-            if not torch.equal(got, want):
-                raise SystemExit(f"copy mismatch in tensor {t}")
+            got = tensors[t][blocks].view(args.chunks, ppc * page).cpu()
+            if not torch.equal(got, want.view(args.chunks, n_tensors, ppc * page)[:, t]):
+                raise SystemExit(f"load: copy mismatch in tensor {t}")
 
-    impls = {"loop": run_with(copies.copy_runs), "foreach": run_with(copies.copy_runs_foreach)}
-    results: dict[str, list[float]] = {f"{i}/{c}": [] for c in ("alone", "busy") for i in impls}
+    impls = {"loop": lambda s: on_stream(lambda nb: copies.copy_runs(tensors, staging, runs, s, nb)),
+             "foreach": lambda s: on_stream(lambda nb: copies.copy_runs_foreach(tensors, staging, runs, s, nb))}
+    for n in args.scratch_chunks:
+        copier = copies.SectionCopier(tensors, staging, section, n, pages=[page])
+        impls[f"scratch{n}"] = lambda s, copier=copier: on_stream(lambda nb: copier.copy(sections, s, nb))
+    conds = [f"{d}/{c}" for d in ("load", "store") for c in ("alone", "busy")]
+    results: dict[str, list[float]] = {f"{i}/{c}": [] for c in conds for i in impls}
     for rep in range(args.reps):
-        order = list(impls) if rep % 2 == 0 else list(reversed(impls))
-        for cond in ("alone", "busy"):
+        order = list(impls) if rep % 2 == 0 else list(reversed(impls))  # alternate: drift cancels
+        for cond in conds:
+            to_staging = cond.startswith("store")
             for name in order:
-                for t in tensors:
-                    t.zero_()
+                if to_staging:  # the KV tensors hold the bytes (the loads before were checked)
+                    staging.zero_()
+                else:
+                    for t in tensors:
+                        t.zero_()
+                    if cuda:  # the zeroing runs on the default stream, the copies on the side stream
+                        torch.cuda.synchronize()
                 stop = threading.Event()
                 spin = threading.Thread(target=spinner, args=(stop,), daemon=True) if cond == "busy" else None
                 if spin:
                     spin.start()
                     time.sleep(0.01)
                 t0 = time.perf_counter()
-                impls[name](tensors, staging, runs)
+                impls[name](to_staging)()
                 took = time.perf_counter() - t0
                 stop.set()
                 if spin:
                     spin.join()
-                check()
+                check(to_staging)
                 results[f"{name}/{cond}"].append(took)
     mib = args.chunks * section / 2**20
-    print(f"{args.device}: {args.chunks} chunks x {n_tensors} runs of {ppc} x {args.page_kib} KiB ({mib:.0f} MiB), {args.reps} reps, "
-          f"torch {torch.__version__}, {os.cpu_count()} CPUs, load {os.getloadavg()[0]:.1f}")
-    print("| condition | per-run copy_ loop | one _foreach_copy_ | loop / foreach (median of per-rep ratios) |")
-    print("|---|---:|---:|---:|")
+    print(f"{args.device}: {args.chunks} chunks x {n_tensors} tensors x {ppc} pages of {args.page_kib} KiB ({mib:.0f} MiB, "
+          f"{len(runs)} runs{', shuffled blocks' if args.shuffle else ''}), {args.reps} reps, torch {torch.__version__}, "
+          f"{os.cpu_count()} CPUs, load {os.getloadavg()[0]:.1f}")
+    names = list(impls)
+    print("| condition | " + " | ".join(names) + " | " + " | ".join(f"loop / {n}" for n in names[1:]) + " |")
+    print("|---|" + "---:|" * (2 * len(names) - 1))
     summary = {}
-    for cond in ("alone", "busy"):
-        loop, fe = results[f"loop/{cond}"], results[f"foreach/{cond}"]
-        ratio = statistics.median(a / b for a, b in zip(loop, fe))
-        summary[cond] = {"loop_s": statistics.median(loop), "foreach_s": statistics.median(fe), "ratio": ratio}
-        print(f"| {cond} | {summary[cond]['loop_s'] * 1e3:.1f} ms | {summary[cond]['foreach_s'] * 1e3:.1f} ms | {ratio:.2f}x |")
+    for cond in conds:
+        base = results[f"loop/{cond}"]
+        row = {n: statistics.median(results[f"{n}/{cond}"]) for n in names}
+        ratios = {n: statistics.median(a / b for a, b in zip(base, results[f"{n}/{cond}"])) for n in names[1:]}
+        summary[cond] = {"median_s": row, "loop_over": ratios}  # ratio: median of per-rep ratios
+        print(f"| {cond} | " + " | ".join(f"{row[n] * 1e3:.1f} ms" for n in names) + " | "
+              + " | ".join(f"{ratios[n]:.2f}x" for n in names[1:]) + " |")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps({
         "args": vars(args), "device": torch.cuda.get_device_name() if cuda else "cpu", "machine": platform.platform(), "cpus": os.cpu_count(), "torch": torch.__version__,

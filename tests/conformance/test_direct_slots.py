@@ -49,6 +49,8 @@ def test_take_is_all_or_nothing():
     ({"memkv": {"stagingmb": 1}}, "stagingmb"),
     ({"memkv": {"staging_mb": -1}}, "staging_mb"),
     ({"memkv": {"step_yield_ms": 100}}, "step_yield_ms"),
+    ({"memkv": {"copy_scratch_mb": -1}}, "copy_scratch_mb"),
+    ({"memkv": {"copy_scratch_mb": 1.5}}, "copy_scratch_mb"),
     ({"memkv": []}, "'memkv'"),
 ])
 def test_bad_settings_name_the_key(raw, name):

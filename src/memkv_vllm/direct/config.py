@@ -19,6 +19,7 @@ from memkv_vllm.config import check_common_keys
 
 EXTRA_CONFIG_KEY = "memkv"
 DEFAULT_STAGING_MB = 512
+DEFAULT_COPY_SCRATCH_MB = 128
 LEASED, STAGED = "leased", "staged"  # load_guarantee values (docs/direct-mode.md, "Two load guarantees")
 
 
@@ -26,6 +27,9 @@ LEASED, STAGED = "leased", "staged"  # load_guarantee values (docs/direct-mode.m
 class DirectSettings:
     prefix: str = ""  # key namespace, e.g. one per fleet
     staging_mb: int = DEFAULT_STAGING_MB  # the shared staging region: every chunk in flight, both directions
+    # GPU memory per copy direction through which a batch of chunks moves between staging and
+    # the KV cache (copies.SectionCopier); 0: one copy_ per (chunk, tensor) run, no GPU memory
+    copy_scratch_mb: int = DEFAULT_COPY_SCRATCH_MB
     n_read_threads: int = 8  # prefetch (load) priority threads
     n_write_threads: int = 8  # put (store) priority threads
     blocks_per_op: int = 8  # chunks per batched request
@@ -59,7 +63,7 @@ class DirectSettings:
         def fail(key: str, want: str) -> None:
             raise ConfigError(f"MemKV direct mode: {EXTRA_CONFIG_KEY}.{key} must be {want}, got {getattr(self, key)!r}")
 
-        check_common_keys(self, fail, (("staging_mb", 1, 1 << 20),))
+        check_common_keys(self, fail, (("staging_mb", 1, 1 << 20), ("copy_scratch_mb", 0, 1 << 16)))
         if self.load_guarantee not in (LEASED, STAGED):
             fail("load_guarantee", f'"{LEASED}" or "{STAGED}"')
         for key, hi in (("lease_ttl_s", 3600.0), ("load_retry_s", 3600.0)):
@@ -74,6 +78,10 @@ class DirectSettings:
     @property
     def staging_bytes(self) -> int:
         return self.staging_mb << 20
+
+    @property
+    def copy_scratch_bytes(self) -> int:
+        return self.copy_scratch_mb << 20
 
     @property
     def deadline_s(self) -> float | None:

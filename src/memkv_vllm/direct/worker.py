@@ -40,7 +40,7 @@ import torch
 from vllm.v1.kv_offload.base import OffloadingWorker, TransferResult
 
 from memkv_vllm.direct.config import DirectSettings
-from memkv_vllm.direct.copies import copy_runs
+from memkv_vllm.direct.copies import SectionCopier, copy_runs
 from memkv_vllm.direct.layout import StagingLayout
 from memkv_vllm.direct.staging import StagingRegion
 from memkv_vllm.direct.streaming import Chunk, Job, LoadFailed, StreamingTransfers
@@ -67,6 +67,8 @@ class MemKVDirectWorker(OffloadingWorker):
                                    f"{layout.rank} but the spec sized values at {layout.value_bytes} bytes")
             self._groups.append(entries)
         self._cuda = any(t.is_cuda for t in self._tensors)
+        self._pages = sorted({page for entries in self._groups for _, page, _ in entries})
+        self._copiers: dict[str, SectionCopier] = {}  # per copy stream: "staged", "load", "store"
         self._region: StagingRegion | None = None
         self._staging: torch.Tensor | None = None
         self._registered = False
@@ -122,13 +124,11 @@ class MemKVDirectWorker(OffloadingWorker):
         once all the copies are complete (the slots are then reused). On CUDA: queued together on
         this direction's side stream, after the compute that was current when each job was
         submitted, then one event waited for."""
-        staging = self._staging
-        runs = []
-        for _, chunk, slot in items:
-            base = self.layout.section_offset(slot, self.layout.rank)
-            runs += [(t, b, n, page, base + off) for t, b, n, page, off in chunk.runs]
+        rank = self.layout.rank
+        sections = [(self.layout.section_offset(slot, rank), chunk.runs) for _, chunk, slot in items]
+        direction = "store" if to_staging else "load"
         if not self._cuda:
-            self._copy(staging, runs, to_staging, non_blocking=False)
+            self._copy(direction, sections, to_staging, non_blocking=False)
             return
         stream = self._store_stream if to_staging else self._load_stream
         waited: set[int] = set()
@@ -137,7 +137,7 @@ class MemKVDirectWorker(OffloadingWorker):
                 stream.wait_event(job.event)
                 waited.add(id(job))
         with torch.cuda.stream(stream):
-            self._copy(staging, runs, to_staging, non_blocking=True)
+            self._copy(direction, sections, to_staging, non_blocking=True)
             done = torch.cuda.Event()
             done.record(stream)
         done.synchronize()
@@ -204,33 +204,26 @@ class MemKVDirectWorker(OffloadingWorker):
 
     def _run(self, job_id: int, gpu_spec, slots: list[int], to_staging: bool) -> bool:
         start = time.perf_counter()
-        copies = self._copies(gpu_spec, slots)
-        nbytes = sum(length * page for _, _, length, page, _ in copies)
-        if not copies:
+        rank = self.layout.rank
+        sections = [(self.layout.section_offset(slot, rank), runs)
+                    for slot, runs in zip(slots, self._chunk_runs(gpu_spec, len(slots))) if runs]
+        nbytes = sum(length * page for _, runs in sections for _, _, length, page, _ in runs)
+        if not sections:
             self._done.append(TransferResult(job_id, True, 0, 0.0))
             return True
-        staging = self._stage()
+        self._stage()
         if self._cuda:
             stream = self._stream
             stream.wait_stream(torch.cuda.current_stream())  # after the compute of this step
             with torch.cuda.stream(stream):
-                self._copy(staging, copies, to_staging, non_blocking=True)
+                self._copy("staged", sections, to_staging, non_blocking=True)
                 event = torch.cuda.Event()
                 event.record(stream)
             self._pending[job_id] = (event, nbytes, start)
         else:
-            self._copy(staging, copies, to_staging, non_blocking=False)
+            self._copy("staged", sections, to_staging, non_blocking=False)
             self._done.append(TransferResult(job_id, True, nbytes, time.perf_counter() - start))
         return True
-
-    def _copies(self, gpu_spec, slots: list[int]) -> list[tuple[int, int, int, int, int]]:
-        """(tensor idx, first GPU block, blocks, page bytes, staging byte offset) runs of a
-        "staged" job: each chunk's runs (`_chunk_runs`) placed in its slot's section."""
-        out = []
-        for slot, runs in zip(slots, self._chunk_runs(gpu_spec, len(slots))):
-            base = self.layout.section_offset(slot, self.layout.rank)
-            out += [(t, b, n, page, base + off) for t, b, n, page, off in runs]
-        return out
 
     def _chunk_runs(self, gpu_spec, n_chunks: int) -> list[list[tuple[int, int, int, int, int]]]:
         """Per chunk of the job, its (tensor idx, first GPU block, blocks, page bytes, byte offset
@@ -267,8 +260,27 @@ class MemKVDirectWorker(OffloadingWorker):
             raise AssertionError(f"MemKV direct mode: a job names {n_chunks} chunk(s) but its GPU blocks cover {key}")
         return per_chunk
 
-    def _copy(self, staging: torch.Tensor, runs, to_staging: bool, non_blocking: bool) -> None:
-        copy_runs(self._tensors, staging, runs, to_staging, non_blocking)  # copies.py says how
+    def _copy(self, stream: str, sections: list[tuple[int, list]], to_staging: bool, non_blocking: bool) -> None:
+        """Every run of `sections` ((staging offset of a chunk's section, its runs)); on CUDA
+        queued on the current stream. Through the copy stream's SectionCopier (copies.py says
+        why), or one copy_ per run with copy_scratch_mb 0."""
+        staging = self._staging
+        assert staging is not None
+        scratch = self.settings.copy_scratch_bytes
+        if scratch == 0:
+            copy_runs(self._tensors, staging,
+                      [(t, b, n, p, base + off) for base, runs in sections for t, b, n, p, off in runs],
+                      to_staging, non_blocking)
+            return
+        copier = self._copiers.get(stream)
+        if copier is None:
+            chunks = max(1, scratch // self.layout.value_bytes)
+            copier = self._copiers[stream] = SectionCopier(self._tensors, staging, self.layout.value_bytes, chunks,
+                                                           self._pages)
+            log.info("MemKV direct mode: rank %d copies %s chunks through %d MiB of %s scratch (%d chunk(s) at a "
+                     "time; memkv.copy_scratch_mb)", self.layout.rank, stream, copier.scratch_bytes >> 20,
+                     copier.device.type, copier.scratch_chunks)
+        copier.copy(sections, to_staging, non_blocking)
 
     def get_finished(self) -> list[TransferResult]:
         done, self._done = self._done, []
