@@ -69,6 +69,8 @@ def kv_transfer_config(spec: dict) -> dict:
         extra = {"spec_name": "MemKVOffloadingSpec", "spec_module_path": "memkv_vllm.direct",
                  "block_size": BLOCK_TOKENS, "memkv": {"staging_mb": spec["staging_mb"], "prefix": "direct/",
                                                      "load_guarantee": spec["load_guarantee"]}}
+        if spec.get("copy_scratch_mb") is not None:
+            extra["memkv"]["copy_scratch_mb"] = spec["copy_scratch_mb"]
     else:
         extra = {"spec_name": "TieringOffloadingSpec", "cpu_bytes_to_use": int(spec["cpu_gib"] * 2**30),
                  "block_size": BLOCK_TOKENS, "secondary_tiers": [{"type": "memkv", "prefix": "tier/"}]}
@@ -212,6 +214,7 @@ def main() -> int:
     ap.add_argument("--modes", default="direct,tier")
     ap.add_argument("--tokens", default="8192,32768")
     ap.add_argument("--staging-mb", type=int, default=512, help="direct mode's staging_mb (default: the key's, 512)")
+    ap.add_argument("--copy-scratch-mb", type=int, default=None, help="direct mode's copy_scratch_mb (default: the key's)")
     ap.add_argument("--load-guarantee", default="staged", choices=("leased", "staged"),
                     help="direct mode's load_guarantee (default: the key's, staged)")
     ap.add_argument("--cpu-gib", type=float, default=24.0)
@@ -240,7 +243,7 @@ def main() -> int:
         for mode in args.modes.split(","):
             for role in ("main", "restart"):
                 spec = {"mode": mode, "role": role, "tokens": tokens, "staging_mb": args.staging_mb,
-                        "load_guarantee": args.load_guarantee, "cpu_gib": args.cpu_gib, "shape": args.shape, "tp": args.tp, "gpu_util": args.gpu_util,
+                        "load_guarantee": args.load_guarantee, "copy_scratch_mb": args.copy_scratch_mb, "cpu_gib": args.cpu_gib, "shape": args.shape, "tp": args.tp, "gpu_util": args.gpu_util,
                         "eager": args.eager, "timing": args.timing, "out": os.path.join(args.out_dir, f"{mode}-{role}.json")}
                 with open(spec["out"] + ".spec", "w") as f:
                     json.dump(spec, f)
