@@ -54,10 +54,10 @@ class SectionCopier:
     Why: on the H200 a leased load spent its time issuing `copy_` calls (run 23: 128 of them per
     16 MiB chunk for the 32B shape, ~175 us each beside vLLM's scheduler loop, which shares the
     GIL with the copy thread at TP=1). Here the per-tensor work is `index_select` + `index_copy_`
-    between the scratch and the KV tensor (a load whose chunks all hold the tensor's run at the
-    same place: one `index_put_` from a strided view of the scratch), so the number of calls
-    does not grow with the chunks in the batch (run 25: 3-10x faster than `copy_runs` on the
-    H200); a batch larger than the scratch goes through it in parts, in stream order.
+    between the scratch and the KV tensor, so the number of calls does not grow with the chunks
+    in the batch (run 25: 3-10x faster than `copy_runs` on the H200); a batch larger than the
+    scratch goes through it in parts, in stream order. (One `index_put_` per tensor from a
+    strided view of the scratch, saving the gather's call, was no faster in the engine: run 28.)
 
     `sections` are `(staging byte offset of the chunk's section, runs)` with each run's byte
     offset relative to the section. A run whose scratch position is not a multiple of its page
@@ -92,10 +92,6 @@ class SectionCopier:
             self._scratch = torch.zeros(self.scratch_bytes, dtype=torch.int8, device=self.device)
         flat, stride, vb = self._scratch, self.stride, self.value_bytes
         per_tensor: dict[tuple[int, int], tuple[list[int], list[int]]] = {}  # (tensor, page) -> (blocks, rows)
-        # (tensor, page) -> [offset, length, last chunk, runs]: a tensor with one run per chunk of
-        # the part, all at the same offset and length, reads its rows as a strided view of the
-        # scratch (one index_put_ per tensor for a load instead of index_select + index_copy_)
-        grid: dict[tuple[int, int], list[int]] = {}
         loose: list[Run] = []  # (tensor, block, blocks, page, scratch byte offset)
         for k, (_, runs) in enumerate(part):
             for tensor_idx, block, length, page, offset in runs:
@@ -103,15 +99,9 @@ class SectionCopier:
                 if pos % page:
                     loose.append((tensor_idx, block, length, page, pos))
                     continue
-                key = (tensor_idx, page)
-                blocks, rows = per_tensor.setdefault(key, ([], []))
+                blocks, rows = per_tensor.setdefault((tensor_idx, page), ([], []))
                 blocks.extend(range(block, block + length))
                 rows.extend(range(pos // page, pos // page + length))
-                g = grid.setdefault(key, [offset, length, -1, 0])
-                if g[2] == k or g[0] != offset or g[1] != length:
-                    g[3] = -len(part) - 1  # never regular
-                g[2] = k
-                g[3] += 1
         if not to_staging:
             for k, (base, _) in enumerate(part):
                 flat[k * stride : k * stride + vb].copy_(self.staging[base : base + vb], non_blocking=non_blocking)
@@ -130,14 +120,8 @@ class SectionCopier:
                 at += 2 * n
                 kv = _wide(self.tensors[tensor_idx][:, :page])
                 rows = _wide(flat[: flat.numel() // page * page].view(-1, page))
-                offset, length, _, count = grid[(tensor_idx, page)]
                 if to_staging:
                     rows.index_copy_(0, row_ids, kv.index_select(0, block_ids))
-                elif count == len(part) and stride % page == 0:
-                    width = rows.shape[1]
-                    view = rows.as_strided((count, length, width), (stride // page * width, width, 1),
-                                           rows.storage_offset() + offset // page * width)
-                    kv.index_put_((block_ids.view(count, length),), view)
                 else:
                     kv.index_copy_(0, block_ids, rows.index_select(0, row_ids))
         for tensor_idx, block, length, page, pos in loose:
