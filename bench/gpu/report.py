@@ -178,6 +178,56 @@ def save(fig, path: str) -> None:
     print(f"\nwrote {path}")
 
 
+# (label, results file, mode): each bar one engine mode of one bench/gpu/direct.py call
+DIRECT_BARS = [
+    ("leased, per-run copies\n(run 21, 0.5 GiB)", "run21-leased-direct-tier.json", "direct"),
+    ("leased, GPU scratch\n(run 26, 0.5 GiB)", "run26-leased-scratch128-direct.json", "direct"),
+    ("staged\n(run 27, 9 GiB)", "run27-staged-direct.json", "direct"),
+    ("tier\n(run 26, 24 GiB pool)", "run26-leased-scratch128-direct.json", "tier"),
+]
+
+
+def direct_plot(args) -> int:
+    """Revisit TTFT of the main engine (bar) and of the restarted engine (dot) per direct-mode
+    setting and the tier, against recompute measured in the same calls (dashed: the median)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    lengths = (8192, 32768)
+    fig, axes = plt.subplots(1, len(lengths), figsize=(11, 4.2))
+    print("| setting | prompt | recompute | revisit | restarted |\n|---|---|---:|---:|---:|")
+    for ax, tokens in zip(axes, lengths):
+        recompute, xs = [], []
+        for i, (label, name, mode) in enumerate(DIRECT_BARS):
+            with open(os.path.join(args.results, name)) as f:
+                doc = json.load(f)
+            times = {}
+            for e in doc["engines"]:
+                if e["mode"] != mode:
+                    continue
+                for r in e["runs"]:
+                    if r["tokens"] == tokens:
+                        times.setdefault(r["phase"], []).append(r["seconds"])
+            recompute += times.get("recompute", [])
+            revisit, restart = med(times.get("memkv", [])), med(times.get("restart", []))
+            ax.bar(i, revisit, color="#4C72B0" if mode == "direct" else "#55A868")
+            ax.plot([i], [restart], "o", color="black", ms=5)
+            ax.text(i, revisit / 2, f"{revisit:.2f} s", ha="center", va="center", fontsize=8, color="white")
+            xs.append(label)
+            print(f"| {label.replace(chr(10), ' ')} | {tokens} | {med(times.get('recompute', [])):.2f} | "
+                  f"{revisit:.2f} | {restart:.2f} |")
+        ax.axhline(med(recompute), ls="--", color="#C44E52", label=f"recompute (median {med(recompute):.2f} s)")
+        ax.set_xticks(range(len(xs)), xs, fontsize=7)
+        ax.set_ylabel("TTFT, s")
+        ax.set_title(f"{tokens // 1024}k-token prompt, 32B shape, H200 (bar: revisit, dot: restarted engine)",
+                     fontsize=8)
+        ax.legend(fontsize=7)
+    save(fig, args.img)
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--results", default=os.path.join(HERE, "results"))
@@ -186,8 +236,13 @@ def main() -> int:
                     help="the runs of 2026-12-01 (13-15): README's tier config, engine core in its own process")
     ap.add_argument("--breakdown", action="store_true",
                     help="run 17: the stages of each promotion with the defaults (engine core in its own process)")
+    ap.add_argument("--direct", action="store_true",
+                    help="direct mode (runs 21, 26, 27): revisit TTFT per mode, pinned host memory, vs recompute")
     ap.add_argument("--img", default=None)
     args = ap.parse_args()
+    if args.direct:
+        args.img = args.img or os.path.join(REPO, "docs", "img", "gpu-direct.png")
+        return direct_plot(args)
     if args.breakdown:
         args.img = args.img or os.path.join(REPO, "docs", "img", "gpu-breakdown-defaults.png")
         return breakdown_plot(args)

@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import glob
+import logging
 import subprocess
 import sys
 import textwrap
@@ -37,13 +38,17 @@ def direct_env(monkeypatch, cluster, auth_key_hex):
     return cluster
 
 
-def test_store_job_larger_than_staging_keeps_its_leading_chunks_and_sheds_the_rest(direct_env):
+def test_store_job_larger_than_staging_keeps_its_leading_chunks_and_sheds_the_rest(direct_env, caplog):
     g, tag = BIG, uuid.uuid4().hex
     tokens = 12 * g.block_size + 3
     with dh.DirectEngine(g, dh.direct_config(staging_mb=1, block_size=g.block_size, load_guarantee="staged"), token_budget=4096) as engine:
         assert engine.manager.slots.num_slots == 8
-        engine.run(tag, tokens)  # one store job of 12 chunks
+        with caplog.at_level(logging.WARNING):
+            engine.run(tag, tokens)  # one store job of 12 chunks
         assert engine.stat(tm.SHEDS, ("direct",)) == 4
+        warned = [r.getMessage() for r in caplog.records if "needs more staging" in r.getMessage()]
+        assert warned and "kept its first 8 chunk(s), shed 4" in warned[0]
+        assert "staging_mb" in warned[0] and '"leased"' in warned[0]  # both ways out are named
         again = engine.run(tag, tokens)
         assert again.matched_tokens == 8 * g.block_size  # the prefix that was kept, byte-exact
         assert again.loaded_blocks == 8 * g.blocks_per_chunk

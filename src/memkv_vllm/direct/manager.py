@@ -331,7 +331,9 @@ class MemKVDirectManager(OffloadingManager):
             self.stats.count(tm.SHEDS, shed)
             log.warning("MemKV direct mode: a store job of %s needs more staging than memkv.staging_mb (%d MiB) "
                         "holds; kept its first %d chunk(s), shed %d and the rest of the request. Raise "
-                        "staging_mb or lower max_num_batched_tokens.", rid, self.settings.staging_mb, fit, shed)
+                        "staging_mb, lower max_num_batched_tokens, or set memkv.load_guarantee \"leased\" (any "
+                        "prompt length through the same region; docs/direct-mode.md, 'Two load guarantees').",
+                        rid, self.settings.staging_mb, fit, shed)
         now = self._clock()
         for key, slot in zip(todo, slots):
             e = _Entry(key, slot, WRITING, now)
