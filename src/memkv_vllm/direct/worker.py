@@ -21,9 +21,10 @@ layer refs 0..L-1 with page sizes p_i, ref i's `blocks_per_chunk` pages are cont
 
 GPU ordering: a job's copies run on this worker's side stream, which first waits on the
 stream that was current at submit (the compute that wrote a store's blocks; pending zeroing of
-blocks re-allocated to a load). "leased": a batch of chunks (every fetched chunk that is ready,
-or one gather of up to `blocks_per_op`) is queued on the direction's side stream at once and
-waited for with one event. CPU tensors (the conformance suite) copy synchronously, through the
+blocks re-allocated to a load). A batch of chunks moves through the stream's GPU scratch
+(copies.SectionCopier, `copy_scratch_mb`): one host <-> GPU copy per chunk, one gather/scatter
+per KV tensor. "leased": a batch (every fetched chunk that is ready, or one gather of up to
+`blocks_per_op`) is queued on the direction's side stream at once and waited for with one event. CPU tensors (the conformance suite) copy synchronously, through the
 same batches.
 The staging region is mapped and host-registered with CUDA (pinned) once, in get_worker.
 
