@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import glob
+import logging
 import os
 from collections.abc import Iterator
 
@@ -99,3 +100,26 @@ def no_leaked_regions():
     yield
     for path in set(glob.glob("/dev/shm/vllm_offload_*")) - before:
         os.unlink(path)
+
+
+class PluginLog(logging.Handler):
+    """Collects memkv_vllm's log lines, tier and direct mode (vLLM's loggers do not propagate to
+    pytest's caplog on every release)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.lines: list[str] = []
+        self.logger = logging.getLogger("vllm.memkv_vllm")
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+    def __enter__(self) -> PluginLog:
+        self._level = self.logger.level
+        self.logger.addHandler(self)
+        self.logger.setLevel(logging.INFO)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.logger.removeHandler(self)
+        self.logger.setLevel(self._level)

@@ -14,7 +14,6 @@
 from __future__ import annotations
 
 import glob
-import logging
 import subprocess
 import sys
 import textwrap
@@ -25,7 +24,7 @@ import pytest
 from memkv_vllm import metrics as tm
 from memkv_vllm.direct import MemKVOffloadingSpec
 from tests.conformance import direct_harness as dh
-from tests.conformance.conftest import point_at
+from tests.conformance.conftest import PluginLog, point_at
 
 pytestmark = pytest.mark.conformance
 
@@ -38,15 +37,15 @@ def direct_env(monkeypatch, cluster, auth_key_hex):
     return cluster
 
 
-def test_store_job_larger_than_staging_keeps_its_leading_chunks_and_sheds_the_rest(direct_env, caplog):
+def test_store_job_larger_than_staging_keeps_its_leading_chunks_and_sheds_the_rest(direct_env):
     g, tag = BIG, uuid.uuid4().hex
     tokens = 12 * g.block_size + 3
     with dh.DirectEngine(g, dh.direct_config(staging_mb=1, block_size=g.block_size, load_guarantee="staged"), token_budget=4096) as engine:
         assert engine.manager.slots.num_slots == 8
-        with caplog.at_level(logging.WARNING):
+        with PluginLog() as log:
             engine.run(tag, tokens)  # one store job of 12 chunks
         assert engine.stat(tm.SHEDS, ("direct",)) == 4
-        warned = [r.getMessage() for r in caplog.records if "needs more staging" in r.getMessage()]
+        warned = [line for line in log.lines if "needs more staging" in line]
         assert warned and "kept its first 8 chunk(s), shed 4" in warned[0]
         assert "staging_mb" in warned[0] and '"leased"' in warned[0]  # both ways out are named
         again = engine.run(tag, tokens)

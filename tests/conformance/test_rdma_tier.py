@@ -13,7 +13,6 @@ a tamed progress thread). The rest of the suite runs over RDMA too with MEMKV_TE
 
 from __future__ import annotations
 
-import logging
 import os
 import re
 import urllib.request
@@ -23,7 +22,7 @@ import pytest
 from memkv.local import LocalNode
 from memkv.transport.nixl_adapter import INSTALL_HINT, nixl_available, ucx_tls_for_host
 from tests.conformance import vllm_harness as h
-from tests.conformance.conftest import point_at
+from tests.conformance.conftest import PluginLog, point_at
 
 pytestmark = [
     pytest.mark.conformance,
@@ -42,27 +41,7 @@ def node_requests(node: LocalNode, op: str) -> float:
     return float(found.group(1)) if found else 0.0
 
 
-class TierLog(logging.Handler):
-    """Collects the tier's log lines (vLLM's loggers do not propagate to pytest's caplog)."""
-
-    def __init__(self) -> None:
-        super().__init__(logging.INFO)
-        self.lines: list[str] = []
-        self.logger = logging.getLogger("vllm.memkv_vllm")
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.lines.append(record.getMessage())
-
-    def __enter__(self) -> TierLog:
-        self._level = self.logger.level
-        self.logger.addHandler(self)
-        self.logger.setLevel(logging.INFO)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.logger.removeHandler(self)
-        self.logger.setLevel(self._level)
-
+class TierLog(PluginLog):
     def ready_line(self) -> str:
         (line,) = [x for x in self.lines if x.startswith("MemKV tier ready")]
         return line
