@@ -1,25 +1,24 @@
-"""Direct mode's staging <-> KV-cache copies: one `copy_` per run (the worker's) vs one `torch._foreach_copy_`.
+"""Direct mode's staging <-> KV-cache copies: the worker's `SectionCopier` vs one `copy_` per run vs one `torch._foreach_copy_`.
 
     .nox/conformance-0-33-0/bin/python bench/direct_copy.py [--chunks 64] [--layers 64] [--reps 5]
     python3 bench/direct_copy.py --device cuda --chunks 512     # GPU host: torch only, no vLLM needed
 
 Why: on the H200 (run 23, docs/direct-mode.md) a leased load spent its whole time in the worker's
-copy thread: one `copy_` per (chunk, tensor) run, hundreds per 16 MiB chunk, and every `copy_`
-releases and re-takes the GIL, which at TP=1 the worker shares with vLLM's scheduler loop. The
-candidate: a batch's runs as one `torch._foreach_copy_`. Both are `memkv_vllm/direct/copies.py`
-(`copy_runs`, the worker's, and `copy_runs_foreach`), loaded here from its file so that no vLLM
-is needed: the GPU host image has torch but not vLLM.
+copy thread, then issuing one `copy_` per (chunk, tensor) run, hundreds per 16 MiB chunk, each
+re-taking the GIL that at TP=1 the worker shares with vLLM's scheduler loop. This compares the
+per-run loop (`copy_runs`), one `_foreach_copy_` for all runs (`copy_runs_foreach`) and the
+worker's copy since run 26 (`SectionCopier`), all from `memkv_vllm/direct/copies.py`, loaded here
+from its file so that no vLLM is needed: the GPU host image has torch but not vLLM.
 
 What runs: KV tensors shaped like the 32B model's pages (`--layers` x K and V, 16-token pages of
 `--page-kib`), a staging buffer of `--chunks` chunks, each chunk's runs as the worker builds them
-(one run per tensor: 4 consecutive pages); per repetition, in alternating order, the copies
-staging -> KV of every chunk with (a) the per-run loop and (b) the foreach call, each alone and
-beside a thread that spins in Python
-(the scheduler's loop with nothing to do). The KV tensors are compared with the staging bytes after
+(one run per tensor: 4 consecutive pages, or one per page with `--shuffle`); per repetition, in
+alternating order, each implementation alone and beside a thread that spins in Python (the
+scheduler's loop with nothing to do). The KV tensors are compared with the staging bytes after
 every copy. `--device cpu` (default): CPU tensors; `--device cuda`: KV tensors on the GPU, staging
 pinned, copies `non_blocking` on a side stream and waited for, as the worker does.
-Also `SectionCopier` (the worker's copy since 2026-12-02: one host <-> device copy per chunk
-into a device scratch, then one gather + one scatter per KV tensor) for each `--scratch-chunks`.
+`SectionCopier` (one host <-> device copy per chunk into a device scratch, then one gather + one
+scatter per KV tensor) runs once per `--scratch-chunks`.
 Both directions: "load" (staging -> KV) and "store" (KV -> staging, checked against the bytes).
 Prints medians and the ratio loop / each other per condition; writes bench/out/direct_copy.json.
 """
@@ -38,6 +37,8 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
+
+
 def load_copies():
     """memkv_vllm/direct/copies.py by its path: importing the package would import vLLM."""
     import importlib.util

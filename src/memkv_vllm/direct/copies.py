@@ -71,12 +71,16 @@ class SectionCopier:
         self.staging = staging
         self.value_bytes = value_bytes
         self.scratch_chunks = max(1, scratch_chunks)
-        align = 1
-        for p in set(pages) or {int(t.shape[1]) for t in self.tensors}:  # rows of every page size line up when the stride is a multiple of each
+        align = 1  # rows of every page size line up when the chunk stride is a multiple of each
+        for p in set(pages) or {int(t.shape[1]) for t in self.tensors}:
             align = align * p // gcd(align, p)
         self.stride = -(-value_bytes // align) * align if align <= value_bytes else value_bytes
         self.device = self.tensors[0].device if self.tensors else torch.device("cpu")
         self._scratch: torch.Tensor | None = None
+        # Views that never change, built once: each torch call re-takes the GIL, which the copy
+        # thread shares with vLLM's scheduler loop (the cost this class exists to cut).
+        self._kv_rows: dict[tuple[int, int], torch.Tensor] = {}  # (tensor, page) -> its blocks as rows
+        self._scratch_rows: dict[int, torch.Tensor] = {}  # page -> the scratch as rows of that page
 
     @property
     def scratch_bytes(self) -> int:
@@ -113,13 +117,15 @@ class SectionCopier:
             ids = torch.tensor(flat_ids, dtype=torch.int64)
             if ids.device != self.device:
                 ids = ids.to(self.device, non_blocking=non_blocking)
-            at = 0
-            for (tensor_idx, page), (blocks, _) in per_tensor.items():
-                n = len(blocks)
-                block_ids, row_ids = ids[at : at + n], ids[at + n : at + 2 * n]
-                at += 2 * n
-                kv = _wide(self.tensors[tensor_idx][:, :page])
-                rows = _wide(flat[: flat.numel() // page * page].view(-1, page))
+            pieces = ids.split([len(blocks) for blocks, _ in per_tensor.values() for _ in (0, 1)])
+            for i, (tensor_idx, page) in enumerate(per_tensor):
+                block_ids, row_ids = pieces[2 * i], pieces[2 * i + 1]
+                kv = self._kv_rows.get((tensor_idx, page))
+                if kv is None:
+                    kv = self._kv_rows[(tensor_idx, page)] = _wide(self.tensors[tensor_idx][:, :page])
+                rows = self._scratch_rows.get(page)
+                if rows is None:
+                    rows = self._scratch_rows[page] = _wide(flat[: flat.numel() // page * page].view(-1, page))
                 if to_staging:
                     rows.index_copy_(0, row_ids, kv.index_select(0, block_ids))
                 else:

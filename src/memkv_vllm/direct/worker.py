@@ -24,8 +24,8 @@ stream that was current at submit (the compute that wrote a store's blocks; pend
 blocks re-allocated to a load). A batch of chunks moves through the stream's GPU scratch
 (copies.SectionCopier, `copy_scratch_mb`): one host <-> GPU copy per chunk, one gather/scatter
 per KV tensor. "leased": a batch (every fetched chunk that is ready, or one gather of up to
-`blocks_per_op`) is queued on the direction's side stream at once and waited for with one event. CPU tensors (the conformance suite) copy synchronously, through the
-same batches.
+`blocks_per_op`) is queued on the direction's side stream at once and waited for with one
+event. CPU tensors (the conformance suite) copy synchronously, through the same batches.
 The staging region is mapped and host-registered with CUDA (pinned) once, in get_worker.
 
 Threading: every method is called by the worker's connector on one thread; "leased" jobs run on
@@ -275,7 +275,8 @@ class MemKVDirectWorker(OffloadingWorker):
             return
         copier = self._copiers.get(stream)
         if copier is None:
-            chunks = max(1, scratch // self.layout.value_bytes)
+            # Never more chunks than staging holds: no batch can be larger.
+            chunks = max(1, min(scratch // self.layout.value_bytes, self.layout.num_slots))
             copier = self._copiers[stream] = SectionCopier(self._tensors, staging, self.layout.value_bytes, chunks,
                                                            self._pages)
             log.info("MemKV direct mode: rank %d copies %s chunks through %d MiB of %s scratch (%d chunk(s) at a "
