@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import functools
 import json
 import os
 import re
@@ -47,9 +46,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "src"), str(ROOT)]
 
-from memkv.config import parse_size  # noqa: E402
+from bench.gpu.tier_probe import LoaderPhases  # noqa: E402
 from bench.tier import start_tier_cluster  # noqa: E402
 from tests.conformance import vllm_harness as h  # noqa: E402
+
+from memkv.config import parse_size  # noqa: E402
 
 OUT = Path(__file__).resolve().parent / "out"
 
@@ -63,48 +64,23 @@ def node_requests(node, op: str) -> float:
 
 
 class Breakdown:
-    """Seconds the loader threads spent in the RDMA transport's phases (summed over threads)."""
-
-    PHASES = {  # (class path, method): phase name
-        ("memkv.transport.rdma", "RdmaTransport", "_load_chunk"): "rdma load (whole chunk)",
-        ("memkv.transport.tcp", "TcpTransport", "get_into"): "tcp load (whole call)",
-        ("memkv.integrity", "Checksummer", "verify"): "verify",
-        ("memkv.client.node", "NodeConnection", "read_reply"): "read reply",
-        ("memkv.client.node", "NodeConnection", "send"): "send request",
-        ("memkv.client.node", "NodeClient", "borrow"): "borrow a connection",
-        ("memkv.transport.rdma", "RdmaTransport", "_attach"): "rdma attach",
-    }
+    """Seconds the loader threads spent in the transports' phases (summed over threads): the
+    calls `LoaderPhases` (bench/gpu/tier_probe.py, shared with the engine-core probe) times."""
 
     def __init__(self) -> None:
         self.seconds: dict[str, float] = {}
         self.calls: dict[str, int] = {}
         self._lock = threading.Lock()
-        self._undo: list[tuple[object, str, object]] = []
+        self._phases = LoaderPhases(self._add)
 
-    def _wrap(self, owner: object, attr: str, phase: str) -> None:
-        real = getattr(owner, attr)
-
-        @functools.wraps(real)
-        def timed(*args, **kwargs):
-            t = time.perf_counter()
-            try:
-                return real(*args, **kwargs)
-            finally:
-                with self._lock:
-                    self.seconds[phase] = self.seconds.get(phase, 0.0) + time.perf_counter() - t
-                    self.calls[phase] = self.calls.get(phase, 0) + 1
-
-        setattr(owner, attr, timed)
-        self._undo.append((owner, attr, real))
+    def _add(self, rec: tuple) -> None:
+        _, _, phase, seconds = rec
+        with self._lock:
+            self.seconds[phase] = self.seconds.get(phase, 0.0) + seconds
+            self.calls[phase] = self.calls.get(phase, 0) + 1
 
     def install(self) -> None:
-        import importlib
-
-        for (mod, cls, attr), phase in self.PHASES.items():
-            self._wrap(getattr(importlib.import_module(mod), cls), attr, phase)
-        inbox = getattr(importlib.import_module("memkv.transport.rdma"), "_NotifInbox", None)
-        if inbox is not None and hasattr(inbox, "wait"):  # the notification wait (main's and this branch's)
-            self._wrap(inbox, "wait", "notification wait")
+        self._phases.install()
 
     def take(self) -> dict[str, dict[str, float]]:
         with self._lock:
@@ -153,10 +129,15 @@ def env(values: dict[str, str]):
 
 def git_commit() -> str:
     try:
-        out = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                             timeout=10)
-        dirty = subprocess.run(["git", "-C", str(ROOT), "status", "--porcelain", "--untracked-files=no", "src"],
-                               capture_output=True, text=True, timeout=10)
+        out = subprocess.run(
+            ["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=10
+        )
+        dirty = subprocess.run(
+            ["git", "-C", str(ROOT), "status", "--porcelain", "--untracked-files=no", "src"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+        )
         return out.stdout.strip() + ("+dirty(src)" if dirty.stdout.strip() else "")
     except (OSError, subprocess.SubprocessError):
         return "unknown"
@@ -172,10 +153,16 @@ def main() -> None:
     ap.add_argument("--timeout-s", type=float, default=120.0)
     ap.add_argument("--compare", choices=("yield", "transport"), default="yield")
     ap.add_argument("--step-yield-ms", type=float, default=1.0, help="--compare transport: the tier's step_yield_ms")
-    ap.add_argument("--ucx-tls", default="cma,tcp,self", help="--compare transport: UCX_TLS for RDMA (nodes and client)")
-    ap.add_argument("--warmup", type=int, default=None,
-                    help="unrecorded rounds of every setting first (default: 1 with --compare transport, else 0): "
-                         "the nodes register their buffers with NIXL the first time each is a write source")
+    ap.add_argument(
+        "--ucx-tls", default="cma,tcp,self", help="--compare transport: UCX_TLS for RDMA (nodes and client)"
+    )
+    ap.add_argument(
+        "--warmup",
+        type=int,
+        default=None,
+        help="unrecorded rounds of every setting first (default: 1 with --compare transport, else 0): "
+        "the nodes register their buffers with NIXL the first time each is a write source",
+    )
     ap.add_argument("--breakdown", action="store_true", help="--compare transport: time the loaders' phases")
     ap.add_argument("--label", default="", help="free text stored in the JSON (e.g. which code ran)")
     ap.add_argument("--out", default=None, help="JSON path (default bench/out/busy_scheduler[_rdma].json)")
@@ -190,19 +177,30 @@ def main() -> None:
         if not ok:
             sys.exit(f"--compare transport needs NIXL ({INSTALL_HINT}): {why}")
         # Before the nodes start: they inherit UCX's settings (the RDMA engine's client reads them too).
-        os.environ.update({"UCX_TLS": ucx_tls_for_host(args.ucx_tls), "UCX_NET_DEVICES": "lo",
-                           "NIXL_LOG_LEVEL": os.environ.get("NIXL_LOG_LEVEL", "WARN")})
+        os.environ.update(
+            {
+                "UCX_TLS": ucx_tls_for_host(args.ucx_tls),
+                "UCX_NET_DEVICES": "lo",
+                "NIXL_LOG_LEVEL": os.environ.get("NIXL_LOG_LEVEL", "WARN"),
+            }
+        )
         os.environ.setdefault("MEMKV_NIXL_PROGRESS_DELAY_US", "100")
     # The nodes (`python -m memkv serve`) run this tree's code too, not whatever the venv installed.
     os.environ["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), *filter(None, [os.environ.get("PYTHONPATH")])])
     geometry, nodes = start_tier_cluster(args.rows, parse_size(args.row_size, "--row-size"), 1.5, 64 << 20)
-    base = {"type": "memkv", "n_read_threads": args.threads, "n_write_threads": args.threads,
-            "lookup_timeout_s": args.timeout_s}
+    base = {
+        "type": "memkv",
+        "n_read_threads": args.threads,
+        "n_write_threads": args.threads,
+        "lookup_timeout_s": args.timeout_s,
+    }
     if args.blocks_per_op:
         base["blocks_per_op"] = args.blocks_per_op
     if transport:
-        settings = {"tcp": ({"step_yield_ms": args.step_yield_ms}, {"MEMKV_TRANSPORT": "tcp"}),
-                    "rdma": ({"step_yield_ms": args.step_yield_ms}, {"MEMKV_TRANSPORT": "rdma"})}
+        settings = {
+            "tcp": ({"step_yield_ms": args.step_yield_ms}, {"MEMKV_TRANSPORT": "tcp"}),
+            "rdma": ({"step_yield_ms": args.step_yield_ms}, {"MEMKV_TRANSPORT": "rdma"}),
+        }
     else:
         settings = {"step_yield_ms=0": ({"step_yield_ms": 0.0}, {}), "step_yield_ms=1": ({"step_yield_ms": 1.0}, {})}
     results: dict[str, list[dict]] = {name: [] for name in settings}
@@ -237,9 +235,12 @@ def main() -> None:
                 if breakdown is not None:
                     r["breakdown"] = breakdown.take()
                 results[name].append(r)
-                print(f"rep {rep} {name}: promoted {args.rows} x {args.row_size} in {r['seconds'] * 1000:8.1f} ms "
-                      f"({r['steps']} steps)  exact={r['byte_exact']}  node requests {r['node_requests']}"
-                      + (f"  {r['breakdown']}" if breakdown is not None else ""), flush=True)
+                print(
+                    f"rep {rep} {name}: promoted {args.rows} x {args.row_size} in {r['seconds'] * 1000:8.1f} ms "
+                    f"({r['steps']} steps)  exact={r['byte_exact']}  node requests {r['node_requests']}"
+                    + (f"  {r['breakdown']}" if breakdown is not None else ""),
+                    flush=True,
+                )
                 if transport and name == "rdma" and (r["node_requests"]["get"] or not r["node_requests"]["rdma_get"]):
                     raise SystemExit(f"the RDMA promotion did not go over RDMA_GET alone: {r['node_requests']}")
     finally:
@@ -247,23 +248,48 @@ def main() -> None:
             n.stop()
     import vllm
 
-    doc = {"date_utc": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "cpus": os.cpu_count(),
-           "loadavg_start": load_start, "loadavg_end": os.getloadavg(), "commit": git_commit(),
-           "vllm": vllm.__version__, "python": sys.version.split()[0], "args": vars(args), "results": results}
+    doc = {
+        "date_utc": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "cpus": os.cpu_count(),
+        "loadavg_start": load_start,
+        "loadavg_end": os.getloadavg(),
+        "commit": git_commit(),
+        "vllm": vllm.__version__,
+        "python": sys.version.split()[0],
+        "args": vars(args),
+        "results": results,
+    }
     if transport:
         ratios = [a["seconds"] / b["seconds"] for a, b in zip(results["rdma"], results["tcp"])]
         med = {name: statistics.median(r["seconds"] for r in rs) for name, rs in results.items()}
-        print(f"promotion time, median: tcp {med['tcp'] * 1000:.1f} ms, rdma {med['rdma'] * 1000:.1f} ms; "
-              f"RDMA / TCP per repetition: {', '.join(f'{x:.2f}' for x in ratios)} (median {statistics.median(ratios):.2f})")
-        doc.update({"env": {k: os.environ.get(k) for k in ("UCX_TLS", "UCX_NET_DEVICES", "MEMKV_NIXL_PROGRESS_DELAY_US",
-                                                          "MEMKV_NIXL_SYNC", "MEMKV_NIXL_WORKERS")},
-                    "median_seconds": med, "ratio_rdma_over_tcp": ratios,
-                    "ratio_rdma_over_tcp_median": statistics.median(ratios)})
+        print(
+            f"promotion time, median: tcp {med['tcp'] * 1000:.1f} ms, rdma {med['rdma'] * 1000:.1f} ms; "
+            f"RDMA / TCP per repetition: {', '.join(f'{x:.2f}' for x in ratios)} (median {statistics.median(ratios):.2f})"
+        )
+        doc.update(
+            {
+                "env": {
+                    k: os.environ.get(k)
+                    for k in (
+                        "UCX_TLS",
+                        "UCX_NET_DEVICES",
+                        "MEMKV_NIXL_PROGRESS_DELAY_US",
+                        "MEMKV_NIXL_SYNC",
+                        "MEMKV_NIXL_WORKERS",
+                    )
+                },
+                "median_seconds": med,
+                "ratio_rdma_over_tcp": ratios,
+                "ratio_rdma_over_tcp_median": statistics.median(ratios),
+            }
+        )
         default_out = OUT / "busy_scheduler_rdma.json"
     else:
         ratios = [a["seconds"] / b["seconds"] for a, b in zip(results["step_yield_ms=0"], results["step_yield_ms=1"])]
-        print(f"promotion time, step_yield_ms 0 / 1, per repetition: {', '.join(f'{x:.1f}x' for x in ratios)} "
-              f"(median {statistics.median(ratios):.1f}x)")
+        print(
+            f"promotion time, step_yield_ms 0 / 1, per repetition: {', '.join(f'{x:.1f}x' for x in ratios)} "
+            f"(median {statistics.median(ratios):.1f}x)"
+        )
         doc["ratio_no_yield_over_yield"] = ratios
         default_out = OUT / "busy_scheduler.json"
     out = Path(args.out) if args.out else default_out

@@ -18,8 +18,56 @@ import json
 import os
 import threading
 import time
+from typing import ClassVar
 
 ENV_FILE = "TTFT_PROBE_FILE"
+ENV_PHASES = "TTFT_PROBE_PHASES"  # "1": also time the client's load-path calls (LoaderPhases)
+
+
+class LoaderPhases:
+    """Times the MemKV client's load-path calls, in whatever process loads: each call gives
+    `sink((time, "phase", name, seconds))`. Used by bench/busy_scheduler.py --breakdown and, in
+    the engine core, by the probe plugin when TTFT_PROBE_PHASES=1."""
+
+    PHASES: ClassVar[dict[tuple[str, str, str], str]] = {  # (module, class, method): phase name
+        ("memkv.transport.rdma", "RdmaTransport", "_load_chunk"): "rdma load (whole chunk)",
+        ("memkv.transport.tcp", "TcpTransport", "get_into"): "tcp load (whole call)",
+        ("memkv.integrity", "Checksummer", "verify"): "verify",
+        ("memkv.client.node", "NodeConnection", "read_reply"): "read reply",
+        ("memkv.client.node", "NodeConnection", "send"): "send request",
+        ("memkv.client.node", "NodeClient", "borrow"): "borrow a connection",
+        ("memkv.transport.rdma", "RdmaTransport", "_attach"): "rdma attach",
+        ("memkv.transport.rdma", "_NotifInbox", "wait"): "notification wait",
+    }
+
+    def __init__(self, sink) -> None:
+        self._sink = sink
+        self._undo: list[tuple[object, str, object]] = []
+
+    def install(self) -> None:
+        import functools
+        import importlib
+
+        for (mod, cls, attr), phase in self.PHASES.items():
+            owner = getattr(importlib.import_module(mod), cls, None)
+            real = getattr(owner, attr, None)
+            if real is None:  # a client without that call: the phase is not timed
+                continue
+
+            def timed(*args, _real=real, _phase=phase, **kwargs):
+                t = time.perf_counter()
+                try:
+                    return _real(*args, **kwargs)
+                finally:
+                    self._sink((time.time(), "phase", _phase, time.perf_counter() - t))
+
+            setattr(owner, attr, functools.wraps(real)(timed))
+            self._undo.append((owner, attr, real))
+
+    def uninstall(self) -> None:
+        for owner, attr, real in reversed(self._undo):
+            setattr(owner, attr, real)
+        self._undo.clear()
 
 
 class TierProbe:
@@ -68,33 +116,43 @@ class TierProbe:
                     self._first_lookup = time.time()
                     self.ev("first_lookup")
                 return orig(key, req_context)
+
             return wrapped
 
         def submit_load(orig):
             def wrapped(job):
                 self.ev("submit_load", len(job.keys))
                 return orig(job)
+
             return wrapped
 
         def get_finished_jobs(orig):
             def wrapped():
                 res = list(orig())
                 for r in res:
-                    self.ev("job_taken", getattr(r, "job_id", None), bool(getattr(r, "success", True)),
-                            getattr(r, "transfer_time", None), getattr(r, "transfer_bytes", None))
+                    self.ev(
+                        "job_taken",
+                        getattr(r, "job_id", None),
+                        bool(getattr(r, "success", True)),
+                        getattr(r, "transfer_time", None),
+                        getattr(r, "transfer_bytes", None),
+                    )
                 return res
+
             return wrapped
 
         self._wrap(self.tier, "lookup", "lookup", lookup)
         self._wrap(self.tier, "submit_load", "submit_load", submit_load)
         self._wrap(self.tier, "get_finished_jobs", "get_finished_jobs", get_finished_jobs)
         if self.kind == "memkv":
+
             def probe(orig):
                 def wrapped(keys):
                     t = time.time()
                     r = orig(keys)
                     self.ev("probe", t, len(keys), int(sum(bool(x) for x in r)))
                     return r
+
                 return wrapped
 
             self._wrap(self.tier._lookup, "_probe", "exists_probe", probe)
@@ -107,6 +165,7 @@ class TierProbe:
                 for f in fins:
                     self.ev("job_done", f.kind, f.seconds, len(f.keys), int(sum(f.ok)))
                 return fins
+
             return wrapped
 
         self._wrap(pool, "take_finished", "pool", take_finished)
@@ -165,6 +224,16 @@ def timeline(evs: list[tuple], t0: float, t1: float) -> dict:
         out["load_job_s"] = [round(e[3], 6) for e in done]
         out["load_done_s"] = max(e[0] for e in done) - t0  # when the tier handed it over
         out["load_job_blocks_ok"] = sum(e[5] for e in done)
+    phases = [e for e in evs if e[1] == "phase" and e[0] <= t1 + 1e-3]
+    if phases:  # LoaderPhases (TTFT_PROBE_PHASES=1): seconds summed over the loader threads
+        agg: dict = {}
+        for e in phases:
+            a = agg.setdefault(e[2], {"seconds": 0.0, "calls": 0})
+            a["seconds"] += e[3]
+            a["calls"] += 1
+        out["loader_phases"] = {
+            k: {"seconds": round(v["seconds"], 4), "calls": v["calls"]} for k, v in sorted(agg.items())
+        }
     taken = [e for e in evs if e[1] == "job_taken"]
     if taken:
         out["jobs_taken"] = len(taken)
@@ -179,8 +248,10 @@ def stages(tl: dict) -> dict:
     """The three stages the issue asks for, from one run's timeline (seconds, None if unseen):
     lookup = first lookup -> promotion submitted; memkv_to_pool = submitted -> the tier's last
     load job done; pool_to_gpu_token = the manager took the job -> generate() returned."""
+
     def get(k):
         return tl.get(k)
+
     lookup = memkv = rest = None
     if get("first_lookup_s") is not None and get("first_submit_load_s") is not None:
         lookup = get("first_submit_load_s") - get("first_lookup_s")
@@ -219,3 +290,5 @@ def install_plugin() -> None:
 
     MemKVSecondaryTierManager.__init__ = init
     MemKVSecondaryTierManager._ttft_probed = True
+    if os.environ.get(ENV_PHASES) == "1":
+        LoaderPhases(sink).install()

@@ -73,7 +73,9 @@ import time
 import traceback
 import urllib.request
 
-from tier_probe import ENV_FILE as PROBE_ENV, FileProbe, TierProbe, stages
+from tier_probe import ENV_FILE as PROBE_ENV
+from tier_probe import ENV_PHASES as PROBE_PHASES_ENV
+from tier_probe import FileProbe, TierProbe, stages
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(os.path.dirname(HERE))
@@ -929,6 +931,8 @@ def breakdown_rows(engines: dict) -> list[dict]:
             if not hit:
                 hit, same = cpu.get(("main", r["tokens"])), False
             st = r.get("stages") or {}
+            if (r.get("timeline") or {}).get("loader_phases"):
+                st = {**st, "loader_phases": r["timeline"]["loader_phases"]}
             out.append({"engine": role, "phase": r["phase"], "tokens": r["tokens"], "rep": r["rep"], "total_s": r["seconds"],
                         **st, "cpu_hit_s": statistics.median(hit) if hit else None, "cpu_hit_same_engine": same,
                         "ratio_to_cpu_hit": r["seconds"] / statistics.median(hit) if hit else None})
@@ -945,6 +949,10 @@ def print_breakdown(rows: list[dict]) -> None:
         ratio = "-" if r["ratio_to_cpu_hit"] is None else f"{r['ratio_to_cpu_hit']:.2f}x" + ("" if r["cpu_hit_same_engine"] else " (main's)")
         print(f"| {r['engine']} | {r['phase']} | {r['tokens']:,} | {r['rep']} | {f(r['total_s'])} | {f(r.get('lookup_s'))} | "
               f"{f(r.get('memkv_to_pool_s'))} | {f(r.get('pool_to_gpu_token_s'))} | {f(r['cpu_hit_s'])} | {ratio} |")
+    for r in rows:
+        if r.get("loader_phases"):
+            print(f"loader phases, {r['engine']} {r['phase']} {r['tokens']:,} rep {r['rep']} (s summed over threads / calls): "
+                  + ", ".join(f"{k} {v['seconds']:.3f}/{v['calls']}" for k, v in r["loader_phases"].items()))
 
 
 def print_table(rows: list) -> None:
@@ -980,6 +988,10 @@ def main() -> int:
     ap.add_argument("--fs-reps", type=int, default=None)
     ap.add_argument("--notier-tokens", default=None, help="prompt lengths for the notier engine (default: --tokens)")
     ap.add_argument("--notier-reps", type=int, default=None, help="cold runs per length in notier (default: --reps)")
+    ap.add_argument("--loader-phases", action="store_true",
+                    help="also time the MemKV client's load-path calls in the engine core (tier_probe.LoaderPhases: "
+                         "chunk loads, node replies, notification waits, verification; seconds summed over the "
+                         "loader threads), printed per promotion run")
     ap.add_argument("--inproc", action="store_true",
                     help="engine core in the engine's process (VLLM_ENABLE_V1_MULTIPROCESSING=0): the tier object is "
                          "reachable (tier counters, --sweep). Default: vLLM's own layout, engine core "
@@ -1059,6 +1071,8 @@ def main() -> int:
            "VLLM_USE_FLASHINFER_SAMPLER": "0", "VLLM_NO_USAGE_STATS": "1", "PYTHONUNBUFFERED": "1",
            "TOKENIZERS_PARALLELISM": "false",
            "PYTHONPATH": os.pathsep.join(filter(None, [ep_dir, HERE, os.environ.get("PYTHONPATH")]))}
+    if args.loader_phases:
+        env[PROBE_PHASES_ENV] = "1"
     meta["process_layout"] = "in-process engine core" if args.inproc else "engine core in its own process (vLLM default)"
     if state:
         cfg_path = os.path.join(args.state_dir, "client.yaml")

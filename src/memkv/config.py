@@ -561,10 +561,10 @@ def capacity_warning(capacity_bytes: int, cgroup_paths: Sequence[str | Path] = C
 
 
 def node_transport_from_env(env: Mapping[str, str] | None = None) -> str:
-    """A node's MEMKV_TRANSPORT: only "tcp" means something to a node (it refuses RDMA
-    attaches); anything else, unset included, lets clients attach when NIXL comes up."""
-    value = (os.environ if env is None else env).get(ENV_TRANSPORT, "").strip().lower()
-    return "tcp" if value == "tcp" else "auto"
+    """A node's MEMKV_TRANSPORT: "tcp" refuses RDMA attaches; "rdma" brings NIXL up at start
+    (so buffers are registered as PUTs make them); "auto" or unset loads NIXL on the first
+    attach. Another value fails ServerConfig's check, naming the variable."""
+    return (os.environ if env is None else env).get(ENV_TRANSPORT, "").strip().lower() or "auto"
 
 
 def node_rdma_devices_from_env(env: Mapping[str, str] | None = None) -> tuple[str, ...]:
@@ -590,7 +590,7 @@ class ServerConfig:
     max_leases: int = 65536
     max_lease_bytes: int | None = None  # None: half the capacity
     # RDMA (memkv/server/rdma.py, docs/rdma.md); by default from the node's environment.
-    transport: str = dataclasses.field(default_factory=node_transport_from_env)  # "tcp": refuse attaches
+    transport: str = dataclasses.field(default_factory=node_transport_from_env)  # "tcp": refuse attaches; "rdma": NIXL at start
     rdma_devices: tuple[str, ...] = dataclasses.field(default_factory=node_rdma_devices_from_env)
     # TLS (memkv/tls.py): with cert and key, the data port speaks TLS only, unless tls_listen
     # names a second port for it (the data port then stays plain). tls_ca: mutual TLS.

@@ -80,8 +80,9 @@ def test_checksum_is_verified_before_a_block_counts_as_loaded(ucx, start_node, m
     wrong = client.checksummer.compute(b"something else")
     conn = NodeConnection(ServerAddress(node.host, node.port), bytes.fromhex(auth_key_hex), 2.0, 5.0)
     try:  # a writer that got the checksum wrong (or bytes that rotted on the node)
-        reply = conn.request(p.PutRequest((p.PutItem(b"rdma/corrupt", MiB, client.checksummer.algo, wrong),)),
-                             [memoryview(value)])
+        reply = conn.request(
+            p.PutRequest((p.PutItem(b"rdma/corrupt", MiB, client.checksummer.algo, wrong),)), [memoryview(value)]
+        )
         assert reply.statuses == bytes([p.ItemStatus.OK])
     finally:
         conn.close()
@@ -157,3 +158,51 @@ def test_node_forgets_a_client_when_its_connections_close(ucx, start_node, make_
     client.close()
     assert wait_for(lambda: any(f"{name} detached" in line for line in node.output), 10.0), "".join(node.output)[-2000:]
 
+
+def _registrations(node) -> dict[str, float]:
+    from tests.faults.nodeops import metric_value, metrics_of
+
+    text = metrics_of(node)
+    return {w: metric_value(text, "memkv_node_rdma_registrations_total", when=w) for w in ("alloc", "read")}
+
+
+@pytest.mark.parametrize("node_transport", ["rdma", "auto"])
+def test_a_node_registers_its_buffers_off_the_read_path(ucx, start_node, make_client, pool, node_transport):
+    """A value is mostly read once, so a registration on the read path is paid by nearly every
+    read: a node started with MEMKV_TRANSPORT=rdma brings NIXL up at start and registers each
+    buffer of 1 MiB or more as its PUT makes it; an `auto` node (NIXL loads on the first attach)
+    registers on first read what it stored before, and at allocation from then on. Either way
+    every value lands whole, and a buffer is registered once however often it is read."""
+    (node,) = start_node.many(1, env={"MEMKV_TRANSPORT": node_transport})
+    client = rdma_client(make_client, [node])
+    rng = random.Random(11)
+    sizes = [MiB, 4 * MiB, 16 * MiB, 4 * KiB]  # the 4 KiB value: below the threshold, registered on read
+    values = [rng.randbytes(n) for n in sizes]
+    keys = [f"reg/{node_transport}/{i}" for i in range(len(sizes))]
+    # Stored before the client attaches (an engine restarted onto a filled cluster).
+    assert client.batch_put_views(list(zip(keys, values))) == [True] * len(sizes)
+    assert client.register_pool(pool)
+    before = _registrations(node)
+    big = len(sizes) - 1
+    assert before == ({"alloc": big, "read": 0} if node_transport == "rdma" else {"alloc": 0, "read": 0})
+
+    def load_all() -> None:
+        slots, off = [], 0
+        for n in sizes:
+            slots.append(pool[off : off + n])
+            off += n
+        pool[:off] = bytes(off)
+        result = client.batch_load_into(list(zip(keys, slots)))
+        assert result.ok == [True] * len(sizes) and not result.may_land_late
+        assert all(bytes(s) == v for s, v in zip(slots, values))
+
+    load_all()
+    first = _registrations(node)
+    assert first == {"alloc": before["alloc"], "read": 1 if node_transport == "rdma" else len(sizes)}
+    load_all()  # a second read registers nothing
+    assert _registrations(node) == first
+    # After NIXL is up, new buffers are registered by the PUT that makes them, on both nodes.
+    more = [(f"reg/{node_transport}/new", rng.randbytes(2 * MiB))]
+    assert client.batch_put_views(more) == [True]
+    assert _registrations(node) == {"alloc": first["alloc"] + 1, "read": first["read"]}
+    assert node_requests(node, "get") == 0

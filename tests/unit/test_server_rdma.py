@@ -2,7 +2,8 @@
 
 Behaviour under test, without NIXL or sockets:
 * `ServerConfig.transport` / `rdma_devices` default to the node's MEMKV_TRANSPORT /
-  MEMKV_RDMA_DEVICES (as documented), explicit values win, a bad transport is a ConfigError;
+  MEMKV_RDMA_DEVICES (as documented), explicit values win, a bad transport (argument or
+  environment) is a ConfigError naming MEMKV_TRANSPORT;
 * a node configured with transport "tcp" answers RDMA_ATTACH with UNAVAILABLE and the reason;
 * RDMA_GET on a connection that never attached is a protocol error (the node closes it);
 * detaching a connection that never attached is a no-op.
@@ -33,10 +34,14 @@ def context(connection: object = "conn-1") -> tuple[RequestContext, list[tuple[b
         ({}, "auto", ()),
         ({"MEMKV_TRANSPORT": "tcp"}, "tcp", ()),
         ({"MEMKV_TRANSPORT": " TCP "}, "tcp", ()),
-        ({"MEMKV_TRANSPORT": "rdma", "MEMKV_RDMA_DEVICES": "mlx5_0, mlx5_1:1"}, "auto", ("mlx5_0", "mlx5_1:1")),
+        ({"MEMKV_TRANSPORT": "auto"}, "auto", ()),
+        # "rdma": NIXL comes up at the node's start (buffers registered as PUTs make them)
+        ({"MEMKV_TRANSPORT": "rdma", "MEMKV_RDMA_DEVICES": "mlx5_0, mlx5_1:1"}, "rdma", ("mlx5_0", "mlx5_1:1")),
     ],
 )
-def test_server_config_takes_transport_and_devices_from_the_nodes_environment(monkeypatch, env, transport, devices) -> None:
+def test_server_config_takes_transport_and_devices_from_the_nodes_environment(
+    monkeypatch, env, transport, devices
+) -> None:
     for var in ("MEMKV_TRANSPORT", "MEMKV_RDMA_DEVICES"):
         monkeypatch.delenv(var, raising=False)
     for var, value in env.items():
@@ -50,13 +55,18 @@ def test_explicit_server_config_values_win_and_a_bad_transport_is_refused(monkey
     assert ServerConfig(capacity_bytes=64 << 20, transport="auto", rdma_devices=("rxe0",)).transport == "auto"
     with pytest.raises(ConfigError, match="MEMKV_TRANSPORT"):
         ServerConfig(capacity_bytes=64 << 20, transport="udp")
+    monkeypatch.setenv("MEMKV_TRANSPORT", "rmda")  # a typo in the node's environment names the variable
+    with pytest.raises(ConfigError, match="MEMKV_TRANSPORT: expected one of auto, tcp, rdma, got 'rmda'"):
+        ServerConfig(capacity_bytes=64 << 20)
 
 
 def test_a_tcp_only_node_answers_attach_with_unavailable_and_the_reason() -> None:
     responder = RdmaResponder(Store(64 << 20), transport="tcp")
     ctx, _ = context()
     reply = responder.handle(ctx, p.RdmaAttachRequest(p.RdmaBackend.NIXL_UCX, b"metadata"))
-    assert reply == p.RdmaAttachReply(p.RdmaAttachStatus.UNAVAILABLE, "RDMA is disabled on this node (MEMKV_TRANSPORT=tcp)")
+    assert reply == p.RdmaAttachReply(
+        p.RdmaAttachStatus.UNAVAILABLE, "RDMA is disabled on this node (MEMKV_TRANSPORT=tcp)"
+    )
 
 
 def test_an_unknown_backend_is_rejected_before_any_rdma_is_set_up() -> None:

@@ -105,9 +105,25 @@ class NodeMetrics:
             ["reason"],
             registry=r,
         )
+        self.rdma_registrations = Counter(
+            "memkv_node_rdma_registrations",
+            "Store buffers registered with NIXL, by when (alloc: as a PUT made the buffer; read: on "
+            "its first RDMA read, which pays the registration)",
+            ["when"],
+            registry=r,
+        )
+        self.rdma_registration_seconds = Counter(
+            "memkv_node_rdma_registration_seconds", "Seconds spent registering store buffers with NIXL, by when",
+            ["when"], registry=r,
+        )  # fmt: skip
         self.puts_refused = Counter(
             "memkv_node_puts_refused",
             "PUT items refused, by reason (no_space, inflight_limit: NO_SPACE; leased: LEASED)",
             ["reason"],
             registry=r,
         )
+
+    def count_registration(self, when: str, seconds: float) -> None:
+        """One store buffer registered with NIXL (memkv/server/rdma.py): when is "alloc" or "read"."""
+        self.rdma_registrations.labels(when).inc()
+        self.rdma_registration_seconds.labels(when).inc(seconds)

@@ -144,7 +144,13 @@ class Node:
             max_lease_bytes=config.max_lease_bytes,
         )
         self.metrics = NodeMetrics(self.store)
-        self.rdma = RdmaResponder(self.store, config.transport, config.rdma_devices)  # NIXL loads on the first attach
+        self.rdma = RdmaResponder(
+            self.store, config.transport, config.rdma_devices, on_register=self.metrics.count_registration
+        )
+        if config.transport == "rdma":
+            # NIXL up before the first PUT, so every buffer is registered when it is made, not on
+            # its first read; "auto" loads NIXL on the first attach (a TCP-only fleet never does).
+            self.rdma.start()
         self.limits = p.Limits(max_value_bytes=config.max_value_bytes)
         self.tls: ServerTls | None = None
         if config.tls_cert is not None and config.tls_key is not None:

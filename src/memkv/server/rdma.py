@@ -14,9 +14,12 @@ reported TRANSFER_FAILED either way. The client's timeout is longer than the win
 client that gives up still withholds the slot for its grace period (the tier's
 load_failure_grace_s), so a late write cannot reach a slot that was reused.
 
-Source memory. A value is written from the store's own buffer, registered with NIXL the first
-time it is a source and kept registered while the store keeps the buffer (buffers are reused
+Source memory. A value is written from the store's own buffer, registered with NIXL when the
+store makes it (`Store.on_alloc`, buffers of 1 MiB and more, once NIXL is up) or else the first
+time it is a source, and kept registered while the store keeps the buffer (buffers are reused
 across values of a size class); `Store.on_drop` deregisters a buffer when the store frees it.
+Registering at allocation keeps the cost off the read path: a KV value is mostly read once or
+twice, so a registration paid on its first read is paid by nearly every read.
 A write NIXL cannot cancel keeps its values pinned until it finishes (`_reap`).
 
 The node hands each request a `RequestContext`: the connection's identity (its attach lives
@@ -26,14 +29,16 @@ knows nothing else about the node's connections. `ServerConfig.transport` ("tcp"
 attaches) and `ServerConfig.rdma_devices` (MEMKV_TRANSPORT / MEMKV_RDMA_DEVICES on the node)
 decide whether and where NIXL comes up.
 
-Threading: `handle` runs on connection threads, `on_drop` under the store's lock, `detach`
-on a connection's closing thread, `_reap` on its own thread while writes are stuck. `_lock`
+Threading: `handle` and `on_alloc` run on connection threads, `on_drop` under the store's lock,
+`detach` on a connection's closing thread, `_reap` on its own thread while writes are stuck. `_lock`
 guards the peer tables, the registrations and the stuck list; NIXL calls made under it are
-short (register, deregister, load or remove metadata). Lock order: store lock, then `_lock`.
+short (deregister, load or remove metadata); registrations run outside it. Lock order:
+store lock, then `_lock`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
@@ -45,7 +50,7 @@ from typing import TYPE_CHECKING
 
 from memkv import protocol as p
 from memkv.errors import RdmaError, RemoteProtocolError
-from memkv.server.store import Entry, Store, ValueBuffer
+from memkv.server.store import MMAP_THRESHOLD, Entry, Store, ValueBuffer
 
 if TYPE_CHECKING:  # not a loop: imported for real on the first attach (a node without RDMA never loads it)
     from memkv.transport.nixl_adapter import NixlAgent, Registration, Write
@@ -68,12 +73,21 @@ class RequestContext:
 
 
 class RdmaResponder:
-    """The node's RDMA state. One per node; NIXL is imported on the first RDMA_ATTACH only.
+    """The node's RDMA state. One per node; NIXL is imported on the first RDMA_ATTACH, or at
+    `start` (the node calls it when its transport is "rdma"). `on_register` is told of each
+    buffer registration (when, seconds).
 
     `transport` and `devices` are the node's `ServerConfig.transport` / `rdma_devices`."""
 
-    def __init__(self, store: Store, transport: str = "auto", devices: Sequence[str] = ()) -> None:
+    def __init__(
+        self,
+        store: Store,
+        transport: str = "auto",
+        devices: Sequence[str] = (),
+        on_register: Callable[[str, float], None] | None = None,
+    ) -> None:
         self._store = store
+        self._on_register = on_register  # (when: "alloc" | "read", seconds) -> node metrics
         self._transport = transport
         self._devices = tuple(devices)
         self._lock = threading.Lock()
@@ -230,7 +244,8 @@ class RdmaResponder:
     # -- source registrations ---------------------------------------------------------------------
 
     def _source(self, buf: ValueBuffer) -> int:
-        """The address of a store buffer, registered with NIXL (once per buffer)."""
+        """The address of a store buffer, registered with NIXL (once per buffer: at allocation
+        through `on_alloc`, or here for a buffer the store made before NIXL came up)."""
         from memkv.transport.nixl_adapter import buffer_address
 
         addr = buffer_address(buf.view)
@@ -238,11 +253,40 @@ class RdmaResponder:
             reg = self._regs.get(id(buf))
             if reg is not None and reg.address == addr and reg.length == buf.size:
                 return addr
-            assert self._engine is not None
-            if reg is not None:  # a stale entry (cannot happen while on_drop sees every free)
-                self._engine.deregister(reg)
-            self._regs[id(buf)] = self._engine.register(addr, buf.size)
+        self._register(buf, addr, "read")  # raises RdmaError: the write is not posted
         return addr
+
+    def on_alloc(self, buf: ValueBuffer) -> None:
+        """Store hook: a new buffer (a PUT's thread, outside the store's lock). Registering it
+        now keeps NIXL's registration off the read path: a value is typically read once."""
+        if buf.size < MMAP_THRESHOLD:  # small values: registered on first read, if ever
+            return
+        from memkv.transport.nixl_adapter import buffer_address
+
+        try:
+            self._register(buf, buffer_address(buf.view), "alloc")
+        except RdmaError as exc:  # the PUT goes on; the first read registers it (or fails cleanly)
+            log.debug("registering a new buffer failed: %s", exc)
+
+    def _register(self, buf: ValueBuffer, addr: int, when: str) -> None:
+        """Register `buf` outside `_lock` (under it, a slow registration would stall every other
+        connection's write), then record it; a racing registration is undone."""
+        engine = self._engine
+        assert engine is not None
+        t = time.perf_counter()
+        reg = engine.register(addr, buf.size)
+        if self._on_register is not None:
+            self._on_register(when, time.perf_counter() - t)
+        stale: Registration | None = reg
+        with self._lock:
+            old = self._regs.get(id(buf))
+            if old is None or old.address != addr or old.length != buf.size:
+                stale = old  # None, or a stale entry (cannot happen while on_drop sees every free)
+                self._regs[id(buf)] = reg
+            # else another thread registered it meanwhile: ours is undone
+        if stale is not None:
+            with contextlib.suppress(RdmaError):
+                engine.deregister(stale)
 
     def on_drop(self, buf: ValueBuffer) -> None:
         """Store hook: the store frees `buf` (called under the store's lock)."""
@@ -285,6 +329,11 @@ class RdmaResponder:
 
     # -- engine -----------------------------------------------------------------------------------
 
+    def start(self) -> bool:
+        """Bring NIXL up now rather than on the first attach. False (and one WARNING) when it
+        cannot come up: the node serves TCP, as after a failed first attach."""
+        return self._engine_or_none() is not None
+
     def _engine_or_none(self) -> NixlAgent | None:
         with self._lock:
             if self._engine is not None or self._unavailable is not None:
@@ -301,6 +350,7 @@ class RdmaResponder:
                 log.warning("%s; clients use TCP", self._unavailable)
                 return None
             self._store.on_drop = self.on_drop
+            self._store.on_alloc = self.on_alloc
             log.info(
                 "RDMA: NIXL agent %s ready (UCX_TLS=%s); clients may attach",
                 self._engine.name,

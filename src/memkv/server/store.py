@@ -182,6 +182,10 @@ class Store:
         # Called with each buffer the store frees, under its lock (quick, never re-entering the
         # store): the RDMA responder deregisters buffers it registered (memkv/server/rdma.py).
         self.on_drop: Callable[[ValueBuffer], None] | None = None
+        # Called with each buffer the store creates, outside its lock, before the PUT fills it
+        # (never raises): the RDMA responder registers it with NIXL there, so a later read does
+        # not pay the registration (memkv/server/rdma.py).
+        self.on_alloc: Callable[[ValueBuffer], None] | None = None
         self.max_lease_s = max_lease_s
         self.max_leases = max_leases
         self.max_lease_bytes = (
@@ -243,6 +247,8 @@ class Store:
                     self.allocated_bytes -= size
                     self._end_inflight(size)
                 raise
+            if self.on_alloc is not None:
+                self.on_alloc(buf)
         return PutTicket(key, lane, length, algo, checksum, buf, size)
 
     def _reserve(self, key: bytes, size: int, lane: Lane) -> ValueBuffer | None:
