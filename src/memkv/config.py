@@ -590,7 +590,8 @@ class ServerConfig:
     max_leases: int = 65536
     max_lease_bytes: int | None = None  # None: half the capacity
     # RDMA (memkv/server/rdma.py, docs/rdma.md); by default from the node's environment.
-    transport: str = dataclasses.field(default_factory=node_transport_from_env)  # "tcp": refuse attaches; "rdma": NIXL at start
+    # transport "tcp": refuse attaches; "rdma": NIXL at start; "auto": NIXL at first attach.
+    transport: str = dataclasses.field(default_factory=node_transport_from_env)
     rdma_devices: tuple[str, ...] = dataclasses.field(default_factory=node_rdma_devices_from_env)
     # TLS (memkv/tls.py): with cert and key, the data port speaks TLS only, unless tls_listen
     # names a second port for it (the data port then stays plain). tls_ca: mutual TLS.
