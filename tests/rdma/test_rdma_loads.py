@@ -38,6 +38,19 @@ def rdma_client(make_client, nodes, **kwargs):
     return make_client(nodes, transport="rdma", io_timeout_s=kwargs.pop("io_timeout_s", 10.0), **kwargs)
 
 
+def load_whole_into_pool(client, pool, keys, values):
+    """Lay the values' slots out back to back in the pool, zero them, load over RDMA, and check
+    every value landed whole with nothing that may land late."""
+    slots, off = [], 0
+    for v in values:
+        slots.append(pool[off : off + len(v)])
+        off += len(v)
+    pool[:off] = bytes(off)
+    result = client.batch_load_into(list(zip(keys, slots)))
+    assert result.ok == [True] * len(values) and not result.may_land_late
+    assert all(bytes(s) == v for s, v in zip(slots, values))
+
+
 def test_loads_land_byte_exact_in_pool_slots(ucx, start_node, make_client, pool):
     nodes = start_node.many(3)
     client = rdma_client(make_client, nodes)
@@ -48,14 +61,7 @@ def test_loads_land_byte_exact_in_pool_slots(ucx, start_node, make_client, pool)
     values = [rng.randbytes(n) for n in sizes]
     keys = [f"rdma/{ucx}/{i}" for i in range(len(sizes))]
     assert client.batch_put_views(list(zip(keys, values))) == [True] * len(sizes)
-    slots, off = [], 0
-    for n in sizes:
-        slots.append(pool[off : off + n])
-        off += n
-    pool[:off] = bytes(off)
-    result = client.batch_load_into(list(zip(keys, slots)))
-    assert result.ok == [True] * len(sizes) and not result.may_land_late
-    assert all(bytes(s) == v for s, v in zip(slots, values))
+    load_whole_into_pool(client, pool, keys, values)
     owners = {client.owner(k).name for k in keys}
     assert {n.address for n in nodes if node_requests(n, "rdma_get") >= 1} == owners  # one RDMA_GET per owner
     assert sum(node_requests(n, "get") for n in nodes) == 0
@@ -185,21 +191,10 @@ def test_a_node_registers_its_buffers_off_the_read_path(ucx, start_node, make_cl
     before = _registrations(node)
     big = len(sizes) - 1
     assert before == ({"alloc": big, "read": 0} if node_transport == "rdma" else {"alloc": 0, "read": 0})
-
-    def load_all() -> None:
-        slots, off = [], 0
-        for n in sizes:
-            slots.append(pool[off : off + n])
-            off += n
-        pool[:off] = bytes(off)
-        result = client.batch_load_into(list(zip(keys, slots)))
-        assert result.ok == [True] * len(sizes) and not result.may_land_late
-        assert all(bytes(s) == v for s, v in zip(slots, values))
-
-    load_all()
+    load_whole_into_pool(client, pool, keys, values)
     first = _registrations(node)
     assert first == {"alloc": before["alloc"], "read": 1 if node_transport == "rdma" else len(sizes)}
-    load_all()  # a second read registers nothing
+    load_whole_into_pool(client, pool, keys, values)  # a second read registers nothing
     assert _registrations(node) == first
     # After NIXL is up, new buffers are registered by the PUT that makes them, on both nodes.
     more = [(f"reg/{node_transport}/new", rng.randbytes(2 * MiB))]
