@@ -84,7 +84,7 @@ def main() -> int:
     for _ in range(args.rounds):
         for mode in rows:
             rows[mode].append(measure(mode, args.values))
-    out = {"uptime": os.getloadavg(), "values": args.values}
+    out = {"loadavg": os.getloadavg(), "values": args.values}
     for mode, runs in rows.items():
         out[mode] = {k: statistics.median(r[k] for r in runs) for k in ("gb_s", "cpu_s_per_gb")}
     out["sendfile_over_sendall"] = {
