@@ -22,6 +22,46 @@ from typing import ClassVar
 
 ENV_FILE = "TTFT_PROBE_FILE"
 ENV_PHASES = "TTFT_PROBE_PHASES"  # "1": also time the client's load-path calls (LoaderPhases)
+# "1": before a load task receives into its rows, populate their page tables for writing
+# (madvise MADV_POPULATE_WRITE; the bytes are not touched). A diagnostic of whether the rows'
+# first writes in this process (page faults) are what makes a restarted engine's loads slower.
+ENV_PREFAULT = "TTFT_PROBE_PREFAULT"
+MADV_POPULATE_WRITE = 23  # Linux 5.14+
+
+
+def rusage_now() -> tuple:
+    """This process's page faults, context switches and CPU seconds so far."""
+    import resource
+
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return (r.ru_minflt, r.ru_majflt, r.ru_nvcsw, r.ru_nivcsw, r.ru_utime + r.ru_stime)
+
+
+class RowPrefaulter:
+    """Wraps a tier client's batch_load_into: MADV_POPULATE_WRITE over each destination view
+    first (page-aligned), so the receive copies find the page tables populated."""
+
+    def __init__(self, client) -> None:
+        import ctypes
+
+        from memkv.transport.nixl_adapter import buffer_address
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        self.failures = 0
+        real = client.batch_load_into
+
+        def batch_load_into(pairs, *args, **kwargs):
+            for _key, view in pairs:
+                addr = buffer_address(view)
+                lo = addr & ~4095
+                if libc.madvise(lo, addr + len(view) - lo, MADV_POPULATE_WRITE) != 0:
+                    if not self.failures:
+                        print(f"probe: MADV_POPULATE_WRITE failed: errno {ctypes.get_errno()}", flush=True)
+                    self.failures += 1
+            return real(pairs, *args, **kwargs)
+
+        client.batch_load_into = batch_load_into
 
 
 class LoaderPhases:
@@ -122,6 +162,7 @@ class TierProbe:
         def submit_load(orig):
             def wrapped(job):
                 self.ev("submit_load", len(job.keys))
+                self.ev("rusage", *rusage_now())
                 return orig(job)
 
             return wrapped
@@ -164,6 +205,8 @@ class TierProbe:
                 fins = orig()
                 for f in fins:
                     self.ev("job_done", f.kind, f.seconds, len(f.keys), int(sum(f.ok)))
+                if any(f.kind == "load" for f in fins):
+                    self.ev("rusage", *rusage_now())
                 return fins
 
             return wrapped
@@ -224,6 +267,13 @@ def timeline(evs: list[tuple], t0: float, t1: float) -> dict:
         out["load_job_s"] = [round(e[3], 6) for e in done]
         out["load_done_s"] = max(e[0] for e in done) - t0  # when the tier handed it over
         out["load_job_blocks_ok"] = sum(e[5] for e in done)
+    usage = [e for e in evs if e[1] == "rusage" and e[0] <= t1 + 1e-3]
+    if len(usage) >= 2:  # the engine core's own counters from the first submit to the last load done
+        a, b = usage[0], usage[-1]
+        out["engine_core_during_load"] = {
+            "minflt": b[2] - a[2], "majflt": b[3] - a[3], "nvcsw": b[4] - a[4], "nivcsw": b[5] - a[5],
+            "cpu_s": round(b[6] - a[6], 4),
+        }
     phases = [e for e in evs if e[1] == "phase" and e[0] <= t1 + 1e-3]
     if phases:  # LoaderPhases (TTFT_PROBE_PHASES=1): seconds summed over the loader threads
         agg: dict = {}
@@ -287,6 +337,9 @@ def install_plugin() -> None:
         orig_init(self, *args, **kwargs)
         TierProbe(self, "memkv", sink=sink)
         sink((time.time(), "probe_installed", os.getpid()))
+        if os.environ.get(ENV_PREFAULT) == "1":
+            RowPrefaulter(self.client)
+            sink((time.time(), "prefault_installed", os.getpid()))
 
     MemKVSecondaryTierManager.__init__ = init
     MemKVSecondaryTierManager._ttft_probed = True

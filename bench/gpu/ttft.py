@@ -191,7 +191,8 @@ def parse_prom(text: str, keep=lambda name: True) -> dict:
 
 
 NODE_SERIES = ("memkv_node_sent_bytes_total", "memkv_node_received_bytes_total", "memkv_node_keys_total",
-               "memkv_node_stored_bytes", "memkv_node_values", "memkv_node_requests_total")
+               "memkv_node_stored_bytes", "memkv_node_values", "memkv_node_requests_total",
+               "process_cpu_seconds_total")
 
 
 def node_counters(admin_ports: list, host: str = "127.0.0.1", timeout_s: float = 3.0) -> dict:
@@ -199,7 +200,7 @@ def node_counters(admin_ports: list, host: str = "127.0.0.1", timeout_s: float =
     received (PUT value bytes), get_ok / get_miss keys, stored bytes. `errors` lists the nodes
     that did not answer (then the sums are incomplete and an origin check must fail)."""
     tot = {"sent": 0.0, "received": 0.0, "get_ok": 0.0, "get_miss": 0.0, "stored": 0.0, "values": 0.0,
-           "get_requests": 0.0, "rdma_get_requests": 0.0,
+           "get_requests": 0.0, "rdma_get_requests": 0.0, "cpu_s": 0.0,
            "per_node_sent": [], "errors": []}
     for port in admin_ports:
         try:
@@ -219,11 +220,12 @@ def node_counters(admin_ports: list, host: str = "127.0.0.1", timeout_s: float =
         tot["values"] += v.get("memkv_node_values", 0.0)
         tot["get_requests"] += v.get('memkv_node_requests_total{op="get"}', 0.0)
         tot["rdma_get_requests"] += v.get('memkv_node_requests_total{op="rdma_get"}', 0.0)  # which transport served
+        tot["cpu_s"] += v.get("process_cpu_seconds_total", 0.0)  # the nodes' own CPU (user + system)
     return tot
 
 
 def node_delta(after: dict, before: dict) -> dict:
-    d = {k: after[k] - before.get(k, 0.0) for k in ("sent", "received", "get_ok", "get_miss", "get_requests", "rdma_get_requests")}
+    d = {k: after[k] - before.get(k, 0.0) for k in ("sent", "received", "get_ok", "get_miss", "get_requests", "rdma_get_requests", "cpu_s")}
     d["stored_after"] = after["stored"]
     d["per_node_sent"] = [None if a is None or b is None else a - b
                           for a, b in zip(after["per_node_sent"], before["per_node_sent"])]
@@ -592,7 +594,9 @@ def engine_child(spec: dict) -> int:
             f"cached={rec['num_cached_tokens']} nodes_sent={'-' if sent is None else f'{sent / 2**30:.2f}'} GiB "
             f"of {rec['prompt_kv_bytes'] / 2**30:.2f} "
             + (f"tier_load={lb / 2**30:.2f} GiB submit@{tl.get('first_submit_load_s', float('nan')):.3f} "
-               f"job={tl.get('load_job_s')} taken@{tl.get('last_job_taken_s', float('nan')):.3f}" if probe else ""))
+               f"job={tl.get('load_job_s')} taken@{tl.get('last_job_taken_s', float('nan')):.3f}" if probe else "")
+            + (f" core={tl['engine_core_during_load']}" if "engine_core_during_load" in tl else "")
+            + (f" node_cpu={rec['nodes']['cpu_s']:.2f}s" if rec.get("nodes", {}).get("cpu_s") else ""))
         save()
         return rec
 
