@@ -6,6 +6,8 @@ bench/gpu/results/). Runs anywhere (matplotlib only).
   python3 bench/gpu/report.py --defaults                                  # 2026-12-01: runs 13-15
   python3 bench/gpu/report.py [--results bench/gpu/results]             # tuned: runs 6-12
   python3 bench/gpu/report.py --history                                   # morning: runs 1-5
+  python3 bench/gpu/report.py --breakdown                                 # run 17's stages (TCP)
+  python3 bench/gpu/report.py --transports                                # run 34: TCP vs RDMA stages
 
 Which file plays which role is fixed below (DEFAULTS, CURRENT, RUNS); the markdown goes to
 stdout, the plots to docs/img/gpu-ttft-defaults.png (--defaults), docs/img/gpu-ttft.png (tuned)
@@ -236,6 +238,8 @@ def main() -> int:
                     help="the runs of 2026-12-01 (13-15): README's tier config, engine core in its own process")
     ap.add_argument("--breakdown", action="store_true",
                     help="run 17: the stages of each promotion with the defaults (engine core in its own process)")
+    ap.add_argument("--transports", action="store_true",
+                    help="run 34: the stages of TCP and RDMA engines side by side (one call)")
     ap.add_argument("--direct", action="store_true",
                     help="direct mode (runs 21, 26, 27): revisit TTFT per mode, pinned host memory, vs recompute")
     ap.add_argument("--img", default=None)
@@ -243,6 +247,9 @@ def main() -> int:
     if args.direct:
         args.img = args.img or os.path.join(REPO, "docs", "img", "gpu-direct.png")
         return direct_plot(args)
+    if args.transports:
+        args.img = args.img or os.path.join(REPO, "docs", "img", "gpu-breakdown-transports.png")
+        return transports_plot(args)
     if args.breakdown:
         args.img = args.img or os.path.join(REPO, "docs", "img", "gpu-breakdown-defaults.png")
         return breakdown_plot(args)
@@ -628,11 +635,29 @@ BREAKDOWN = "run17-defaults-breakdown-main-restart.json"
 TARGETS = {8192: 0.2, 32768: 0.5, 65536: 0.9}  # issue 16's promotion targets
 
 
+# 2026-12-02 afternoon: TCP and RDMA engines side by side in one call (run 34), README's config.
+TRANSPORTS = {"run34-tcp-main-restart.json": "TCP", "run34-rdma-main-restart.json": "RDMA"}
+
+
 def breakdown_plot(args) -> int:
     """Stacked bars of run 17's per-run stages (medians per prompt length and engine), with the
     CPU-pool hit and the targets marked: docs/img/gpu-breakdown-defaults.png."""
-    doc = load(args.results, {BREAKDOWN: ""})[BREAKDOWN]
-    rows = doc["breakdown"]
+    return stages_plot(args, {BREAKDOWN: ""},
+                       "Where a promotion's time goes with README's tier config, engine core in its own process\n"
+                       "(run 17: 1x H200, 16 vCPUs, vLLM 0.25.0, 32B shape, 4 MemKV nodes on loopback, TCP)")
+
+
+def transports_plot(args) -> int:
+    """The same stages for run 34's TCP and RDMA engines (one call, one host):
+    docs/img/gpu-breakdown-transports.png."""
+    return stages_plot(args, TRANSPORTS,
+                       "A promotion's stages, TCP vs RDMA (UCX cma) in one call, README's tier config\n"
+                       "(run 34: 1x H200, 16 vCPUs, vLLM 0.25.0, 32B shape, 4 MemKV nodes on loopback)")
+
+
+def stages_plot(args, files: dict, title: str) -> int:
+    """One stacked bar per (prompt length, engine, file): the medians of each stage."""
+    docs = load(args.results, files)
     import matplotlib
 
     matplotlib.use("Agg")
@@ -641,17 +666,20 @@ def breakdown_plot(args) -> int:
     stages = [("lookup_s", "lookup", "#999999"), ("memkv_to_pool_s", "MemKV -> CPU pool", "#2a6db5"),
               ("pool_to_gpu_token_s", "CPU pool -> GPU, last block, token", "#5aa55a")]
     labels, meds, hits = [], [], []
+    print("| run | " + " | ".join(n for _, n, _ in stages) + " | total |\n|---|" + "---:|" * (len(stages) + 1))
     for L in LENGTHS:
         for eng, name in (("main", "promotion"), ("restart", "after restart")):
-            rr = [r for r in rows if r["tokens"] == L and r["engine"] == eng]
-            if not rr:
-                continue
-            labels.append(f"{L // 1024}k, {name}")
-            meds.append({k: med([r[k] for r in rr if r.get(k) is not None]) or 0.0 for k, _, _ in stages}
-                        | {"total": med([r["total_s"] for r in rr]), "tokens": L})
-            hits.append(rr[0]["cpu_hit_s"])
-            print(f"| {labels[-1]} | " + " | ".join(f"{meds[-1][k]:.3f}" for k, _, _ in stages) + f" | {meds[-1]['total']:.3f} |")
-    fig, ax = plt.subplots(1, 1, figsize=(9, 5.0))
+            for fname, tag in files.items():
+                rr = [r for r in docs[fname]["breakdown"] if r["tokens"] == L and r["engine"] == eng]
+                if not rr:
+                    continue
+                labels.append(f"{L // 1024}k, {name}" + (f", {tag}" if tag else ""))
+                meds.append({k: med([r[k] for r in rr if r.get(k) is not None]) or 0.0 for k, _, _ in stages}
+                            | {"total": med([r["total_s"] for r in rr]), "tokens": L})
+                hits.append(rr[0]["cpu_hit_s"])
+                print(f"| {labels[-1]} | " + " | ".join(f"{meds[-1][k]:.3f}" for k, _, _ in stages)
+                      + f" | {meds[-1]['total']:.3f} |")
+    fig, ax = plt.subplots(1, 1, figsize=(9, 2.0 + 0.45 * len(labels)))
     for yi, m in enumerate(meds):
         left = 0.0
         for k, name, color in stages:
@@ -663,9 +691,8 @@ def breakdown_plot(args) -> int:
     ax.set_yticks(range(len(labels)), labels, fontsize=8)
     ax.invert_yaxis()
     ax.set_xlabel("seconds (median of 2)")
-    ax.set_title("Where a promotion's time goes with README's tier config, engine core in its own process\n"
-                 "(run 17: 1x H200, 16 vCPUs, vLLM 0.25.0, 32B shape, 4 MemKV nodes on loopback, TCP)", fontsize=9)
-    ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.12), ncol=5)
+    ax.set_title(title, fontsize=9)
+    ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.12 * 12 / max(12, len(labels))), ncol=5)
     ax.set_xlim(0, max(m["total"] for m in meds) * 1.12)
     save(fig, args.img)
     return 0
