@@ -187,16 +187,22 @@ class TierProbe:
         self._wrap(self.tier, "get_finished_jobs", "get_finished_jobs", get_finished_jobs)
         if self.kind == "memkv":
 
-            def probe(orig):
-                def wrapped(keys):
-                    t = time.time()
-                    r = orig(keys)
-                    self.ev("probe", t, len(keys), int(sum(bool(x) for x in r)))
-                    return r
+            def submit(orig):  # one batch of lookup keys goes to the prober (EXISTS pipeline)
+                def wrapped(batch):
+                    self.ev("exists_submit", len(batch))
+                    return orig(batch)
 
                 return wrapped
 
-            self._wrap(self.tier._lookup, "_probe", "exists_probe", probe)
+            def answered(orig):  # answers come back in parts, on the prober's thread
+                def wrapped(rnd, indices, hits):
+                    self.ev("exists_answer", len(indices), int(sum(bool(h) for h in hits)))
+                    return orig(rnd, indices, hits)
+
+                return wrapped
+
+            self._wrap(self.tier._lookup, "_submit", "exists_submit", submit)
+            self._wrap(self.tier._lookup, "_answered", "exists_answer", answered)
             self.wrap_pool(self.tier._pool)
 
     def wrap_pool(self, pool) -> None:
@@ -249,13 +255,14 @@ def timeline(evs: list[tuple], t0: float, t1: float) -> dict:
     first = [e for e in evs if e[1] == "first_lookup"]
     if first:
         out["first_lookup_s"] = first[0][0] - t0
-    probes = [e for e in evs if e[1] == "probe"]
-    if probes:
-        out["exists_rounds"] = len(probes)
-        out["exists_keys"] = sum(e[3] for e in probes)
-        out["exists_hits"] = sum(e[4] for e in probes)
-        out["exists_round_s"] = [round(e[0] - e[2], 6) for e in probes]
-        out["last_exists_end_s"] = probes[-1][0] - t0
+    sent = [e for e in evs if e[1] == "exists_submit"]
+    answers = [e for e in evs if e[1] == "exists_answer"]
+    if sent:
+        out["exists_rounds"] = len(sent)
+        out["exists_keys"] = sum(e[2] for e in sent)
+        out["exists_hits"] = sum(e[3] for e in answers)
+    if answers:
+        out["last_exists_end_s"] = answers[-1][0] - t0
     subs = [e for e in evs if e[1] == "submit_load"]
     if subs:
         out["load_jobs"] = len(subs)
