@@ -692,7 +692,7 @@ def stages_plot(args, files: dict, title: str) -> int:
     ax.invert_yaxis()
     ax.set_xlabel("seconds (median of 2)")
     ax.set_title(title, fontsize=9)
-    ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.12 * 12 / max(12, len(labels))), ncol=5)
+    ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.12), ncol=5)
     ax.set_xlim(0, max(m["total"] for m in meds) * 1.12)
     save(fig, args.img)
     return 0

@@ -43,6 +43,7 @@ class RowPrefaulter:
 
     def __init__(self, client) -> None:
         import ctypes
+        import mmap
 
         from memkv.transport.nixl_adapter import buffer_address
 
@@ -54,7 +55,7 @@ class RowPrefaulter:
         def batch_load_into(pairs, *args, **kwargs):
             for _key, view in pairs:
                 addr = buffer_address(view)
-                lo = addr & ~4095
+                lo = addr - addr % mmap.PAGESIZE
                 if libc.madvise(lo, addr + len(view) - lo, MADV_POPULATE_WRITE) != 0:
                     if not self.failures:
                         print(f"probe: MADV_POPULATE_WRITE failed: errno {ctypes.get_errno()}", flush=True)
