@@ -1056,6 +1056,9 @@ def main() -> int:
     shape = SHAPES[args.shape]
     kv_per_token = kv_bytes_per_token(args.shape)
     meta = {"host": host_info(), "args": vars(args), "block_tokens": BLOCK_TOKENS, "kv_bytes_per_token": kv_per_token}
+    from memkv.sockio import COMPILED_RECEIVE  # the engine core inherits MEMKV_PURE_PYTHON, so the same
+
+    meta["receive_loop"] = "compiled" if COMPILED_RECEIVE else "python"
     log(f"host: {meta['host']}")
 
     state = None

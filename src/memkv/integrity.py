@@ -75,7 +75,11 @@ class Checksummer:
 
     @staticmethod
     def finish(hasher: Hasher) -> bytes:
-        digest = hasher.digest()
+        return Checksummer.padded(hasher.digest())
+
+    @staticmethod
+    def padded(digest: bytes) -> bytes:
+        """The checksum field for a digest: xxh3-128's 16 bytes are zero-padded to 32."""
         return digest + _PAD16 if len(digest) == 16 else digest
 
     def verify(self, value: Buffer, algo: int, checksum: bytes) -> bool:

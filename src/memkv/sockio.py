@@ -34,6 +34,8 @@ somewhere), one `sendall` per buffer.
 from __future__ import annotations
 
 import contextlib
+import errno
+import os
 import socket
 import ssl
 import struct
@@ -42,6 +44,13 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import cast
 
 from memkv.watchdog import WATCHDOG
+
+try:  # the compiled receive-and-verify loop (csrc/recv_verify.c); optional, see setup.py
+    from memkv import _recv_verify as _compiled
+except ImportError:  # not built (no compiler, Python < 3.11): the pure-Python loops below
+    _compiled = None  # type: ignore[assignment]
+# MEMKV_PURE_PYTHON=1 turns the compiled loop off (tests and benchmarks compare the two).
+COMPILED_RECEIVE = _compiled is not None and os.environ.get("MEMKV_PURE_PYTHON", "") in ("", "0")
 
 # Pieces smaller than this are joined into one send; larger ones go out as they are.
 _GATHER_BELOW = 64 << 10
@@ -126,6 +135,32 @@ def recv_exactly_into(
         _recv_into(sock, view, deadline)
         return
     _recv_pieces_into(sock, view, deadline, on_piece, piece_bytes or len(view))
+
+
+def can_recv_xxh3(sock: socket.socket) -> bool:
+    """Whether `recv_xxh3_into` can take this socket: the compiled loop is there and on, the
+    socket is plain TCP (not TLS) and blocking (kernel timeouts, `set_timeouts`)."""
+    return COMPILED_RECEIVE and not isinstance(sock, ssl.SSLSocket) and sock.gettimeout() is None
+
+
+def recv_xxh3_into(sock: socket.socket, view: memoryview, deadline: float | None, piece_bytes: int) -> bytes:
+    """Fill `view` completely and return the xxh3-128 digest of its bytes (16 bytes), or raise
+    as recv_exactly_into does. One call of the compiled loop: it receives `piece_bytes` at a time
+    and hashes each piece right after, while it is in cache, all without the GIL (no hand-off per
+    piece). The timeout is cut to the time left before `deadline` at most every 50 ms, as in
+    `_recv_pieces_into`. Only where `can_recv_xxh3(sock)`."""
+    assert _compiled is not None
+    total = len(view)
+    got, err, digest = _compiled.recv_xxh3_into(
+        sock.fileno(), view, piece_bytes, -1.0 if deadline is None else deadline
+    )
+    if digest is not None:
+        return digest
+    if err == 0:
+        raise PeerClosed(got, total)
+    if err == errno.EAGAIN:
+        raise TimeoutError(f"timed out after {got} of {total} bytes")
+    raise OSError(err, f"{os.strerror(err)} after {got} of {total} bytes")
 
 
 def _recv_into(sock: socket.socket, view: memoryview, deadline: float | None) -> None:

@@ -42,6 +42,7 @@ from memkv.client.cluster import Client
 from memkv.config import ClientConfig
 from memkv.errors import AuthError, ConnectError, MemKVError, MemKVTimeout, ProtocolError, ServerError
 from memkv.license import check_license
+from memkv.sockio import COMPILED_RECEIVE
 from memkv_vllm import compat
 from memkv_vllm import metrics as tm
 from memkv_vllm.admission import StoreAdmission
@@ -123,10 +124,11 @@ class MemKVSecondaryTierManager(compat.SecondaryTierManager):
         s = self.settings
         log.info(
             "MemKV tier ready (servers=%s, rdma=%s, block_bytes=%d, namespace=%s, n_read_threads=%d, "
-            "n_write_threads=%d, blocks_per_op=%d, lookup_timeout_s=%s, max_store_backlog_mb=%d%s, memkv=%s)",
+            "n_write_threads=%d, blocks_per_op=%d, lookup_timeout_s=%s, max_store_backlog_mb=%d%s, receive=%s, memkv=%s)",
             [a.name for a in self.client.servers()], self.client.has_rdma(), self.row_bytes, self.namespace.namespace,
             s.n_read_threads, s.n_write_threads, s.blocks_per_op, s.lookup_timeout_s, backlog_mb,
-            "" if s.max_store_backlog_mb is not None else " (half the CPU pool)", memkv_version,
+            "" if s.max_store_backlog_mb is not None else " (half the CPU pool)",
+            "compiled" if COMPILED_RECEIVE else "python", memkv_version,
         )
 
     # ---------------------------------------------------------------------------------------------

@@ -23,7 +23,9 @@ import pytest
 
 from memkv import Client, ClientClosed, ClientConfig, ClientState, ConnectError, MemKVError, ReadError
 from memkv import protocol as p
+from memkv import sockio
 from memkv.client import metrics as client_metrics
+from memkv.client import node as client_node
 from memkv.client.hrw import RendezvousRing
 from memkv.config import AuthKey
 from tests.conftest import poll_until
@@ -209,7 +211,16 @@ def test_the_single_key_put_raises_the_transport_error_naming_the_server(network
         fresh.put(b"k", b"v")
 
 
-def test_a_value_that_fails_its_checksum_is_a_miss_and_the_connection_stays_in_use(network, make_client) -> None:
+@pytest.mark.parametrize("receive_loop", ["compiled", "python"])
+def test_a_value_that_fails_its_checksum_is_a_miss_and_the_connection_stays_in_use(
+    network, make_client, monkeypatch, receive_loop
+) -> None:
+    if receive_loop == "compiled" and not sockio.COMPILED_RECEIVE:
+        pytest.skip("the compiled loop is not built here")
+    monkeypatch.setattr(sockio, "COMPILED_RECEIVE", receive_loop == "compiled")
+    compiled_calls = []
+    real = client_node.recv_xxh3_into
+    monkeypatch.setattr(client_node, "recv_xxh3_into", lambda *a: compiled_calls.append(1) or real(*a))
     (node,) = [network.add("10.0.0.1", 9900)]
     client = make_client()
     client.batch_put_views([(b"a", b"x" * 100), (b"b", b"y" * 100)])
@@ -223,6 +234,7 @@ def test_a_value_that_fails_its_checksum_is_a_miss_and_the_connection_stays_in_u
     assert client.batch_get_into([(b"a", buf)]) == [True] and buf == b"x" * 100
     assert node.connects == connects
     assert client.health()[0]["up"]
+    assert bool(compiled_calls) == (receive_loop == "compiled")  # the loop under test is the one that ran
 
 
 # -- lifecycle ---------------------------------------------------------------------------------------------

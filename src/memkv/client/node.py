@@ -38,7 +38,16 @@ from memkv.errors import (
     map_os_error,
 )
 from memkv.integrity import Checksummer
-from memkv.sockio import PeerClosed, recv_exactly, recv_exactly_into, send_all, set_timeouts
+from memkv.protocol import ChecksumAlgo
+from memkv.sockio import (
+    PeerClosed,
+    can_recv_xxh3,
+    recv_exactly,
+    recv_exactly_into,
+    recv_xxh3_into,
+    send_all,
+    set_timeouts,
+)
 
 # Values are received and hashed in pieces: small ones while few threads of the process receive
 # at once, large ones otherwise (`_receive_step`). A small piece is hashed right after its
@@ -56,6 +65,9 @@ _SMALL_PIECES_UP_TO = 2
 # (16 MiB pieces were hashed from DRAM: 10% of a TLS GET on the 2-vCPU VM, docs/performance.md).
 # The pieces are cut inside sockio's loop over records (its `on_piece`), not by a loop here.
 _TLS_VERIFY_CHUNK = 256 << 10
+# The compiled loop (sockio.recv_xxh3_into) hands off the GIL once per value, not per piece, so
+# its pieces can stay small whatever the number of receivers: each is hashed from L2.
+_COMPILED_PIECE = 256 << 10
 
 # The socket seam: how a connection's socket comes to be. `Client(config, connect=...)` hands
 # one down to every NodeConnection; tests pass an in-memory fake (tests/unit/fakenet.py), so
@@ -305,7 +317,12 @@ class NodeConnection:
         self, view: memoryview, algo: int, checksum: bytes, checksummer: Checksummer, deadline: float
     ) -> bool:
         """Receive a value into `view` in pieces, hashing each piece right after it arrived
-        (`_receive_step` says how large: in cache, or fewer GIL hand-offs)."""
+        (`_receive_step` says how large: in cache, or fewer GIL hand-offs). An xxh3 value on
+        plain TCP goes through the compiled loop when it is there: small pieces, no hand-offs."""
+        if algo == ChecksumAlgo.XXH3_128 and can_recv_xxh3(self.sock):
+            with self._io("read"):
+                digest = recv_xxh3_into(self.sock, view, deadline, _COMPILED_PIECE)
+            return hmac.compare_digest(Checksummer.padded(digest), checksum)
         try:
             hasher = checksummer.hasher(algo)
         except ValueError:  # unknown algorithm: receive (to keep the stream in step), then fail

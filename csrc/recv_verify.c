@@ -1,0 +1,186 @@
+/* memkv._recv_verify: receive a value from a TCP socket and hash it with xxh3-128, piece by
+ * piece, in one call that holds no GIL.
+ *
+ * Why it exists (docs/performance.md, "A compiled receive-and-verify loop"): the pure-Python
+ * loop hashes each 256 KiB piece right after its receive, while the kernel's copy left it in
+ * cache, but each piece costs two GIL hand-offs; with many receiving threads in a busy process
+ * (vLLM's engine core) that cost more than the cache saved, so there the value is received whole
+ * and hashed from DRAM afterwards. Here the whole value is one GIL release: in-cache hashing
+ * with no hand-offs. The digest is the same xxh3-128 as memkv.integrity's (python-xxhash, which
+ * bundles the same xxHash release); the Python fallback stays the reference.
+ *
+ * recv_xxh3_into(fd, buffer, piece_bytes, deadline) -> (got, errno, digest)
+ *   fd: a blocking socket (SO_RCVTIMEO bounds each receive); buffer: writable, contiguous.
+ *   deadline: a time.monotonic() instant (CLOCK_MONOTONIC), or a negative number for none;
+ *   the receive timeout is cut to the time left at most every 50 ms, as memkv.sockio does.
+ *   Returns got == len(buffer), errno 0 and the 16-byte digest when the value arrived whole;
+ *   otherwise got < len(buffer), digest None and errno: 0 (peer closed), EAGAIN (timeout or
+ *   deadline), or the receive's errno. A signal interrupts the loop only to run Python's
+ *   handlers (PEP 475); an exception they raise propagates.
+ */
+#define Py_LIMITED_API 0x030B0000
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include <errno.h>
+#include <sys/socket.h>
+#include <sys/time.h>
+#include <time.h>
+
+#define XXH_STATIC_LINKING_ONLY
+#include "xxhash.h"
+#if defined(MEMKV_XXH_X86_DISPATCH)
+#include "xxh_x86dispatch.h" /* XXH3_128bits_update -> the AVX2/AVX-512 variant the CPU has */
+#endif
+
+#define REARM_S 0.05
+
+static double monotonic_s(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+}
+
+/* Cut SO_RCVTIMEO to the time left; 0 when the deadline has passed. */
+static int arm(int fd, double deadline) {
+    double left = deadline - monotonic_s();
+    if (left <= 0) {
+        return 0;
+    }
+    if (left < 0.001) {
+        left = 0.001; /* a zero timeval would mean "no timeout" */
+    }
+    struct timeval tv;
+    tv.tv_sec = (time_t)left;
+    tv.tv_usec = (suseconds_t)((left - (double)tv.tv_sec) * 1e6);
+    setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+    return 1;
+}
+
+static PyObject *recv_xxh3_into(PyObject *self, PyObject *args) {
+    (void)self;
+    int fd;
+    PyObject *target;
+    Py_ssize_t piece;
+    double deadline;
+    if (!PyArg_ParseTuple(args, "iOnd", &fd, &target, &piece, &deadline)) {
+        return NULL;
+    }
+    if (piece <= 0) {
+        PyErr_SetString(PyExc_ValueError, "piece_bytes must be positive");
+        return NULL;
+    }
+    Py_buffer view;
+    if (PyObject_GetBuffer(target, &view, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0) {
+        return NULL;
+    }
+    XXH3_state_t *state = XXH3_createState();
+    if (state == NULL) {
+        PyBuffer_Release(&view);
+        return PyErr_NoMemory();
+    }
+    XXH3_128bits_reset(state);
+
+    char *base = (char *)view.buf;
+    size_t total = (size_t)view.len;
+    size_t got = 0;    /* bytes received */
+    size_t hashed = 0; /* bytes hashed: always a prefix of what was received */
+    int err = 0;
+    int closed = 0;
+    int failed = 0; /* a Python signal handler raised */
+    double armed = -1.0;
+
+    Py_BEGIN_ALLOW_THREADS
+    while (got < total) {
+        if (deadline >= 0 && monotonic_s() - armed > REARM_S) {
+            armed = monotonic_s();
+            if (!arm(fd, deadline)) {
+                err = EAGAIN;
+                break;
+            }
+        }
+        size_t want = total - got < (size_t)piece ? total - got : (size_t)piece;
+        ssize_t n = recv(fd, base + got, want, MSG_WAITALL);
+        if (n > 0) {
+            got += (size_t)n;
+            XXH3_128bits_update(state, base + hashed, got - hashed);
+            hashed = got;
+            continue;
+        }
+        if (n == 0) {
+            closed = 1;
+            break;
+        }
+        if (errno == EINTR) {
+            int raised;
+            Py_BLOCK_THREADS
+            raised = PyErr_CheckSignals();
+            Py_UNBLOCK_THREADS
+            if (raised < 0) {
+                failed = 1;
+                break;
+            }
+            continue;
+        }
+        err = errno == EWOULDBLOCK ? EAGAIN : errno;
+        break;
+    }
+    Py_END_ALLOW_THREADS
+
+    PyBuffer_Release(&view);
+    if (failed) {
+        XXH3_freeState(state);
+        return NULL;
+    }
+    PyObject *digest;
+    if (got == total && !closed && err == 0) {
+        XXH128_canonical_t canon;
+        XXH128_canonicalFromHash(&canon, XXH3_128bits_digest(state));
+        digest = PyBytes_FromStringAndSize((const char *)canon.digest, sizeof canon.digest);
+        if (digest == NULL) {
+            XXH3_freeState(state);
+            return NULL;
+        }
+    } else {
+        digest = Py_None;
+        Py_INCREF(digest);
+    }
+    XXH3_freeState(state);
+    return Py_BuildValue("niN", (Py_ssize_t)got, err, digest);
+}
+
+static PyObject *xxh3_128_digest(PyObject *self, PyObject *args) {
+    /* The one-shot digest of this build, for the tests that hold it to python-xxhash's. */
+    (void)self;
+    Py_buffer view;
+    if (!PyArg_ParseTuple(args, "y*", &view)) {
+        return NULL;
+    }
+    XXH3_state_t *state = XXH3_createState();
+    if (state == NULL) {
+        PyBuffer_Release(&view);
+        return PyErr_NoMemory();
+    }
+    XXH3_128bits_reset(state);
+    XXH3_128bits_update(state, view.buf, (size_t)view.len);
+    XXH128_canonical_t canon;
+    XXH128_canonicalFromHash(&canon, XXH3_128bits_digest(state));
+    XXH3_freeState(state);
+    PyBuffer_Release(&view);
+    return PyBytes_FromStringAndSize((const char *)canon.digest, sizeof canon.digest);
+}
+
+static PyMethodDef methods[] = {
+    {"recv_xxh3_into", recv_xxh3_into, METH_VARARGS,
+     "recv_xxh3_into(fd, buffer, piece_bytes, deadline) -> (got, errno, digest or None)"},
+    {"xxh3_128_digest", xxh3_128_digest, METH_VARARGS, "xxh3_128_digest(data) -> 16 bytes"},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT, "memkv._recv_verify",
+    "Receive a value and hash it with xxh3-128 in one call without the GIL.", -1, methods,
+    NULL, NULL, NULL, NULL,
+};
+
+PyMODINIT_FUNC PyInit__recv_verify(void) { return PyModule_Create(&module); }

@@ -1,0 +1,221 @@
+"""The compiled receive-and-verify loop (csrc/recv_verify.c, memkv.sockio.recv_xxh3_into) on real
+sockets over 127.0.0.1, held to the pure-Python loop it stands in for.
+
+Behaviour under test:
+* where a C compiler and Python's headers are there, the extension was built (a silent build
+  failure would leave every user on the slower loop);
+* its xxh3-128 is python-xxhash's, for any bytes (hypothesis);
+* a value of any length, in pieces that do or do not divide it, lands whole and its digest is
+  that of the bytes sent;
+* a peer that closes mid-value raises PeerClosed naming how many bytes had come; a deadline
+  passing while bytes trickle in, or the kernel timeout expiring with no deadline, raises
+  socket.timeout, both within their bound plus slack;
+* a signal during a receive runs Python's handler: an exception it raises ends the receive at
+  once, a handler that returns lets it finish (PEP 475);
+* a socket with a Python-level timeout (non-blocking underneath) or TLS is not handed to it;
+* the client's GET of real `memkv serve` nodes gives the same bytes with either loop, and a
+  value that fails its checksum is a miss with either loop (fake network: the node flips a byte).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import sys
+import sysconfig
+import threading
+import time
+
+import pytest
+import xxhash
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from memkv import sockio
+from memkv.sockio import PeerClosed, can_recv_xxh3, recv_xxh3_into, set_timeouts
+
+try:
+    from memkv import _recv_verify as compiled
+except ImportError:
+    compiled = None
+needs_compiled = pytest.mark.skipif(compiled is None, reason="the compiled loop is not built here")
+
+KiB, MiB = 1 << 10, 1 << 20
+SLACK_S = 3.0  # on top of a deadline, for "did not hang" on a busy 2-core box
+
+
+def test_the_extension_is_built_where_it_can_be() -> None:
+    # The other tests here skip without the extension; this one says whether they should have.
+    headers = os.path.exists(os.path.join(sysconfig.get_paths()["include"], "Python.h"))
+    compiler = shutil.which("cc") or shutil.which("gcc")
+    if headers and compiler and sys.version_info >= (3, 11) and sys.platform.startswith("linux"):
+        assert compiled is not None, "a compiler and Python.h are here, but memkv._recv_verify was not built"
+    else:
+        pytest.skip("no compiler or Python headers: the pure-Python loop is expected")
+
+
+@pytest.fixture
+def pair():
+    lsock = socket.create_server(("127.0.0.1", 0))
+    a = socket.create_connection(lsock.getsockname())
+    b, _ = lsock.accept()
+    lsock.close()
+    set_timeouts(b, 10.0)  # as the client's connections: blocking, kernel timeouts
+    yield a, b
+    a.close()
+    b.close()
+
+
+def _in_thread(fn) -> threading.Thread:
+    t = threading.Thread(target=fn, daemon=True)
+    t.start()
+    return t
+
+
+@needs_compiled
+@settings(max_examples=60, deadline=None)
+@given(st.binary(max_size=300 * KiB))
+def test_its_xxh3_is_python_xxhashs(data: bytes) -> None:
+    assert compiled.xxh3_128_digest(data) == xxhash.xxh3_128_digest(data)
+
+
+@needs_compiled
+@pytest.mark.parametrize(
+    ("length", "piece"),
+    [(1, 256 * KiB), (256 * KiB, 256 * KiB), (256 * KiB + 1, 256 * KiB), (5 * MiB + 123, 256 * KiB), (70_001, 7), (16 * MiB, 1 * MiB)],
+)
+def test_a_value_lands_whole_with_the_digest_of_the_bytes_sent(pair, length: int, piece: int) -> None:
+    a, b = pair
+    value = os.urandom(length)
+    sender = _in_thread(lambda: a.sendall(value))
+    got = bytearray(length)
+    assert can_recv_xxh3(b)
+    digest = recv_xxh3_into(b, memoryview(got), time.monotonic() + 30, piece)
+    sender.join(10)
+    assert got == value
+    assert digest == xxhash.xxh3_128_digest(value)
+
+
+@needs_compiled
+def test_a_peer_closing_mid_value_raises_peer_closed_with_the_count(pair) -> None:
+    a, b = pair
+    a.sendall(bytes(300 * KiB + 5))
+    a.close()
+    with pytest.raises(PeerClosed) as info:
+        recv_xxh3_into(b, memoryview(bytearray(1 * MiB)), time.monotonic() + 10, 256 * KiB)
+    assert (info.value.got, info.value.total) == (300 * KiB + 5, 1 * MiB)
+
+
+@needs_compiled
+def test_a_deadline_ends_a_receive_while_bytes_trickle_in(pair) -> None:
+    a, b = pair
+    stop = threading.Event()
+
+    def trickle() -> None:
+        for _ in range(2000):  # bounded: 20 s at most
+            if stop.is_set():
+                return
+            try:
+                a.send(b"x")
+            except OSError:
+                return
+            time.sleep(0.01)
+
+    sender = _in_thread(trickle)
+    started = time.monotonic()
+    try:
+        with pytest.raises(socket.timeout, match="timed out after"):
+            recv_xxh3_into(b, memoryview(bytearray(2 * MiB)), time.monotonic() + 1.0, 256 * KiB)
+        assert time.monotonic() - started < 1.0 + SLACK_S
+    finally:
+        stop.set()
+        sender.join(5)
+
+
+@needs_compiled
+def test_without_a_deadline_the_kernel_timeout_still_ends_a_silent_receive(pair) -> None:
+    _, b = pair
+    set_timeouts(b, 0.5)
+    started = time.monotonic()
+    with pytest.raises(socket.timeout, match="after 0 of"):
+        recv_xxh3_into(b, memoryview(bytearray(1 * MiB)), None, 256 * KiB)
+    assert time.monotonic() - started < 0.5 + SLACK_S
+
+
+class _Interrupted(Exception):
+    pass
+
+
+@needs_compiled
+def test_an_exception_from_a_signal_handler_ends_the_receive(pair) -> None:
+    _, b = pair
+
+    def handler(signum, frame):
+        raise _Interrupted
+
+    old = signal.signal(signal.SIGALRM, handler)
+    started = time.monotonic()
+    try:
+        signal.setitimer(signal.ITIMER_REAL, 0.2)
+        with pytest.raises(_Interrupted):
+            recv_xxh3_into(b, memoryview(bytearray(1 * MiB)), time.monotonic() + 8, 256 * KiB)
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+    assert time.monotonic() - started < 8  # the handler's exception, not the deadline
+
+
+@needs_compiled
+def test_a_signal_whose_handler_returns_does_not_cut_the_value(pair) -> None:
+    a, b = pair
+    value = os.urandom(3 * MiB)
+    calls = []
+    old = signal.signal(signal.SIGALRM, lambda signum, frame: calls.append(signum))
+
+    def send_late() -> None:
+        time.sleep(0.4)  # the signal comes while the receive waits for the first byte
+        a.sendall(value)
+
+    sender = _in_thread(send_late)
+    try:
+        signal.setitimer(signal.ITIMER_REAL, 0.1)
+        got = bytearray(len(value))
+        digest = recv_xxh3_into(b, memoryview(got), time.monotonic() + 10, 256 * KiB)
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+        sender.join(10)
+    assert calls == [signal.SIGALRM]
+    assert got == value and digest == xxhash.xxh3_128_digest(value)
+
+
+@needs_compiled
+def test_a_socket_with_a_python_timeout_is_left_to_the_python_loop(pair) -> None:
+    _, b = pair
+    b.settimeout(1.0)  # O_NONBLOCK underneath: a recv without poll() would fail at once
+    assert not can_recv_xxh3(b)
+
+
+@needs_compiled
+def test_turning_the_compiled_loop_off_leaves_every_socket_to_python(pair, monkeypatch) -> None:
+    _, b = pair
+    monkeypatch.setattr(sockio, "COMPILED_RECEIVE", False)
+    assert not can_recv_xxh3(b)
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("receive_loop", ["compiled", "python"])
+def test_a_real_nodes_values_come_back_byte_exact_with_either_loop(start_node, make_client, monkeypatch, receive_loop) -> None:
+    if receive_loop == "compiled" and compiled is None:
+        pytest.skip("the compiled loop is not built here")
+    monkeypatch.setattr(sockio, "COMPILED_RECEIVE", receive_loop == "compiled")
+    node = start_node()
+    client = make_client([node], io_timeout_s=10.0)
+    values = {f"v{n}".encode(): os.urandom(n) for n in (1, 4 * KiB + 3, 1 * MiB, 16 * MiB + 1)}
+    assert client.batch_put_views(list(values.items())) == [True] * len(values)
+    targets = {k: bytearray(len(v)) for k, v in values.items()}
+    assert client.batch_get_into(list(targets.items())) == [True] * len(values)
+    assert all(targets[k] == v for k, v in values.items())
+    assert client.batch_get_into([(b"v1", bytearray(2))]) == [False]  # wrong length: a miss, as before
