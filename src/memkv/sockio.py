@@ -46,11 +46,11 @@ from typing import cast
 from memkv.watchdog import WATCHDOG
 
 try:  # the compiled receive-and-verify loop (csrc/recv_verify.c); optional, see setup.py
-    from memkv import _recv_verify as _compiled
+    from memkv._recv_verify import recv_xxh3_into as _compiled_recv
 except ImportError:  # not built (no compiler, Python < 3.11): the pure-Python loops below
-    _compiled = None  # type: ignore[assignment]
+    _compiled_recv = None  # type: ignore[assignment]
 # MEMKV_PURE_PYTHON=1 turns the compiled loop off (tests and benchmarks compare the two).
-COMPILED_RECEIVE = _compiled is not None and os.environ.get("MEMKV_PURE_PYTHON", "") in ("", "0")
+COMPILED_RECEIVE = _compiled_recv is not None and os.environ.get("MEMKV_PURE_PYTHON", "") in ("", "0")
 
 # Pieces smaller than this are joined into one send; larger ones go out as they are.
 _GATHER_BELOW = 64 << 10
@@ -149,11 +149,9 @@ def recv_xxh3_into(sock: socket.socket, view: memoryview, deadline: float | None
     and hashes each piece right after, while it is in cache, all without the GIL (no hand-off per
     piece). The timeout is cut to the time left before `deadline` at most every 50 ms, as in
     `_recv_pieces_into`. Only where `can_recv_xxh3(sock)`."""
-    assert _compiled is not None
+    assert _compiled_recv is not None
     total = len(view)
-    got, err, digest = _compiled.recv_xxh3_into(
-        sock.fileno(), view, piece_bytes, -1.0 if deadline is None else deadline
-    )
+    got, err, digest = _compiled_recv(sock.fileno(), view, piece_bytes, -1.0 if deadline is None else deadline)
     if digest is not None:
         return digest
     if err == 0:
