@@ -68,6 +68,7 @@ PY
     out="$here/.gpu-stage/src"
     rm -rf "$out" && mkdir -p "$out"
     git -C "$here" archive HEAD src bench README.md setup.py pyproject.toml csrc | tar -x -C "$out"  # README.md: serve.py --readme
+    rm -rf "$out/bench/gpu/results" "$out/bench/results"  # raw results: not needed there, and c2 + src must stay < 64 MiB
     # The compiled receive loop (memkv._recv_verify, stable ABI): built here, it loads on the
     # host's Python 3.12; MEMKV_PURE_PYTHON=1 there measures the pure-Python loop instead.
     (cd "$out" && python3 setup.py -q build_ext --inplace >/dev/null 2>&1 && rm -rf build) \
