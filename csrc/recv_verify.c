@@ -57,6 +57,17 @@ static int arm(int fd, double deadline) {
     return 1;
 }
 
+/* A fresh xxh3-128 state, or NULL with MemoryError set (the caller releases its buffer). */
+static XXH3_state_t *new_state(void) {
+    XXH3_state_t *state = XXH3_createState();
+    if (state == NULL) {
+        PyErr_NoMemory();
+        return NULL;
+    }
+    XXH3_128bits_reset(state);
+    return state;
+}
+
 static PyObject *recv_xxh3_into(PyObject *self, PyObject *args) {
     (void)self;
     int fd;
@@ -74,12 +85,11 @@ static PyObject *recv_xxh3_into(PyObject *self, PyObject *args) {
     if (PyObject_GetBuffer(target, &view, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0) {
         return NULL;
     }
-    XXH3_state_t *state = XXH3_createState();
+    XXH3_state_t *state = new_state();
     if (state == NULL) {
         PyBuffer_Release(&view);
-        return PyErr_NoMemory();
+        return NULL;
     }
-    XXH3_128bits_reset(state);
 
     char *base = (char *)view.buf;
     size_t total = (size_t)view.len;
@@ -156,12 +166,11 @@ static PyObject *xxh3_128_digest(PyObject *self, PyObject *args) {
     if (!PyArg_ParseTuple(args, "y*", &view)) {
         return NULL;
     }
-    XXH3_state_t *state = XXH3_createState();
+    XXH3_state_t *state = new_state();
     if (state == NULL) {
         PyBuffer_Release(&view);
-        return PyErr_NoMemory();
+        return NULL;
     }
-    XXH3_128bits_reset(state);
     XXH3_128bits_update(state, view.buf, (size_t)view.len);
     XXH128_canonical_t canon;
     XXH128_canonicalFromHash(&canon, XXH3_128bits_digest(state));
