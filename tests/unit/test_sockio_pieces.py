@@ -4,7 +4,8 @@ Behaviour under test:
 * `recv_exactly_into` with `on_piece` fills the buffer whole and hands every byte to `on_piece`
   exactly once, in order, in pieces of the asked size (the last may be shorter), so a streaming
   hash of the pieces equals the hash of the value;
-* with a deadline it gives up at the deadline while a peer trickles bytes (bounded by the
+* with a deadline it gives up at the deadline while a peer trickles bytes, and so does the
+  compiled loop (`recv_xxh3_into`) (bounded by the
   deadline plus slack: "did not hang"), and a peer that closes mid-value raises PeerClosed
   naming how many bytes had come;
 * `send_all` of a header and many values (more buffers than one sendmsg takes) delivers them
@@ -23,7 +24,7 @@ import pytest
 import xxhash
 
 from memkv.client import node as client_node
-from memkv.sockio import PeerClosed, recv_exactly_into, send_all
+from memkv.sockio import COMPILED_RECEIVE, PeerClosed, recv_exactly_into, recv_xxh3_into, send_all
 
 KiB, MiB = 1 << 10, 1 << 20
 SLACK_S = 3.0  # on top of a deadline, for "did not hang" on a busy 2-core box
@@ -66,7 +67,10 @@ def test_pieces_cover_the_value_in_order_and_hash_like_the_whole(pair) -> None:
     assert hasher.digest() == xxhash.xxh3_128_digest(value)
 
 
-def test_pieces_with_a_deadline_give_up_while_bytes_trickle_in(pair) -> None:
+@pytest.mark.parametrize("receive_loop", ["python", "compiled"])
+def test_pieces_with_a_deadline_give_up_while_bytes_trickle_in(pair, receive_loop) -> None:
+    if receive_loop == "compiled" and not COMPILED_RECEIVE:
+        pytest.skip("the compiled loop is not built here")
     a, b = pair
     stop = threading.Event()
 
@@ -84,7 +88,11 @@ def test_pieces_with_a_deadline_give_up_while_bytes_trickle_in(pair) -> None:
     started = time.monotonic()
     try:
         with pytest.raises(socket.timeout):
-            recv_exactly_into(b, memoryview(bytearray(2 * MiB)), time.monotonic() + 1.0, lambda piece: None, 256 * KiB)
+            view, deadline = memoryview(bytearray(2 * MiB)), time.monotonic() + 1.0
+            if receive_loop == "compiled":
+                recv_xxh3_into(b, view, deadline, 256 * KiB)
+            else:
+                recv_exactly_into(b, view, deadline, lambda piece: None, 256 * KiB)
         assert time.monotonic() - started < 1.0 + SLACK_S
     finally:
         stop.set()
