@@ -4,9 +4,10 @@ Values move between sockets and caller-owned memory with `recv_into` / `sendmsg`
 memoryviews: no intermediate bytes object, no per-value allocation. Both release the GIL for
 the whole syscall. On TCP a frame's header and its values leave in one `sendmsg` (the peer
 wakes once); a value is received with MSG_WAITALL whole, or piece by piece when the caller
-hashes it (`on_piece`, one receive per piece). These functions raise plain OSError /
-ConnectionError / socket.timeout; callers translate them (client: errors.map_os_error; node:
-close the connection).
+hashes it (`on_piece`, one receive per piece), or, for an xxh3 value on plain TCP where the
+optional compiled loop is built, by `recv_xxh3_into` (pieces hashed in one GIL release). These
+functions raise plain OSError / ConnectionError / socket.timeout; callers translate them
+(client: errors.map_os_error; node: close the connection).
 
 Deadlines. A kernel timeout bounds one syscall, not a transfer: a peer that trickles a byte
 before each timeout expires (or reads a byte at a time) would keep a transfer alive forever.
