@@ -60,10 +60,10 @@ class LateNode:
     """tests/rdma/late_node.py as a child process: a real node whose RDMA writes start late."""
 
     def __init__(self, auth_key_hex: str, delay_s: float, ignore_window: bool, capacity: str = "256MiB",
-                 pre_rdma: bool = False) -> None:
+                 pre_rdma: bool = False, on_time: int = 0) -> None:
         env = {**os.environ, "MEMKV_AUTH_KEY": auth_key_hex, "PYTHONUNBUFFERED": "1",
                "LATE_NODE_DELAY_S": str(delay_s), "LATE_NODE_IGNORE_WINDOW": "1" if ignore_window else "0",
-               "LATE_NODE_PRE_RDMA": "1" if pre_rdma else "0"}
+               "LATE_NODE_PRE_RDMA": "1" if pre_rdma else "0", "LATE_NODE_ON_TIME": str(on_time)}
         cmd = [sys.executable, str(LATE_NODE), "serve", "--listen", "127.0.0.1:0", "--capacity", capacity]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
         self.output: list[str] = []
@@ -106,8 +106,8 @@ class LateNode:
 def start_late_node(auth_key_hex):
     nodes: list[LateNode] = []
 
-    def start(delay_s: float = 0.0, ignore_window: bool = False, pre_rdma: bool = False) -> LateNode:
-        node = LateNode(auth_key_hex, delay_s, ignore_window, pre_rdma=pre_rdma)
+    def start(delay_s: float = 0.0, ignore_window: bool = False, pre_rdma: bool = False, on_time: int = 0) -> LateNode:
+        node = LateNode(auth_key_hex, delay_s, ignore_window, pre_rdma=pre_rdma, on_time=on_time)
         nodes.append(node)
         return node
 

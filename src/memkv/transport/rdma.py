@@ -5,11 +5,15 @@ Data path of a load (docs/rdma.md has the picture):
      as one region with NIXL, and every node's first connection gets RDMA_ATTACH with this
      agent's metadata (~300 bytes: connection info and the region's key). The metadata only
      ever travels inside an authenticated, MACed frame, after the handshake;
-  2. per batch and node: RDMA_GET (keys, exact lengths, slot addresses, a window, a token) on
-     an authenticated connection; the node WRITEs the values into the slots in one transfer
-     whose notification is the token, and answers with per-key statuses and checksums;
-  3. the client waits for the token's notification, then verifies each slot's checksum over
-     the bytes that landed. Only then is the block reported loaded.
+  2. per batch and node: RDMA_GETs (keys, exact lengths, slot addresses, a window, a token) of
+     about MEMKV_RDMA_PIPELINE_MB each (default 16 MiB: one 16 MiB KV block), all sent at once
+     on one authenticated connection; for each, the node WRITEs its values into the slots in
+     one transfer whose notification is the token, and answers with per-key statuses and
+     checksums;
+  3. the client reads the replies in turn; for each it waits for the token's notification, then
+     verifies each slot's checksum over the bytes that landed, while the node writes the next
+     request's values (so verification overlaps the writes instead of following the whole
+     batch). Only then is the block reported loaded.
 
 Which buffers: only views that lie inside the registered pool go over RDMA; any other buffer
 (a bytearray of a CLI call, a benchmark's scratch) takes the TCP path.
@@ -33,6 +37,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 import struct
 import threading
 import time
@@ -43,7 +48,7 @@ from memkv import protocol as p
 from memkv.client import metrics as m
 from memkv.client.node import NodeClient, NodeConnection
 from memkv.client.nodeset import NodeSet
-from memkv.errors import MemKVError, RdmaError, RemoteProtocolError, ServerError
+from memkv.errors import ConfigError, MemKVError, RdmaError, RemoteProtocolError, ServerError
 from memkv.transport.base import LoadResult, Transport
 from memkv.transport.nixl_adapter import NixlAgent, Registration, buffer_address
 from memkv.transport.tcp import TcpTransport
@@ -55,6 +60,37 @@ log = logging.getLogger("memkv.client")
 # before the client's read timeout.
 WINDOW_SHARE = 0.5
 ATTACH_TIMEOUT_S = 10.0  # at least this long for an RDMA_ATTACH reply (see _attach)
+ENV_PIPELINE_MB = "MEMKV_RDMA_PIPELINE_MB"
+DEFAULT_PIPELINE_MB = 16
+
+
+def pipeline_bytes() -> int:
+    """MEMKV_RDMA_PIPELINE_MB, checked: the bytes of one RDMA_GET within a node's batch (0: the
+    whole batch in one RDMA_GET)."""
+    text = os.environ.get(ENV_PIPELINE_MB, "").strip()
+    if not text:
+        return DEFAULT_PIPELINE_MB << 20
+    if not text.isdigit() or int(text) > 65536:
+        raise ConfigError(f"{ENV_PIPELINE_MB}: expected MiB in 0..65536, got {text!r}")
+    return int(text) << 20
+
+
+def pipeline_parts(lengths: Sequence[int], limit: int) -> list[tuple[int, int]]:
+    """`(lo, hi)` ranges of consecutive values, each at most `limit` bytes or one value (a value
+    larger than `limit` goes alone); `limit` 0 keeps them all in one range."""
+    if not lengths:
+        return []
+    if limit <= 0:
+        return [(0, len(lengths))]
+    parts = []
+    lo, size = 0, 0
+    for i, length in enumerate(lengths):
+        if i > lo and size + length > limit:
+            parts.append((lo, i))
+            lo, size = i, 0
+        size += length
+    parts.append((lo, len(lengths)))
+    return parts
 
 
 class RdmaRefused(RdmaError):
@@ -201,6 +237,7 @@ class RdmaTransport(Transport):
         self._inbox: _NotifInbox | None = None  # with the agent
         self._warned = False
         self.register_ms: float | None = None  # how long NIXL took to register the pool
+        self.pipeline_bytes = pipeline_bytes()  # raises ConfigError at startup
 
     @property
     def rdma_active(self) -> bool:
@@ -337,7 +374,9 @@ class RdmaTransport(Transport):
     def _load_chunk(
         self, node: NodeClient, keys: list[bytes], views: list[memoryview], addrs: list[int]
     ) -> list[tuple[bool, bool]]:
-        """One RDMA_GET on one node. Per item: (loaded and verified, a write may still land)."""
+        """One node's batch as pipelined RDMA_GETs on one connection: all requests are sent,
+        then each reply is read and its values verified while the node writes the next
+        request's values. Per item: (loaded and verified, a write may still land)."""
         nodes = self._nodes
         n = len(keys)
         inbox = self._inbox
@@ -345,57 +384,79 @@ class RdmaTransport(Transport):
             return [(ok, False) for ok in self._tcp.get_into(keys, views)]
         io_timeout_s = nodes.io_timeout_s
         window_ms = max(1, min(p.MAX_RDMA_WINDOW_MS, int(io_timeout_s * 1000 * WINDOW_SHARE)))
+        parts = pipeline_parts([len(v) for v in views], self.pipeline_bytes)
         try:
             conn = node.borrow()
         except MemKVError as exc:
             nodes.count_failure(node, "get", exc)
             return [(False, False)] * n
-        sent = False
-        ticket = None
+        tickets: list[_Ticket] = []
         t = time.perf_counter()
         try:
             peer = self._attach(conn)
-            # The ticket comes before the request: the notification cannot precede it.
-            token = next(self._tokens)
-            ticket = inbox.expect(peer, struct.pack(">Q", token))
-            conn.send(p.RdmaGetRequest(tuple(keys), tuple(len(v) for v in views), tuple(addrs), window_ms, token))
-            sent = True
-            reply = conn.read_reply()
-            if not isinstance(reply, p.RdmaGetReply) or len(reply.items) != n:
-                raise RemoteProtocolError(f"{node.name}: RDMA_GET reply does not match the request")
-        except RdmaRefused as exc:
-            if ticket is not None:
-                inbox.cancel(ticket)
+            for lo, hi in parts:
+                # The ticket comes before the request: the notification cannot precede it.
+                token = next(self._tokens)
+                tickets.append(inbox.expect(peer, struct.pack(">Q", token)))
+                lengths = tuple(len(v) for v in views[lo:hi])
+                conn.send(p.RdmaGetRequest(tuple(keys[lo:hi]), lengths, tuple(addrs[lo:hi]), window_ms, token))
+        except RdmaRefused as exc:  # raised by the attach: nothing was sent
             node.give_back(conn, exc if exc.connection_closed else None)  # else the connection is in step
             self._failed(str(exc))
             if self.mode == "auto":  # nothing was posted: these slots can take the TCP path now
                 return [(ok, False) for ok in self._tcp.get_into(keys, views)]
             return [(False, False)] * n
-        except MemKVError as exc:
-            if ticket is not None:
+        except BaseException as exc:
+            # A request whose send began may have reached the node: its writes may still land.
+            sent_to = parts[len(tickets) - 1][1] if tickets else 0
+            for ticket in tickets:
                 inbox.cancel(ticket)  # a notification that still comes is dropped
             node.give_back(conn, exc)
+            if not isinstance(exc, MemKVError):
+                raise
             nodes.count_failure(node, "get", exc)
-            if sent:
-                log.warning(
-                    "%s: RDMA load abandoned after the request was sent (%s); its slots stay "
-                    "reserved until no write can land",
-                    node.name,
-                    exc,
-                )
-            return [(False, sent)] * n
-        except BaseException as exc:
-            if ticket is not None:
-                inbox.cancel(ticket)
-            node.give_back(conn, exc)
-            raise
+            self._abandoned(node, exc, sent_to)
+            return [(False, True)] * sent_to + [(False, False)] * (n - sent_to)
+        out: list[tuple[bool, bool]] = []
+        for k, ((lo, hi), ticket) in enumerate(zip(parts, tickets)):
+            try:
+                reply = conn.read_reply()
+                if not isinstance(reply, p.RdmaGetReply) or len(reply.items) != hi - lo:
+                    raise RemoteProtocolError(f"{node.name}: RDMA_GET reply does not match the request")
+            except BaseException as exc:
+                for later in tickets[k:]:
+                    inbox.cancel(later)
+                node.give_back(conn, exc)
+                if not isinstance(exc, MemKVError):
+                    raise
+                nodes.count_failure(node, "get", exc)
+                self._abandoned(node, exc, n - lo)
+                return out + [(False, True)] * (n - lo)
+            out += self._settle(node, reply, views[lo:hi], ticket, inbox)
         node.give_back(conn)
-        assert ticket is not None  # taken before the request was sent
+        m.SECONDS.labels("rdma_get").observe(time.perf_counter() - t)
+        m.REQUESTS.labels(node.name, "rdma_get", "ok").inc()
+        return out
 
+    def _abandoned(self, node: NodeClient, exc: MemKVError, items: int) -> None:
+        if items:
+            log.warning(
+                "%s: RDMA load abandoned after its request was sent (%s); %d slot(s) stay "
+                "reserved until no write can land",
+                node.name,
+                exc,
+                items,
+            )
+
+    def _settle(
+        self, node: NodeClient, reply: p.RdmaGetReply, views: list[memoryview], ticket: _Ticket, inbox: _NotifInbox
+    ) -> list[tuple[bool, bool]]:
+        """Wait for one RDMA_GET's notification and verify its values in their slots."""
+        nodes = self._nodes
         notified = True
         if any(it.status == p.ItemStatus.OK for it in reply.items):
             try:
-                notified = inbox.wait(ticket, time.monotonic() + io_timeout_s)
+                notified = inbox.wait(ticket, time.monotonic() + nodes.io_timeout_s)
             except RdmaError as exc:
                 log.debug("%s", exc)
                 notified = False
@@ -420,8 +481,6 @@ class RdmaTransport(Transport):
                 out.append((False, True))
             else:  # MISS, SIZE_MISMATCH: nothing was written
                 out.append((False, False))
-        m.SECONDS.labels("rdma_get").observe(time.perf_counter() - t)
-        m.REQUESTS.labels(node.name, "rdma_get", "ok").inc()
         m.BYTES.labels("in").inc(sum(len(v) for v, (good, _) in zip(views, out) if good))
         if bad_sums:
             m.INTEGRITY_FAILURES.labels(node.name).inc(bad_sums)
