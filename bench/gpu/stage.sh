@@ -1,19 +1,22 @@
 #!/usr/bin/env bash
 # Stage vLLM 0.25.0 (+ its missing dependencies, PyJWT, and what `vllm serve` needs beyond the
-# offline engine: uvicorn & co) onto the offline GPU host, in two transfers of < 64 MiB each.
+# offline engine: uvicorn & co) onto the offline GPU host, in three transfers of < 64 MiB each
+# (with the working tree, ~5 MB, which travels with every call).
 # See bench/gpu/stage.md for the whole procedure and timings.
 #
-#   here:  bash bench/gpu/stage.sh bundle          # -> .gpu-stage/c1 (59 MiB), .gpu-stage/c2 (58.2 MiB)
+#   here:  bash bench/gpu/stage.sh bundle          # -> .gpu-stage/c1 (vLLM 1/2, 55 MiB), c2 (vLLM 2/2 + serve
+#                                                  #    wheels, 42 MiB), c3/wheels (dependency wheels, 19 MiB)
 #   host:  bash bench/gpu/stage.sh recv c1         # copy a carried part to /tmp/stage
 #   host:  bash bench/gpu/stage.sh probe           # which of the API server's imports the host lacks (no vLLM needed)
-#   host:  bash bench/gpu/stage.sh recv c2
+#   host:  bash bench/gpu/stage.sh recv c2         # (carry .gpu-stage/src with it)
+#   host:  bash bench/gpu/stage.sh recv c3
 #   host:  bash bench/gpu/stage.sh install         # /tmp/site (vllm), /tmp/site2 (wheels); checks the API server imports
 #   host:  eval "$(bash bench/gpu/stage.sh env)"   # PYTHONPATH and vLLM variables
 #   here:  bash bench/gpu/stage.sh src             # HEAD's src/ bench/ README.md -> .gpu-stage/src (carry it; the
 #                                                  # env line then puts .gpu-stage/src/src first on PYTHONPATH)
 # Optional, for the RDMA transport over UCX cma (same-host nodes; no NIC on the lent host):
-#   here:  bash bench/gpu/stage.sh nixl            # -> .gpu-stage/c3 (nixl-cu12 for cp312, 30 MB)
-#   host:  bash bench/gpu/stage.sh recv c3 && bash bench/gpu/stage.sh install-nixl   # -> /tmp/site3
+#   here:  bash bench/gpu/stage.sh nixl            # -> .gpu-stage/c3/nixl.tar.gz (nixl-cu12 for cp312, 30 MB)
+#   host:  bash bench/gpu/stage.sh install-nixl    # after recv c3 -> /tmp/site3
 set -euo pipefail
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 stage=${STAGE_DIR:-/tmp/stage}
@@ -23,15 +26,16 @@ case "${1:-}" in
     out="$here/.gpu-stage"
     mb=${MAKE_BUNDLE:-$here/bench/gpu/make_bundle.sh}  # the team's GPU recipe, kept here so the repo stands alone
     [ -d "$out/bundle" ] || bash "$mb" "$out/bundle"
-    rm -rf "$out/c1" "$out/c2"
-    mkdir -p "$out/c1" "$out/c2/wheels"
-    # Re-split the vLLM tree (tar.gz) into one 59 MiB part and a rest that fits with the wheels
-    # (c1 59.0 MiB, c2 58.2 MiB: each call keeps ~4 MB for the working tree under the 64 MiB).
-    cat "$out"/bundle/vllm.part.* | split -b 59m - "$out/c1/vllm.part."
+    rm -rf "$out/c1" "$out/c2" "$out/c3/wheels"
+    mkdir -p "$out/c1" "$out/c2" "$out/c3/wheels"
+    # Re-split the vLLM tree (tar.gz) into a 55 MiB part and the rest (42 MiB, with the serve
+    # wheels and .gpu-stage/src); the dependency wheels go in c3, beside NIXL. Each call keeps
+    # ~6 MB for the working tree (5 MB on 2026-12-03) under the 64 MiB.
+    cat "$out"/bundle/vllm.part.* | split -b 55m - "$out/c1/vllm.part."
     mv "$out/c1/vllm.part.ab" "$out/c2/"
-    cp "$out"/bundle/wheels/*.whl "$out/c2/wheels/"
+    cp "$out"/bundle/wheels/*.whl "$out/c3/wheels/"
     # memkv's own runtime dependency missing from the host image (license.py imports jwt).
-    python3 -m pip download -q --no-deps --only-binary=:all: -d "$out/c2/wheels" PyJWT==2.15.1
+    python3 -m pip download -q --no-deps --only-binary=:all: -d "$out/c3/wheels" PyJWT==2.15.1
     # `vllm serve`: the imports of vllm.entrypoints.openai.api_server (build_app, the completions
     # route, uvicorn's runtime protocol) that the offline LLM path never needed, found by importing
     # them against vLLM 0.25.0 (stage.md). Installed on the host only where it lacks the module
@@ -44,12 +48,12 @@ case "${1:-}" in
       python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp $plat \
         -d "$out/c2/serve-wheels" "$pkg"
     done
-    # What c2 will bring, by import name (for `probe` in the call that carries c1).
-    python3 - "$out/c2" "$out/c1/MANIFEST.json" <<'PY'
+    # What c2 and c3 will bring, by import name (for `probe` in the call that carries c1).
+    python3 - "$out" "$out/c1/MANIFEST.json" <<'PY'
 import glob, json, os, sys, zipfile
 c2, dst = sys.argv[1], sys.argv[2]
 man = {}
-for whl in sorted(glob.glob(os.path.join(c2, "*wheels", "*.whl"))):
+for whl in sorted(glob.glob(os.path.join(c2, "c[23]", "*wheels", "*.whl"))):
     tops = set()
     with zipfile.ZipFile(whl) as z:
         for n in z.namelist():
@@ -60,7 +64,7 @@ for whl in sorted(glob.glob(os.path.join(c2, "*wheels", "*.whl"))):
     man[os.path.relpath(whl, c2)] = sorted(tops)
 json.dump(man, open(dst, "w"), indent=1)
 PY
-    du -b "$out"/c1 "$out"/c2; du -cb "$out"/c1/* | tail -1; du -cb "$out"/c2/*.part.* "$out"/c2/*wheels/* | tail -1
+    du -sb "$out"/c1 "$out"/c2 "$out"/c3/wheels
     ;;
   src)
     # The committed src/ and bench/ (git archive HEAD), for `carry`: a run then measures exactly
@@ -80,7 +84,7 @@ PY
     # nixl-cu12's cp312 wheel is 69 MB; 38 MB of it is nixl_ep (expert-parallel kernels MemKV
     # never imports). Ship the rest as a plain tree: a wheel is a zip of site-packages content.
     out="$here/.gpu-stage/c3"
-    rm -rf "$out" && mkdir -p "$out"
+    mkdir -p "$out" && rm -f "$out/nixl.tar.gz"
     tmp=$(mktemp -d)
     python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 -d "$tmp" nixl-cu12==1.5.1
     python3 - "$tmp"/nixl_cu12-*.whl "$out/nixl.tar.gz" <<'PY'
@@ -97,7 +101,7 @@ with zipfile.ZipFile(src) as z, tarfile.open(dst, "w:gz") as t:
         t.addfile(ti, io.BytesIO(data))
 PY
     rm -rf "$tmp"
-    du -b "$out"
+    du -b "$out/nixl.tar.gz"
     ;;
   install-nixl)
     mkdir -p /tmp/site3
