@@ -36,7 +36,7 @@ import threading
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from ttft import host_info, log, start_nodes, stop_nodes  # noqa: E402
+from ttft import host_info, log, node_counters, start_nodes, stop_nodes  # noqa: E402
 
 
 def alloc(nbytes: int):
@@ -69,7 +69,8 @@ def main() -> int:
     vb = args.value_mib << 20
     total = vb * args.values
     result = {"host": host_info(), "args": vars(args), "variants": [],
-              "env": {k: os.environ.get(k) for k in ("UCX_TLS", "UCX_NET_DEVICES", "MEMKV_NIXL_SYNC", "MEMKV_NIXL_WORKERS")}}
+              "env": {k: os.environ.get(k) for k in ("UCX_TLS", "UCX_NET_DEVICES", "MEMKV_NIXL_SYNC", "MEMKV_NIXL_WORKERS",
+                                                              "MEMKV_RDMA_PIPELINE_MB")}}
 
     os.environ["MEMKV_TRANSPORT"] = args.transport  # nodes inherit it
     capacity = max((total // args.nodes) * 3 // 2, 4 * vb)
@@ -160,8 +161,12 @@ def main() -> int:
             if busy:
                 busy.start()
             times = []
+            admin = [n["admin"] for n in state["nodes"]]
             with cf.ThreadPoolExecutor(threads) as ex:
                 list(ex.map(lambda i: None, range(threads)))  # threads up before timing
+                # CPU seconds of the nodes and of this (client) process over the timed reps: where
+                # the cores go per GiB moved (issue 16 item 2: RDMA over cma moves the copy to the node)
+                node_cpu0, client_cpu0 = node_counters(admin)["cpu_s"], time.process_time()
                 for rep in range(args.reps):
                     t = time.perf_counter()
                     res = list(ex.map(lambda ch: client.batch_get_into([(keys[i], rows[i]) for i in ch]), chunks(bpo)))
@@ -170,6 +175,7 @@ def main() -> int:
                     if got != args.values:
                         log(f"{spec}: only {got}/{args.values} values loaded")
                     times.append(dt)
+                node_cpu, client_cpu = node_counters(admin)["cpu_s"] - node_cpu0, time.process_time() - client_cpu0
             stop.set()
             if busy:
                 busy.join()
@@ -178,10 +184,13 @@ def main() -> int:
             sys.setswitchinterval(0.005)
             best = min(times)
             rec = {"variant": spec, "threads": threads, "blocks_per_op": bpo, "flags": flags, "seconds": times,
-                   "gbps_best": total / best / 1e9, "gbps_median": total / statistics.median(times) / 1e9}
+                   "gbps_best": total / best / 1e9, "gbps_median": total / statistics.median(times) / 1e9,
+                   "node_cpu_s_per_gib": node_cpu / (args.reps * total / 2**30),
+                   "client_cpu_s_per_gib": client_cpu / (args.reps * total / 2**30)}
             result["variants"].append(rec)
             log(f"{spec:<24} {total >> 30} GiB in " + " / ".join(f"{x:.3f}" for x in times)
-                + f" s  -> {rec['gbps_median']:.1f} GB/s (median)")
+                + f" s  -> {rec['gbps_median']:.1f} GB/s (median); CPU s/GiB nodes {rec['node_cpu_s_per_gib']:.3f}"
+                + f" client {rec['client_cpu_s_per_gib']:.3f}")
         client.close()
     finally:
         stop_nodes(state)
