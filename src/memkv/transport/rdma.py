@@ -5,15 +5,13 @@ Data path of a load (docs/rdma.md has the picture):
      as one region with NIXL, and every node's first connection gets RDMA_ATTACH with this
      agent's metadata (~300 bytes: connection info and the region's key). The metadata only
      ever travels inside an authenticated, MACed frame, after the handshake;
-  2. per batch and node: RDMA_GETs (keys, exact lengths, slot addresses, a window, a token) of
-     about MEMKV_RDMA_PIPELINE_MB each (default 16 MiB: one 16 MiB KV block), all sent at once
-     on one authenticated connection; for each, the node WRITEs its values into the slots in
-     one transfer whose notification is the token, and answers with per-key statuses and
-     checksums;
+  2. per batch and node: one RDMA_GET (keys, exact lengths, slot addresses, a window, a token)
+     on an authenticated connection, or with MEMKV_RDMA_PIPELINE_MB set, several of about that
+     many bytes, all sent at once; for each, the node WRITEs its values into the slots in one
+     transfer whose notification is the token, and answers with per-key statuses and checksums;
   3. the client reads the replies in turn; for each it waits for the token's notification, then
-     verifies each slot's checksum over the bytes that landed, while the node writes the next
-     request's values (so verification overlaps the writes instead of following the whole
-     batch). Only then is the block reported loaded.
+     verifies each slot's checksum over the bytes that landed (pipelined: while the node writes
+     the next request's values). Only then is the block reported loaded.
 
 Which buffers: only views that lie inside the registered pool go over RDMA; any other buffer
 (a bytearray of a CLI call, a benchmark's scratch) takes the TCP path.
@@ -61,7 +59,10 @@ log = logging.getLogger("memkv.client")
 WINDOW_SHARE = 0.5
 ATTACH_TIMEOUT_S = 10.0  # at least this long for an RDMA_ATTACH reply (see _attach)
 ENV_PIPELINE_MB = "MEMKV_RDMA_PIPELINE_MB"
-DEFAULT_PIPELINE_MB = 16
+# Off by default: over UCX cma (the node's CPU copies) 16 MiB parts were 4-8% slower than one
+# RDMA_GET per batch, inside vLLM and outside (docs/performance.md, runs 39-40). A host whose
+# NIC does the writes may gain from verifying one part while the next is written.
+DEFAULT_PIPELINE_MB = 0
 
 
 def pipeline_bytes() -> int:
