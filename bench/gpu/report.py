@@ -240,6 +240,8 @@ def main() -> int:
                     help="run 17: the stages of each promotion with the defaults (engine core in its own process)")
     ap.add_argument("--transports", action="store_true",
                     help="run 34: the stages of TCP and RDMA engines side by side (one call)")
+    ap.add_argument("--pipeline", action="store_true",
+                    help="run 39: TCP, RDMA and RDMA with pipelined RDMA_GETs side by side (one call)")
     ap.add_argument("--direct", action="store_true",
                     help="direct mode (runs 21, 26, 27): revisit TTFT per mode, pinned host memory, vs recompute")
     ap.add_argument("--img", default=None)
@@ -247,6 +249,9 @@ def main() -> int:
     if args.direct:
         args.img = args.img or os.path.join(REPO, "docs", "img", "gpu-direct.png")
         return direct_plot(args)
+    if args.pipeline:
+        args.img = args.img or os.path.join(REPO, "docs", "img", "gpu-breakdown-pipeline.png")
+        return pipeline_plot(args)
     if args.transports:
         args.img = args.img or os.path.join(REPO, "docs", "img", "gpu-breakdown-transports.png")
         return transports_plot(args)
@@ -637,6 +642,9 @@ TARGETS = {8192: 0.2, 32768: 0.5, 65536: 0.9}  # issue 16's promotion targets
 
 # 2026-12-02 afternoon: TCP and RDMA engines side by side in one call (run 34), README's config.
 TRANSPORTS = {"run34-tcp-main-restart.json": "TCP", "run34-rdma-main-restart.json": "RDMA"}
+# 2026-12-03: TCP, RDMA (one RDMA_GET per node and batch) and RDMA with 16 MiB pipelined parts (run 39).
+PIPELINE = {"run39-tcp-main.json": "TCP", "run39-rdma0-main.json": "RDMA",
+            "run39-rdma16-main.json": "RDMA, 16 MiB parts"}
 
 
 def breakdown_plot(args) -> int:
@@ -653,6 +661,13 @@ def transports_plot(args) -> int:
     return stages_plot(args, TRANSPORTS,
                        "A promotion's stages, TCP vs RDMA (UCX cma) in one call, README's tier config\n"
                        "(run 34: 1x H200, 16 vCPUs, vLLM 0.25.0, 32B shape, 4 MemKV nodes on loopback)")
+
+
+def pipeline_plot(args) -> int:
+    """Run 39's three engines (one call, fresh nodes each): docs/img/gpu-breakdown-pipeline.png."""
+    return stages_plot(args, PIPELINE,
+                       "A promotion's stages: TCP, RDMA, RDMA with pipelined 16 MiB RDMA_GETs, one call\n"
+                       "(run 39: 1x H200, 16 vCPUs, vLLM 0.25.0, 32B shape, 4 MemKV nodes on loopback, UCX cma)")
 
 
 def stages_plot(args, files: dict, title: str) -> int:
