@@ -25,7 +25,6 @@ import signal
 import socket
 import sys
 import sysconfig
-import threading
 import time
 
 import pytest
@@ -35,6 +34,7 @@ from hypothesis import strategies as st
 
 from memkv import sockio
 from memkv.sockio import PeerClosed, can_recv_xxh3, recv_xxh3_into, set_timeouts
+from tests.unit.loopback import in_thread
 
 try:
     from memkv import _recv_verify as compiled
@@ -57,21 +57,11 @@ def test_the_extension_is_built_where_it_can_be() -> None:
 
 
 @pytest.fixture
-def pair():
-    lsock = socket.create_server(("127.0.0.1", 0))
-    a = socket.create_connection(lsock.getsockname())
-    b, _ = lsock.accept()
-    lsock.close()
-    set_timeouts(b, 10.0)  # as the client's connections: blocking, kernel timeouts
-    yield a, b
-    a.close()
-    b.close()
-
-
-def _in_thread(fn) -> threading.Thread:
-    t = threading.Thread(target=fn, daemon=True)
-    t.start()
-    return t
+def pair(pair):
+    """The shared loopback pair, its receiver with kernel timeouts as the client's connections
+    have (blocking sockets)."""
+    set_timeouts(pair[1], 10.0)
+    return pair
 
 
 @needs_compiled
@@ -89,7 +79,7 @@ def test_its_xxh3_is_python_xxhashs(data: bytes) -> None:
 def test_a_value_lands_whole_with_the_digest_of_the_bytes_sent(pair, length: int, piece: int) -> None:
     a, b = pair
     value = os.urandom(length)
-    sender = _in_thread(lambda: a.sendall(value))
+    sender = in_thread(lambda: a.sendall(value))
     got = bytearray(length)
     assert can_recv_xxh3(b)
     digest = recv_xxh3_into(b, memoryview(got), time.monotonic() + 30, piece)
@@ -152,7 +142,7 @@ def test_a_signal_whose_handler_returns_does_not_cut_the_value(pair) -> None:
         time.sleep(0.4)  # the signal comes while the receive waits for the first byte
         a.sendall(value)
 
-    sender = _in_thread(send_late)
+    sender = in_thread(send_late)
     try:
         signal.setitimer(signal.ITIMER_REAL, 0.1)
         got = bytearray(len(value))

@@ -25,32 +25,18 @@ import xxhash
 
 from memkv.client import node as client_node
 from memkv.sockio import COMPILED_RECEIVE, PeerClosed, recv_exactly_into, recv_xxh3_into, send_all
+from tests.unit.loopback import in_thread
 
 KiB, MiB = 1 << 10, 1 << 20
 SLACK_S = 3.0  # on top of a deadline, for "did not hang" on a busy 2-core box
 
 
-@pytest.fixture
-def pair():
-    lsock = socket.create_server(("127.0.0.1", 0))
-    a = socket.create_connection(lsock.getsockname())
-    b, _ = lsock.accept()
-    lsock.close()
-    yield a, b
-    a.close()
-    b.close()
-
-
-def _in_thread(fn) -> threading.Thread:
-    t = threading.Thread(target=fn, daemon=True)
-    t.start()
-    return t
 
 
 def test_pieces_cover_the_value_in_order_and_hash_like_the_whole(pair) -> None:
     a, b = pair
     value = os.urandom(5 * MiB + 123)
-    sender = _in_thread(lambda: a.sendall(value))
+    sender = in_thread(lambda: a.sendall(value))
     got = bytearray(len(value))
     pieces: list[int] = []
     hasher = xxhash.xxh3_128()
@@ -84,7 +70,7 @@ def test_pieces_with_a_deadline_give_up_while_bytes_trickle_in(pair, receive_loo
                 return
             time.sleep(0.01)
 
-    sender = _in_thread(trickle)
+    sender = in_thread(trickle)
     started = time.monotonic()
     try:
         with pytest.raises(socket.timeout):
@@ -116,7 +102,7 @@ def test_send_all_of_a_header_and_more_values_than_one_sendmsg_takes_arrives_in_
     buffers = [header, *values, b"trailer"]
     expected = header + bytes(pool) + b"trailer"
     got = bytearray(len(expected))
-    receiver = _in_thread(lambda: recv_exactly_into(b, memoryview(got), time.monotonic() + 30))
+    receiver = in_thread(lambda: recv_exactly_into(b, memoryview(got), time.monotonic() + 30))
     send_all(a, buffers, time.monotonic() + 30)
     receiver.join(30)
     assert not receiver.is_alive()
