@@ -12,16 +12,22 @@ keys and bad servers fail at startup with a message naming them.
 
 from __future__ import annotations
 
+import importlib.util
+import os
 import signal
+import subprocess
+import sys
 import time
 
 import pytest
 
+from memkv import __version__ as memkv_version
+from memkv import sockio
 from memkv.client.cluster import Client
 from memkv.config import AuthKey, ClientConfig, parse_servers
 from memkv.local import LocalNode
 from tests.conformance import vllm_harness as h
-from tests.conformance.conftest import point_at
+from tests.conformance.conftest import PluginLog, point_at
 
 pytestmark = pytest.mark.conformance
 
@@ -466,6 +472,30 @@ def test_module_path_form_loads_the_tier_without_registration(monkeypatch, clust
         assert in_memkv(engine, keys) == [True, True]
 
 
+def test_ready_line_says_the_settings_in_force_and_which_receive_loop_runs(memkv_env):
+    """What an operator reads to know what runs: the settings (given and defaulted), the
+    transport, and whether the compiled receive-and-verify loop is in use."""
+    with PluginLog() as log, h.HeadlessEngine([memkv({"blocks_per_op": 4})], h.Geometry(num_rows=8)):
+        pass
+    (line,) = [x for x in log.lines if x.startswith("MemKV tier ready")]
+    for field in ("n_read_threads=2", "n_write_threads=2", "blocks_per_op=4", "rdma=False",
+                  "(half the CPU pool)", f"memkv={memkv_version}"):
+        assert field in line, f"{field!r} missing from: {line}"
+    assert f"receive={'compiled' if sockio.COMPILED_RECEIVE else 'python'}," in line
+
+
+def test_memkv_pure_python_selects_the_python_receive_loop():
+    """MEMKV_PURE_PYTHON=1 (read at import) turns the compiled loop off; unset, it is on exactly
+    when the extension was built."""
+    probe = "from memkv import sockio; print(sockio.COMPILED_RECEIVE)"
+    env = {k: v for k, v in os.environ.items() if k != "MEMKV_PURE_PYTHON"}
+    off = subprocess.run([sys.executable, "-c", probe], env={**env, "MEMKV_PURE_PYTHON": "1"},
+                         capture_output=True, text=True, timeout=60, check=True)
+    on = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=60, check=True)
+    assert off.stdout.strip() == "False"
+    assert on.stdout.strip() == str(importlib.util.find_spec("memkv._recv_verify") is not None)
+
+
 def test_hash_seed_warning_depends_on_pythonhashseed(monkeypatch):
     from memkv_vllm import compat
 
@@ -473,8 +503,6 @@ def test_hash_seed_warning_depends_on_pythonhashseed(monkeypatch):
     assert compat.block_hash_reuse_problem() is None
     monkeypatch.delenv("PYTHONHASHSEED")
     problem = compat.block_hash_reuse_problem()
-    import sys
-
     utils = sys.modules.get("vllm.v1.core.kv_cache_utils")
     if utils is not None and hasattr(utils, "resolve_none_hash_seed") and getattr(utils, "_NONE_HASH_SEED", None) in (
         None, getattr(utils, "DEFAULT_NONE_HASH_SEED", None)):
