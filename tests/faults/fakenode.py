@@ -5,7 +5,8 @@
 `handler(conn: FakeConnection)` on the connection's own thread. A handler reads requests with
 `conn.read_request()` and answers however the test wants: late, in pieces, slowly, never.
 `conn.get_reply_bytes(values)` builds a well-formed GET reply (statuses, lengths, checksums) so
-a test can cut it wherever it likes.
+a test can cut it wherever it likes. `hello_delay_s` holds each ServerHello back (a node too busy
+to answer a new connection at once).
 
 Threading: one accept thread and one thread per connection, all daemon threads; `close()` shuts
 every socket down and joins every thread with a deadline. Each socket read has a timeout.
@@ -64,8 +65,9 @@ class FakeConnection:
 
 class FakeNode:
     def __init__(self, key_hex: str, handler: Callable[[FakeConnection], None], *, node_id: str = "fake",
-                 limits: p.Limits | None = None) -> None:
+                 limits: p.Limits | None = None, hello_delay_s: float = 0.0) -> None:
         self.key = bytes.fromhex(key_hex)
+        self.hello_delay_s = hello_delay_s  # a busy node: its ServerHello leaves this late
         self.handler = handler
         self.node_id = node_id
         self.limits = limits or p.Limits()
@@ -129,7 +131,10 @@ class FakeNode:
             sock.settimeout(5.0)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             hs = p.ServerHandshake(self.key, os.urandom(p.NONCE_BYTES))
-            sock.sendall(hs.receive_hello(bytes(recv_exactly(sock, p.CLIENT_HELLO.size))))
+            hello = hs.receive_hello(bytes(recv_exactly(sock, p.CLIENT_HELLO.size)))
+            if self._stop.wait(self.hello_delay_s):
+                return
+            sock.sendall(hello)
             hs.receive_auth(bytes(recv_exactly(sock, p.CLIENT_AUTH.size)))
             codec = hs.codec(self.limits)
             sock.sendall(codec.encode(p.HelloOk(self.node_id, self.limits)))

@@ -91,7 +91,7 @@ def test_overcommitted_node_under_32_clients_keeps_capacity_lanes_bytes_and_time
     keys = [f"{lane}{i}" for lane in LANES for i in range(KEYS_PER_LANE)]
     written: dict[str, set[int]] = {k: set() for k in keys}
     written_lock = threading.Lock()
-    clients = [make_client([node], io_timeout_s=IO_TIMEOUT_S, connect_timeout_s=5.0, pool_size=1) for _ in range(CLIENTS)]
+    clients = [make_client([node], io_timeout_s=IO_TIMEOUT_S, pool_size=1) for _ in range(CLIENTS)]
     clients[0].probe()
     baseline_rss = rss_bytes(node.pid)
     sampler = RssSampler(node.pid)
