@@ -39,16 +39,39 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from ttft import host_info, log, node_counters, start_nodes, stop_nodes  # noqa: E402
 
 
-def alloc(nbytes: int):
-    try:
-        import torch
+def alloc(nbytes: int, how: str = "torch"):
+    """The destination buffer: `torch` pinned (vLLM's CPU pool; a pre-faulted mmap without torch),
+    or an anonymous mmap with 4 KiB pages (`mmap`) or transparent huge pages (`thp`): over UCX cma
+    the node pins the destination's pages for each write, so their size may price the write."""
+    if how == "torch":
+        try:
+            import torch
 
-        t = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-        return t, memoryview(t.numpy()), "torch pinned"
-    except Exception as exc:
-        log(f"pinned alloc failed ({exc!r}); using a pre-faulted mmap")
-        m = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_POPULATE", 0))
-        return None, memoryview(m), "mmap"
+            t = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+            return t, memoryview(t.numpy()), "torch pinned"
+        except Exception as exc:
+            log(f"pinned alloc failed ({exc!r}); using a pre-faulted mmap")
+            how = "mmap"
+    m = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    m.madvise(mmap.MADV_HUGEPAGE if how == "thp" else mmap.MADV_NOHUGEPAGE)
+    view = memoryview(m)
+    zeros = bytes(1 << 21)
+    for off in range(0, nbytes, len(zeros)):  # fault every page in now, not during the timed reads
+        n = min(len(zeros), nbytes - off)
+        view[off : off + n] = zeros[:n]
+    return m, view, f"mmap ({how}; AnonHugePages {anon_huge_kib()} KiB)"
+
+
+def anon_huge_kib() -> int:
+    """This process's AnonHugePages (whether THP took), from /proc/self/smaps_rollup."""
+    try:
+        with open("/proc/self/smaps_rollup") as f:
+            for line in f:
+                if line.startswith("AnonHugePages:"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return -1
 
 
 def main() -> int:
@@ -61,6 +84,8 @@ def main() -> int:
     ap.add_argument("--variants", default="16x4,16x4:noverify,16x4:c4,16x4:busy,16x4:busy:noverify,16x4:busy:c4,"
                                           "16x4:busy:c16,16x4:busy:si0.5,16x1:busy,32x4:busy:c4")
     ap.add_argument("--transport", default="tcp", choices=["tcp", "rdma"], help="MEMKV_TRANSPORT of client and nodes")
+    ap.add_argument("--alloc", default="torch", choices=["torch", "mmap", "thp"],
+                    help="destination buffer: torch pinned (vLLM's pool), mmap with 4 KiB pages, or THP")
     ap.add_argument("--tag", default="", help="output name: xfer-<transport>[-<tag>].json (several runs in one call)")
     ap.add_argument("--state-dir", default="/tmp/xfer-state")
     ap.add_argument("--out-dir", default=os.environ.get("OUT", "bench/out"))
@@ -87,7 +112,7 @@ def main() -> int:
 
         client = Client.from_env()
         t = time.perf_counter()
-        owner, buf, kind = alloc(total)
+        owner, buf, kind = alloc(total, args.alloc)
         result["buffer"] = kind
         rows = [buf[i * vb:(i + 1) * vb] for i in range(args.values)]
         rows[0][:] = os.urandom(vb)
