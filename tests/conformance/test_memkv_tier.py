@@ -475,10 +475,10 @@ def test_module_path_form_loads_the_tier_without_registration(monkeypatch, clust
 def test_ready_line_says_the_settings_in_force_and_which_receive_loop_runs(memkv_env):
     """What an operator reads to know what runs: the settings (given and defaulted), the
     transport, and whether the compiled receive-and-verify loop is in use."""
-    with PluginLog() as log, h.HeadlessEngine([memkv({"blocks_per_op": 4})], h.Geometry(num_rows=8)):
-        pass
+    with PluginLog() as log, h.HeadlessEngine([memkv({"blocks_per_op": 4})], h.Geometry(num_rows=8)) as engine:
+        rdma = tier_of(engine).client.has_rdma()  # True in the conformance-rdma session
     (line,) = [x for x in log.lines if x.startswith("MemKV tier ready")]
-    for field in ("n_read_threads=2", "n_write_threads=2", "blocks_per_op=4", "rdma=False",
+    for field in ("n_read_threads=2", "n_write_threads=2", "blocks_per_op=4", f"rdma={rdma},",
                   "(half the CPU pool)", f"memkv={memkv_version}"):
         assert field in line, f"{field!r} missing from: {line}"
     assert f"receive={'compiled' if sockio.COMPILED_RECEIVE else 'python'}," in line
