@@ -12,10 +12,7 @@ keys and bad servers fail at startup with a message naming them.
 
 from __future__ import annotations
 
-import importlib.util
-import os
 import signal
-import subprocess
 import sys
 import time
 
@@ -482,18 +479,6 @@ def test_ready_line_says_the_settings_in_force_and_which_receive_loop_runs(memkv
                   "(half the CPU pool)", f"memkv={memkv_version}"):
         assert field in line, f"{field!r} missing from: {line}"
     assert f"receive={'compiled' if sockio.COMPILED_RECEIVE else 'python'}," in line
-
-
-def test_memkv_pure_python_selects_the_python_receive_loop():
-    """MEMKV_PURE_PYTHON=1 (read at import) turns the compiled loop off; unset, it is on exactly
-    when the extension was built."""
-    probe = "from memkv import sockio; print(sockio.COMPILED_RECEIVE)"
-    env = {k: v for k, v in os.environ.items() if k != "MEMKV_PURE_PYTHON"}
-    off = subprocess.run([sys.executable, "-c", probe], env={**env, "MEMKV_PURE_PYTHON": "1"},
-                         capture_output=True, text=True, timeout=60, check=True)
-    on = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=60, check=True)
-    assert off.stdout.strip() == "False"
-    assert on.stdout.strip() == str(importlib.util.find_spec("memkv._recv_verify") is not None)
 
 
 def test_hash_seed_warning_depends_on_pythonhashseed(monkeypatch):

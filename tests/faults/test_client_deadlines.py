@@ -31,11 +31,11 @@ CONNECT_TIMEOUT_S = 0.5
 SLACK_S = 1.0  # scheduling noise on a busy 2-core box
 
 
-def client_for(fake, auth_key_hex):
+def client_for(fake, auth_key_hex, io_timeout_s: float = IO_TIMEOUT_S):
     class _Addr:  # build_client takes LocalNode-like objects: host and port
         host, port = fake.host, fake.port
 
-    return build_client([_Addr], auth_key_hex, io_timeout_s=IO_TIMEOUT_S, connect_timeout_s=CONNECT_TIMEOUT_S,
+    return build_client([_Addr], auth_key_hex, io_timeout_s=io_timeout_s, connect_timeout_s=CONNECT_TIMEOUT_S,
                         down_for_s=0.2)
 
 
@@ -162,12 +162,8 @@ def test_a_node_slow_to_say_hello_within_io_timeout_is_served_not_marked_down(au
         conn.reply(p.StatusReply(p.Opcode.EXISTS, bytes([p.ItemStatus.OK]) * len(msg.keys)))
         conn.pause(5.0)
 
-    class _Addr:
-        host, port = "127.0.0.1", 0
-
-    with FakeNode(auth_key_hex, handler, hello_delay_s=1.5) as fake:
-        _Addr.port = fake.port
-        client = build_client([_Addr], auth_key_hex, io_timeout_s=5.0, connect_timeout_s=0.5)
+    with FakeNode(auth_key_hex, handler, hello_delay_s=1.5) as fake:  # past connect_timeout_s (0.5 s)
+        client = client_for(fake, auth_key_hex, io_timeout_s=5.0)
         try:
             started = time.monotonic()
             found = client.exists(["a", "b"])

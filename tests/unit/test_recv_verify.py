@@ -19,10 +19,12 @@ Behaviour under test:
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import shutil
 import signal
 import socket
+import subprocess
 import sys
 import sysconfig
 import time
@@ -54,6 +56,18 @@ def test_the_extension_is_built_where_it_can_be() -> None:
         assert compiled is not None, "a compiler and Python.h are here, but memkv._recv_verify was not built"
     else:
         pytest.skip("no compiler or Python headers: the pure-Python loop is expected")
+
+
+def test_memkv_pure_python_selects_the_python_receive_loop():
+    """MEMKV_PURE_PYTHON=1 (read at import) turns the compiled loop off; unset, it is on exactly
+    when the extension was built."""
+    probe = "from memkv import sockio; print(sockio.COMPILED_RECEIVE)"
+    env = {k: v for k, v in os.environ.items() if k != "MEMKV_PURE_PYTHON"}
+    off = subprocess.run([sys.executable, "-c", probe], env={**env, "MEMKV_PURE_PYTHON": "1"},
+                         capture_output=True, text=True, timeout=60, check=True)
+    on = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=60, check=True)
+    assert off.stdout.strip() == "False"
+    assert on.stdout.strip() == str(importlib.util.find_spec("memkv._recv_verify") is not None)
 
 
 @pytest.fixture
