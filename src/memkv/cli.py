@@ -181,6 +181,13 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument(
         "--max-lease-bytes", default=None, help="bytes of values leased at once, at most (default: half the capacity)"
     )
+    s.add_argument(
+        "--no-local-socket",
+        dest="local_socket",
+        action="store_false",
+        help="serve same-host clients over TCP too (default: also over an abstract Unix socket, named to them in the "
+        "handshake; docs/operations.md, 'Same-host clients')",
+    )
     t = s.add_argument_group("TLS (docs/operations.md, 'Encryption in transit'); SIGHUP re-reads the files")
     t.add_argument("--tls-cert", default=None, metavar="FILE", help="PEM certificate (chain) of the node: turns TLS on")
     t.add_argument("--tls-key", default=None, metavar="FILE", help="PEM private key of --tls-cert")
@@ -328,6 +335,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         tls_key=args.tls_key,
         tls_ca=args.tls_ca,
         tls_listen=parse_address(args.tls_listen, "--tls-listen") if args.tls_listen else None,
+        local_socket=args.local_socket,
     )
     key = _server_key(args)
     try:
@@ -356,6 +364,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         f"lanes {[lane.name for lane in node.store.lanes]}",
         flush=True,
     )
+    if node.local_socket:
+        print(f"memkv: same-host clients connect to {node.local_socket} (abstract Unix socket)", flush=True)
     try:
         node.serve_forever()
     finally:

@@ -36,6 +36,7 @@ ENV_RDMA_DEVICES = "MEMKV_RDMA_DEVICES"
 ENV_PROMETHEUS_BIND = "MEMKV_PROMETHEUS_BIND"
 ENV_TRANSPORT = "MEMKV_TRANSPORT"
 ENV_INTEGRITY = "MEMKV_INTEGRITY"
+ENV_LOCAL_SOCKET = "MEMKV_LOCAL_SOCKET"
 # TLS (memkv/tls.py): any of them set turns TLS on for every server.
 ENV_TLS_CA = "MEMKV_TLS_CA"
 ENV_TLS_CERT = "MEMKV_TLS_CERT"
@@ -53,6 +54,7 @@ CLIENT_ENV_VARS = (
     ENV_PROMETHEUS_BIND,
     ENV_TRANSPORT,
     ENV_INTEGRITY,
+    ENV_LOCAL_SOCKET,
     ENV_TLS_CA,
     ENV_TLS_CERT,
     ENV_TLS_KEY,
@@ -294,6 +296,7 @@ YAML_KEYS = {
     "prometheus_bind": "host:port of the client metrics exporter",
     "transport": "auto | tcp | rdma",
     "integrity": "xxh3 | blake3",
+    "local_socket": "on | off: same-host nodes over their Unix socket",
     "connect_timeout_s": "seconds",
     "io_timeout_s": "seconds",
     "pool_size": "connections per server",
@@ -340,8 +343,13 @@ class ClientConfig:
     pool_size: int = 8
     down_for_s: float = 2.0
     tls: ClientTls | None = None  # None: plain TCP
+    # Same-host nodes over the abstract Unix socket they name in HELLO_OK (memkv/client/node.py);
+    # never with TLS (TLS was asked for). MEMKV_LOCAL_SOCKET=off keeps every connection on TCP.
+    local_socket: bool = True
 
     def __post_init__(self) -> None:
+        if not isinstance(self.local_socket, bool):
+            raise ConfigError(f"local_socket: expected on or off, got {self.local_socket!r}")
         if not self.servers:
             raise ConfigError("servers: at least one server is required")
         if self.transport not in TRANSPORTS:
@@ -395,6 +403,8 @@ class ClientConfig:
             fields["transport"] = str(got[0]).strip().lower()
         if got := pick(ENV_INTEGRITY, "integrity"):
             fields["integrity"] = str(got[0]).strip().lower()
+        if got := pick(ENV_LOCAL_SOCKET, "local_socket"):
+            fields["local_socket"] = parse_switch(got[0], got[1])
         for key in ("connect_timeout_s", "io_timeout_s", "down_for_s", "pool_size"):
             if key in doc:
                 fields[key] = doc[key]
@@ -440,6 +450,28 @@ def _load_yaml(path: str) -> dict[str, Any]:
     if unknown:
         raise ConfigError(f"{ENV_CONFIG}: {path} has unknown keys {sorted(unknown)}; known keys: {sorted(YAML_KEYS)}")
     return doc
+
+
+_SWITCH_WORDS = {
+    "on": True,
+    "off": False,
+    "true": True,
+    "false": False,
+    "1": True,
+    "0": False,
+    "yes": True,
+    "no": False,
+}
+
+
+def parse_switch(value: object, source: str) -> bool:
+    """An on/off setting from the environment or YAML (YAML's own true/false included)."""
+    if isinstance(value, bool):
+        return value
+    word = str(value).strip().lower()
+    if word not in _SWITCH_WORDS:
+        raise ConfigError(f"{source}: expected on or off, got {value!r}")
+    return _SWITCH_WORDS[word]
 
 
 def env_value(env: Mapping[str, str], name: str) -> str | None:
@@ -599,6 +631,9 @@ class ServerConfig:
     tls_key: str | None = None
     tls_ca: str | None = None
     tls_listen: tuple[str, int] | None = None
+    # Same-host clients over an abstract AF_UNIX socket named in HELLO_OK (memkv/server/node.py);
+    # off with TLS on the data port. `memkv serve --no-local-socket` turns it off.
+    local_socket: bool = True
 
     def __post_init__(self) -> None:
         self._check_tls()

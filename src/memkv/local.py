@@ -35,6 +35,7 @@ class LocalNode:
         """`preexec_fn` runs in the child before `memkv serve` starts (tests set resource
         limits there, e.g. a low RLIMIT_NOFILE)."""
         self.auth_key_hex = auth_key_hex
+        self.extra_args = tuple(extra_args)
         cmd = [
             sys.executable,
             "-m",

@@ -49,6 +49,7 @@ import hashlib
 import hmac
 import itertools
 import json
+import re
 import struct
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -196,10 +197,27 @@ class PingReply:
 
 @dataclasses.dataclass(frozen=True)
 class HelloOk:
-    """Sent by the node after a good handshake: who it is and what it accepts."""
+    """Sent by the node after a good handshake: who it is and what it accepts.
+
+    `local_socket`: the name of the node's same-host socket (`@` + an abstract AF_UNIX name,
+    random per node process; docs/protocol.md section 2.5), or None when it serves none."""
 
     node_id: str
     limits: Limits
+    local_socket: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.local_socket is not None and not is_local_socket_name(self.local_socket):
+            raise RemoteProtocolError(f"HELLO_OK: bad local_socket {self.local_socket!r}", ErrorCode.MALFORMED)
+
+
+# A same-host socket's advertised name: "@" then an abstract AF_UNIX name (never a filesystem
+# path), short enough for sun_path (108 bytes with its leading NUL).
+_LOCAL_SOCKET_NAME = re.compile(r"@[A-Za-z0-9._-]{1,100}")
+
+
+def is_local_socket_name(name: object) -> bool:
+    return isinstance(name, str) and _LOCAL_SOCKET_NAME.fullmatch(name) is not None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -566,7 +584,10 @@ def _encode_ping_reply(msg: PingReply) -> _Encoded:
 
 
 def _encode_hello_ok(msg: HelloOk) -> _Encoded:
-    return Opcode.HELLO_OK, 0, json.dumps({"node_id": msg.node_id, "limits": msg.limits.to_json()}).encode()
+    body: dict[str, object] = {"node_id": msg.node_id, "limits": msg.limits.to_json()}
+    if msg.local_socket is not None:  # absent, not null: a client that predates it ignores the key
+        body["local_socket"] = msg.local_socket
+    return Opcode.HELLO_OK, 0, json.dumps(body).encode()
 
 
 def _encode_exists(msg: ExistsRequest) -> _Encoded:
@@ -765,7 +786,7 @@ def _decode_error(status: int, meta: memoryview, limits: Limits) -> _Decoded:
 
 def _decode_hello_ok(status: int, meta: memoryview, limits: Limits) -> _Decoded:
     body = json.loads(bytes(meta))
-    return HelloOk(str(body["node_id"]), Limits(**body["limits"])), len(meta)
+    return HelloOk(str(body["node_id"]), Limits(**body["limits"]), body.get("local_socket")), len(meta)
 
 
 def _decode_exists(status: int, meta: memoryview, limits: Limits) -> _Decoded:

@@ -27,6 +27,7 @@ from memkv_vllm import metrics as tm
 from tests.conformance import direct_harness as dh
 from tests.conformance.conftest import point_at
 from tests.conformance.test_memkv_tier import _sigstop
+from tests.faults.nodeops import NO_LOCAL_SOCKET
 from tests.faults.proxy import C2S, Fault, FaultProxy
 
 pytestmark = pytest.mark.conformance
@@ -158,7 +159,7 @@ def test_values_evicted_after_the_hit_are_still_loaded_byte_exact_from_staging(d
 
 
 def test_corrupt_value_is_a_miss_from_that_chunk_and_is_purged(monkeypatch, start_node, auth_key_hex):
-    node = start_node(capacity="64MiB")
+    node = start_node(capacity="64MiB", extra_args=[NO_LOCAL_SOCKET])
     flip_next_put = threading.Event()
 
     def plan(frame):

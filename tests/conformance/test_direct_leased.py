@@ -37,7 +37,7 @@ from memkv_vllm.direct.streaming import LoadFailed
 from tests.conformance import direct_harness as dh
 from tests.conformance.conftest import point_at
 from tests.conformance.test_memkv_tier import _sigstop
-from tests.faults.nodeops import metric_value, metrics_of
+from tests.faults.nodeops import NO_LOCAL_SOCKET, metric_value, metrics_of
 from tests.faults.proxy import C2S, Fault, FaultProxy
 
 pytestmark = pytest.mark.conformance
@@ -185,7 +185,7 @@ def test_stalled_node_back_within_the_retry_window_loads_byte_exact(monkeypatch,
 
 
 def test_corrupt_value_never_reaches_the_gpu_fails_loudly_and_is_purged(monkeypatch, start_node, auth_key_hex):
-    node = start_node(capacity="64MiB")
+    node = start_node(capacity="64MiB", extra_args=[NO_LOCAL_SOCKET])
     flip_next_put = threading.Event()
 
     def plan(frame):

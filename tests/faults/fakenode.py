@@ -65,8 +65,10 @@ class FakeConnection:
 
 class FakeNode:
     def __init__(self, key_hex: str, handler: Callable[[FakeConnection], None], *, node_id: str = "fake",
-                 limits: p.Limits | None = None, hello_delay_s: float = 0.0) -> None:
+                 limits: p.Limits | None = None, hello_delay_s: float = 0.0,
+                 local_socket: str | None = None) -> None:
         self.key = bytes.fromhex(key_hex)
+        self.local_socket = local_socket  # the same-host socket name its HELLO_OK advertises
         self.hello_delay_s = hello_delay_s  # a busy node: its ServerHello leaves this late
         self.handler = handler
         self.node_id = node_id
@@ -137,7 +139,7 @@ class FakeNode:
             sock.sendall(hello)
             hs.receive_auth(bytes(recv_exactly(sock, p.CLIENT_AUTH.size)))
             codec = hs.codec(self.limits)
-            sock.sendall(codec.encode(p.HelloOk(self.node_id, self.limits)))
+            sock.sendall(codec.encode(p.HelloOk(self.node_id, self.limits, self.local_socket)))
             self.handler(FakeConnection(sock, codec, self.checksummer, self._stop))
         except (OSError, ConnectionError):
             pass  # the client went away: normal in these tests

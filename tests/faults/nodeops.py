@@ -17,6 +17,10 @@ from memkv.client import metrics as client_metrics
 from memkv.local import LocalNode
 from tests.tlscerts import admin_context, node_tls_args, session_pki
 
+# For a node behind a FaultProxy (tests/faults/proxy.py): without it, the node names its same-host
+# socket in HELLO_OK and the client's later connections would go past the proxy and its faults.
+NO_LOCAL_SOCKET = "--no-local-socket"
+
 
 def admin_get(node: LocalNode, path: str, timeout_s: float = 5.0) -> tuple[int, bytes]:
     try:
@@ -89,6 +93,8 @@ def start_again(node: LocalNode, capacity: str = "256MiB", extra_args=()) -> Loc
     """An empty node on the port of `node`, which is gone: a TLS node comes back with the same
     certificate (and `client_tls`). The caller stops the new one."""
     tls = getattr(node, "client_tls", None)
+    if NO_LOCAL_SOCKET in node.extra_args:  # a node behind a FaultProxy stays behind it
+        extra_args = [*extra_args, NO_LOCAL_SOCKET]
     if tls is not None:
         extra_args = [*extra_args, *node_tls_args(session_pki())]
     fresh = start_on_port(node.auth_key_hex, node.port, capacity, extra_args)

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import json
 import random
 import socket
 import ssl
@@ -185,7 +186,7 @@ class _Cursor:
         self.fault: Fault | None = None
         self.record: Applied | None = None
         self.slow_rate = 0
-        self.meta = bytearray()  # collected for C2S PUT frames (to name the keys a fault touched)
+        self.meta = bytearray()  # C2S PUT frames' (the keys a fault touched), S2C HELLO_OK's (_check_no_bypass)
 
 
 class FaultProxy:
@@ -199,6 +200,7 @@ class FaultProxy:
         self.plan: Plan = plan or (lambda frame: None)
         self.name = name
         self.applied: list[Applied] = []
+        self.bypass: list[str] = []  # same-host socket names that upstream advertised (_check_no_bypass)
         self.connections = 0
         self.bytes = {C2S: 0, S2C: 0}
         self._lock = threading.Lock()
@@ -261,6 +263,11 @@ class FaultProxy:
         for t in list(self._threads):
             t.join(max(0.0, deadline - time.monotonic()))
         self._listener.close()
+        if self.bypass:
+            raise AssertionError(
+                f"{self.name}: the node behind the proxy names a same-host socket ({self.bypass[0]}): its clients "
+                "would connect past the proxy; start it with --no-local-socket"
+            )
 
     # -- internals --------------------------------------------------------------------------------
 
@@ -378,7 +385,8 @@ class FaultProxy:
         """Forward `chunk` (bytes of the current frame from cur.off on), applying its fault."""
         frame = cur.frame
         assert frame is not None
-        if cur.direction == C2S and frame.opcode == p.Opcode.PUT and cur.off < frame.payload_start:
+        collect = frame.opcode == p.Opcode.PUT if cur.direction == C2S else frame.opcode == p.Opcode.HELLO_OK
+        if collect and cur.off < frame.payload_start:
             lo, hi = max(cur.off, p.FRAME_PREFIX_BYTES), min(cur.off + len(chunk), frame.payload_start)
             if hi > lo:
                 cur.meta += chunk[lo - cur.off : hi - cur.off]
@@ -394,12 +402,23 @@ class FaultProxy:
         else:
             self._send(link, dst, chunk, cur)
         if cur.off >= frame.size:
+            if cur.direction == S2C and frame.opcode == p.Opcode.HELLO_OK:
+                self._check_no_bypass(link, bytes(cur.meta))
             cur.frame = None
             cur.index += 1
             cur.slow_rate = 0
             if cur.record is not None:
                 cur.record.done.set()
                 cur.record = None
+
+    def _check_no_bypass(self, link: _Link, hello_ok_meta: bytes) -> None:
+        """A node that names a same-host socket in HELLO_OK would draw the client's later
+        connections past the proxy, and its faults would silently never happen: end the link and
+        fail the test at close() instead (start such nodes with --no-local-socket)."""
+        name = json.loads(hello_ok_meta).get("local_socket")
+        if name is not None:
+            self.bypass.append(name)
+            link.kill(rst=False)
 
     def _apply(self, link: _Link, cur: _Cursor, fault: Fault, before: bytes, rest: bytes, dst: End) -> None:
         frame = cur.frame

@@ -29,7 +29,7 @@ import pytest
 
 from tests.conftest import build_client, poll_until
 from tests.faults.figures import scaled, scaled_s
-from tests.faults.nodeops import NodeKiller, integrity_failures, start_again
+from tests.faults.nodeops import NO_LOCAL_SOCKET, NodeKiller, integrity_failures, start_again
 from tests.faults.proxy import C2S, S2C, Fault, FaultProxy, RandomFaults
 
 pytestmark = pytest.mark.faults
@@ -71,7 +71,7 @@ def test_loads_under_fault_injection_are_byte_exact_or_a_miss(start_node, auth_k
     max_loads = scaled(1000)
     budget_s = scaled_s(14.0)
     blob = tagged_blob(7)
-    node = start_node(capacity="256MiB", extra_args=["--admin-port", "0"])
+    node = start_node(capacity="256MiB", extra_args=["--admin-port", "0", NO_LOCAL_SOCKET])
     port = node.port
     killer = NodeKiller(node)
     faults = RandomFaults(seed=11, rate=0.25, io_timeout_s=IO_TIMEOUT_S, header_rate=0.02)

@@ -29,7 +29,7 @@ from tests.conformance import vllm_harness as h  # noqa: E402
 from tests.conftest import poll_until  # noqa: E402
 from tests.faults import tier_sim as ts  # noqa: E402
 from tests.faults.figures import scaled, scaled_s  # noqa: E402
-from tests.faults.nodeops import NodeKiller, integrity_failures, start_on_port  # noqa: E402
+from tests.faults.nodeops import NO_LOCAL_SOCKET, NodeKiller, integrity_failures, start_on_port  # noqa: E402
 from tests.faults.proxy import C2S, Fault, FaultProxy, RandomFaults  # noqa: E402
 
 pytestmark = [pytest.mark.faults, pytest.mark.conformance]  # conformance: runs in each nox vLLM session
@@ -42,7 +42,7 @@ LookupResult = h.LookupResult
 def test_promotions_under_fault_injection_are_byte_exact_or_a_miss(monkeypatch, start_node, auth_key_hex, tmp_path, figures):
     rounds = scaled(40)
     budget_s = scaled_s(20.0)
-    node = start_node(capacity="256MiB", extra_args=["--admin-port", "0"])
+    node = start_node(capacity="256MiB", extra_args=["--admin-port", "0", NO_LOCAL_SOCKET])
     port = node.port
     killer = NodeKiller(node)
     faults = RandomFaults(seed=21, rate=0.1, io_timeout_s=IO_TIMEOUT_S, header_rate=0.02)
@@ -70,7 +70,7 @@ def test_promotions_under_fault_injection_are_byte_exact_or_a_miss(monkeypatch, 
                     break
                 if killer.fired.is_set():
                     killer.node.proc.wait(10)
-                    fresh = start_on_port(auth_key_hex, port, capacity="256MiB")
+                    fresh = start_on_port(auth_key_hex, port, capacity="256MiB", extra_args=[NO_LOCAL_SOCKET])
                     start_node.nodes.append(fresh)
                     killer.node = fresh
                     restarts += 1
@@ -107,7 +107,7 @@ def test_promotions_under_fault_injection_are_byte_exact_or_a_miss(monkeypatch, 
 
 @pytest.mark.over_tls_too  # [tls]: a TLS-only node, the proxy re-encrypting the flipped byte
 def test_flipped_byte_in_a_stored_value_is_a_miss_and_is_purged(monkeypatch, start_node, auth_key_hex, tmp_path, figures):
-    node = start_node(capacity="64MiB")
+    node = start_node(capacity="64MiB", extra_args=[NO_LOCAL_SOCKET])
     flip_next_put = threading.Event()
 
     def plan(frame):

@@ -36,7 +36,7 @@ pytest.importorskip("vllm.v1.kv_offload.tiering.factory", reason="tier fault tes
 from tests.conformance import vllm_harness as h  # noqa: E402
 from tests.faults import tier_sim as ts  # noqa: E402
 from tests.faults.figures import scaled_s  # noqa: E402
-from tests.faults.nodeops import all_threads_stopped, restart_empty  # noqa: E402
+from tests.faults.nodeops import NO_LOCAL_SOCKET, all_threads_stopped, restart_empty  # noqa: E402
 from tests.faults.proxy import S2C, Fault, FaultProxy  # noqa: E402
 
 pytestmark = [pytest.mark.faults, pytest.mark.conformance]  # conformance: runs in each nox vLLM session
@@ -229,8 +229,9 @@ def test_node_restarted_empty_loses_only_cache_and_every_request_resolves_in_tim
 
 
 def test_partition_mid_promotion_resolves_within_io_timeout_and_lookups_within_deadline(
-        monkeypatch, nodes, auth_key_hex, tmp_path, wait_until, figures):
+        monkeypatch, start_node, auth_key_hex, tmp_path, wait_until, figures):
     io_timeout_s = 2.0
+    nodes = start_node.many(2, capacity="64MiB", extra_args=[NO_LOCAL_SOCKET])
     proxies = [FaultProxy((n.host, n.port), name=f"p{i}") for i, n in enumerate(nodes)]
     try:
         addresses = [px.address for px in proxies]

@@ -22,6 +22,7 @@ from memkv_vllm import compat  # noqa: E402
 from tests.conformance import vllm_harness as h  # noqa: E402
 from tests.conftest import poll_until  # noqa: E402
 from tests.faults import tier_sim as ts  # noqa: E402
+from tests.faults.nodeops import NO_LOCAL_SOCKET  # noqa: E402
 from tests.faults.proxy import S2C, Fault, FaultProxy  # noqa: E402
 
 pytestmark = [pytest.mark.faults, pytest.mark.conformance]  # conformance: runs in each nox vLLM session
@@ -33,7 +34,7 @@ HOLD_S = IO_TIMEOUT_S * 4
 @pytest.mark.over_tls_too  # [tls]: the stall lands inside a TLS stream (a TLS-only node, a TLS proxy)
 def test_abandoned_promotion_never_writes_into_its_rows_after_the_job_was_reported(
         monkeypatch, start_node, auth_key_hex, tmp_path, figures):
-    node = start_node(capacity="64MiB")
+    node = start_node(capacity="64MiB", extra_args=[NO_LOCAL_SOCKET])
     stall_armed = [False]
 
     def plan(frame):

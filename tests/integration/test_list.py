@@ -18,6 +18,8 @@ deadline-bounded poll.
 
 from __future__ import annotations
 
+import re
+
 import struct
 
 import pytest
@@ -89,7 +91,10 @@ def test_a_killed_node_is_named_in_failed_and_the_others_keys_are_still_listed(s
     victim.kill()
     listing = client.list_keys(b"kill/")
     assert list(listing.failed) == [victim.address]
-    assert victim.address in listing.failed[victim.address] and "connect" in listing.failed[victim.address]
+    # How the dead node shows depends on the socket: a reset TCP connection, a broken pipe on the
+    # same-host socket, or a refused connect; each names the node and the failed operation.
+    why = listing.failed[victim.address]
+    assert victim.address in why and re.search(r"(connect|read|write) failed", why), why
     assert not listing.complete
     survivors = sorted(k for k in keys if client.owner(k).name != victim.address)
     assert [e.key for e in listing.keys] == survivors

@@ -166,6 +166,7 @@ class Client:
                 checksummer=self.checksummer,
                 on_health=self._on_health,
                 connect=connect,
+                local_socket=config.local_socket and config.tls is None,
             )
             for addr in config.servers
         ]
@@ -237,6 +238,12 @@ class Client:
     def owner(self, key: KeyLike) -> ServerAddress:
         self._use()
         return self.config.servers[self._nodeset.ring.owner(_key(key))]
+
+    def local_servers(self) -> list[str]:
+        """The servers whose connections go to their same-host socket (docs/protocol.md 2.5):
+        known once a connection to each was made (after `probe`, for example)."""
+        self._use()
+        return [node.name for node in self._nodes if node.local]
 
     def has_rdma(self) -> bool:
         """True while loads into the registered pool move by RDMA (MEMKV_TRANSPORT, docs/rdma.md):

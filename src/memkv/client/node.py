@@ -7,6 +7,13 @@ NodeUnavailable (the cluster turns that into a miss for reads). After that time 
 tries again. A connection that failed in any way is closed, never returned to the pool
 (the stream position after an error is unknown).
 
+Same-host nodes (docs/protocol.md section 2.5): a node names its abstract Unix socket in
+HELLO_OK; once a TCP connection has learnt the name, NodeClient opens its connections there
+(same protocol, same handshake; the kernel's loopback TCP costs 2.4x the CPU per byte) and
+keeps the TCP one for nothing. A name that cannot be reached from here (another host or
+network namespace: refused at once) or that answers as another node is not tried again; a node
+that restarted names a new socket, learnt on the next TCP connection.
+
 Threading: NodeClient is thread-safe; a NodeConnection is used by one thread at a time.
 """
 
@@ -14,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import hmac
+import logging
 import os
 import socket
 import ssl
@@ -69,6 +77,8 @@ _TLS_VERIFY_CHUNK = 256 << 10
 # its pieces can stay small whatever the number of receivers: each is hashed from L2.
 _COMPILED_PIECE = 256 << 10
 
+log = logging.getLogger("memkv.client")
+
 # The socket seam: how a connection's socket comes to be. `Client(config, connect=...)` hands
 # one down to every NodeConnection; tests pass an in-memory fake (tests/unit/fakenet.py), so
 # everything above the socket, handshake and codec included, runs unchanged.
@@ -84,6 +94,25 @@ def tcp_connect(address: ServerAddress, timeout_s: float) -> socket.socket:
         sock.close()
         raise
     return sock
+
+
+def local_connect(name: str) -> Connect:
+    """The seam that reaches a node's same-host socket `name` ("@" + abstract AF_UNIX name, as
+    HELLO_OK advertises it) whatever the address asked for. Raises OSError."""
+    if not p.is_local_socket_name(name):
+        raise ValueError(f"not a same-host socket name: {name!r}")
+
+    def connect(address: ServerAddress, timeout_s: float) -> socket.socket:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.settimeout(timeout_s)  # a full backlog makes an AF_UNIX connect wait
+            sock.connect("\0" + name[1:])
+        except BaseException:
+            sock.close()
+            raise
+        return sock
+
+    return connect
 
 
 def handshake_timeout_s(connect_timeout_s: float, io_timeout_s: float) -> float:
@@ -106,6 +135,7 @@ class NodeConnection:
         self.address = address
         self.name = address.name
         self.io_timeout_s = io_timeout_s
+        self.local = False  # over the node's same-host socket (NodeClient sets it)
         self._unsent = bytearray()  # queued by queue_request, not yet taken by the socket
         self._rx = bytearray()  # the part of the next reply received by recv_ready so far
         self._rx_header: p.FrameHeader | None = None
@@ -408,7 +438,9 @@ class NodeClient:
         checksummer: Checksummer,
         on_health: Callable[[str, bool], None] | None = None,
         connect: Connect = tcp_connect,
+        local_socket: bool = True,
     ) -> None:
+        """`local_socket`: use the node's same-host socket when it names one that works."""
         self.address = address
         self.name = address.name
         self._auth_key = auth_key
@@ -426,6 +458,9 @@ class NodeClient:
         self.node_id: str | None = None
         self._on_health = on_health
         self._connect = connect
+        self._use_local = local_socket
+        self._local_name: str | None = None  # the node's same-host socket, reachable from here
+        self._local_refused: set[str] = set()  # names that were not (another host, another node)
         self._closed = False
 
     # -- health ---------------------------------------------------------------------------------
@@ -466,18 +501,63 @@ class NodeClient:
             with self._lock:
                 conn = self._idle.pop() if self._idle else None
             if conn is None:
-                try:
-                    conn = NodeConnection(
-                        self.address, self._auth_key, self._connect_timeout_s, self._io_timeout_s, connect=self._connect
-                    )
-                except (TransportError, ProtocolError) as exc:
-                    self.mark_down(exc)
-                    raise
+                conn = self._open()
                 self.limits, self.node_id = conn.limits, conn.hello.node_id
             return conn
         except BaseException:
             self._slots.release()
             raise
+
+    @property
+    def local(self) -> bool:
+        """True while new connections go to the node's same-host socket."""
+        return self._local_name is not None
+
+    def _open(self) -> NodeConnection:
+        """A new connection: to the node's same-host socket when one is known to work from
+        here, else TCP (then switching to the socket the node names, if it can be reached).
+        Only a failure of the TCP connection marks the node down."""
+        if (name := self._local_name) is not None and (conn := self._try_local(name, self.node_id)) is not None:
+            return conn
+        try:
+            conn = self._new_connection(self._connect)
+        except (TransportError, ProtocolError) as exc:
+            self.mark_down(exc)
+            raise
+        name = conn.hello.local_socket
+        usable = self._use_local and name is not None and name not in self._local_refused
+        if usable and name is not None and (local := self._try_local(name, conn.hello.node_id)) is not None:
+            conn.close()
+            return local
+        return conn
+
+    def _try_local(self, name: str, node_id: str | None) -> NodeConnection | None:
+        """A connection to the same-host socket `name` that answers as the node `node_id`, or
+        None (and the name is not tried again)."""
+        try:
+            conn = self._new_connection(local_connect(name))
+        except (TransportError, ProtocolError, AuthError) as exc:
+            # Refused at once from another host or network namespace; also a restarted node.
+            self._local_refused.add(name)
+            self._local_name = None
+            log.info("MemKV: %s: same-host socket %s not usable from here (%s); using TCP", self.name, name, exc)
+            return None
+        if conn.hello.local_socket != name or conn.hello.node_id != node_id:
+            conn.close()  # not the node that named it: never trust the name again
+            self._local_refused.add(name)
+            self._local_name = None
+            log.warning("MemKV: %s: same-host socket %s answered as another node; using TCP", self.name, name)
+            return None
+        if self._local_name is None:
+            log.debug("MemKV: %s: connections go to the same-host socket %s", self.name, name)
+        self._local_name = name
+        conn.local = True
+        return conn
+
+    def _new_connection(self, connect: Connect) -> NodeConnection:
+        return NodeConnection(
+            self.address, self._auth_key, self._connect_timeout_s, self._io_timeout_s, connect=connect
+        )
 
     def borrow_idle(self) -> NodeConnection | None:
         """An idle pooled connection if one is there and a slot is free right now, else None:

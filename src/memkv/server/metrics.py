@@ -92,6 +92,11 @@ class NodeMetrics:
         )
         self.connections = Gauge("memkv_node_connections", "Open client connections", registry=r)
         self.connections_total = Counter("memkv_node_connections_accepted", "Client connections accepted", registry=r)
+        self.local_connections_total = Counter(
+            "memkv_node_local_connections_accepted",
+            "Client connections accepted on the same-host (Unix) socket, of memkv_node_connections_accepted",
+            registry=r,
+        )
         self.refused_connections = Counter(
             "memkv_node_connections_refused",
             "Data-port connections refused or shed, by reason (max_connections, fd_limit, fd_limit_system, no_memory, no_thread)",
