@@ -200,7 +200,7 @@ class HelloOk:
     """Sent by the node after a good handshake: who it is and what it accepts.
 
     `local_socket`: the name of the node's same-host socket (`@` + an abstract AF_UNIX name,
-    random per node process; docs/protocol.md section 2.5), or None when it serves none."""
+    random per node process; docs/protocol.md section 2.6), or None when it serves none."""
 
     node_id: str
     limits: Limits

@@ -1,4 +1,4 @@
-"""Same-host nodes over their abstract Unix socket (docs/protocol.md section 2.5).
+"""Same-host nodes over their abstract Unix socket (docs/protocol.md section 2.6).
 
 Behaviour under test, against real `memkv serve` processes on 127.0.0.1:
 * by default a client's connections to a node on this host go to the socket the node names in

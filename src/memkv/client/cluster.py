@@ -240,7 +240,7 @@ class Client:
         return self.config.servers[self._nodeset.ring.owner(_key(key))]
 
     def local_servers(self) -> list[str]:
-        """The servers whose connections go to their same-host socket (docs/protocol.md 2.5):
+        """The servers whose connections go to their same-host socket (docs/protocol.md section 2.6):
         known once a connection to each was made (after `probe`, for example)."""
         self._use()
         return [node.name for node in self._nodes if node.local]

@@ -7,7 +7,7 @@ NodeUnavailable (the cluster turns that into a miss for reads). After that time 
 tries again. A connection that failed in any way is closed, never returned to the pool
 (the stream position after an error is unknown).
 
-Same-host nodes (docs/protocol.md section 2.5): a node names its abstract Unix socket in
+Same-host nodes (docs/protocol.md section 2.6): a node names its abstract Unix socket in
 HELLO_OK; once a TCP connection has learnt the name, NodeClient opens its connections there
 (same protocol, same handshake; the kernel's loopback TCP costs 2.4x the CPU per byte) and
 keeps the TCP one for nothing. A name that cannot be reached from here (another host or

@@ -26,7 +26,7 @@ before the MemKV handshake, which (with every frame MAC) stays on inside TLS. A 
 client on a TLS port is answered with a plain ServerHello refusing it (TLS_REQUIRED), so it can
 say what is wrong; a TLS ClientHello on a plain port is counted as `tls_on_plain_port`.
 
-Same-host clients (docs/protocol.md section 2.5): unless TLS owns the data port or
+Same-host clients (docs/protocol.md section 2.6): unless TLS owns the data port or
 `local_socket` is off, the node also listens on an abstract AF_UNIX socket with a random name
 and names it in HELLO_OK on plain connections; a client on the same host (and network
 namespace) reconnects there. It speaks the very same protocol, handshake and MACs included:
