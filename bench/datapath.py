@@ -10,6 +10,11 @@ slow state, so only same-repetition ratios mean anything):
     socket per thread, `sendall` of a slot of a pre-faulted pool into `recv_into` a slot of the
     server's pre-faulted pool, one ack byte per value. No framing, authentication, checksums or
     store: what MemKV adds costs the difference.
+  * raw-unix: the same raw design over an abstract Unix socket: the kernel path MemKV's
+    same-host clients take by default (docs/protocol.md section 2.6). "memkv" is the client as
+    configured by default (over the node's Unix socket), "memkv-tcp" the same client with
+    local_socket off (loopback TCP). Same-family pairs (memkv/raw-unix, memkv-tcp/raw) price what
+    MemKV adds; memkv/raw is what a user gets against the raw TCP design.
   * redis: a real `redis-server` started by the bench (skipped if not installed; `apt-get
     install redis-server`), driven by redis-py with SET/GET of the same values.
 The systems take turns on blocks of `--block-values` batches of `--blocks-per-op` values per
@@ -41,6 +46,7 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import dataclasses
 import errno
 import json
 import os
@@ -93,7 +99,13 @@ def raw_server(port_file: str, value_bytes: int, slots: int, tls: list[str] | No
     """`tls`: [cert, key, ktls(0/1)]: the same server inside TLS 1.3 (no MSG_WAITALL there)."""
     pool = memoryview(prefaulted_pool(value_bytes * slots))
     lsock = socket.create_server(("127.0.0.1", 0))
-    Path(port_file).write_text(str(lsock.getsockname()[1]))
+    # The same server on an abstract Unix socket too (not with TLS): the raw design on the kernel
+    # path MemKV's same-host clients take, so each family has its own baseline.
+    unix_name = f"memkv-bench-raw-{os.getpid()}"
+    usock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    usock.bind("\0" + unix_name)
+    usock.listen(64)
+    Path(port_file).write_text(f"{lsock.getsockname()[1]} {unix_name}")
     ctx = None
     if tls:
         import ssl
@@ -125,7 +137,8 @@ def raw_server(port_file: str, value_bytes: int, slots: int, tls: list[str] | No
                     conn.sendall(view)
 
     def serve(conn: socket.socket) -> None:
-        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        if conn.family != socket.AF_UNIX:
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         if ctx is not None:
             serve_tls(ctx.wrap_socket(conn, server_side=True))
             return
@@ -142,9 +155,13 @@ def raw_server(port_file: str, value_bytes: int, slots: int, tls: list[str] | No
                 else:
                     conn.sendall(view)
 
-    while True:
-        conn, _ = lsock.accept()
-        threading.Thread(target=serve, args=(conn,), daemon=True).start()
+    def accept_loop(listener: socket.socket) -> None:
+        while True:
+            conn, _ = listener.accept()
+            threading.Thread(target=serve, args=(conn,), daemon=True).start()
+
+    threading.Thread(target=accept_loop, args=(usock,), daemon=True).start()
+    accept_loop(lsock)
 
 
 # OpenSSL 3's SSL_OP_ENABLE_KTLS; Python's ssl names it only from 3.12.
@@ -152,17 +169,22 @@ OP_ENABLE_KTLS = 1 << 3
 
 
 class RawClient:
-    def __init__(self, port: int, tls_ctx=None) -> None:
+    def __init__(self, port: int, tls_ctx=None, unix_name: str | None = None) -> None:
         self._local = threading.local()
         self.port = port
+        self.unix_name = unix_name  # connect to the raw server's Unix socket instead
         self._socks: list[socket.socket] = []
         self._tls_ctx = tls_ctx
 
     def _sock(self) -> socket.socket:
         s = getattr(self._local, "sock", None)
         if s is None:
-            s = socket.create_connection(("127.0.0.1", self.port))
-            s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            if self.unix_name is not None:
+                s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                s.connect("\0" + self.unix_name)
+            else:
+                s = socket.create_connection(("127.0.0.1", self.port))
+                s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             if self._tls_ctx is not None:
                 s = self._tls_ctx.wrap_socket(s, server_hostname="127.0.0.1")
             self._local.sock = s
@@ -191,7 +213,7 @@ class RawClient:
             s.close()
 
 
-def start_raw(value_bytes: int, slots: int, tls: list[str] | None = None) -> tuple[subprocess.Popen, int]:
+def start_raw(value_bytes: int, slots: int, tls: list[str] | None = None) -> tuple[subprocess.Popen, int, str]:
     port_file = Path(tempfile.mkdtemp()) / "port"
     extra = ["--raw-tls", *tls] if tls else []
     proc = subprocess.Popen([sys.executable, __file__, "--value-size", str(value_bytes), "--raw-server", str(port_file), str(slots), *extra])
@@ -201,7 +223,8 @@ def start_raw(value_bytes: int, slots: int, tls: list[str] | None = None) -> tup
             proc.kill()
             raise RuntimeError("raw baseline server did not start")
         time.sleep(0.05)
-    return proc, int(port_file.read_text())
+    port, unix_name = port_file.read_text().split()
+    return proc, int(port), unix_name
 
 
 # -- Redis baseline ------------------------------------------------------------------------------------
@@ -247,16 +270,17 @@ def start_redis(max_bytes: int):
 
 def measure(value_bytes: int, n: int, threads: int, n_nodes: int, reps: int, bpo: int, with_redis: bool,
             block_values: int = 1) -> dict:
-    raw, raw_port = start_raw(value_bytes, n)
+    raw, raw_port, raw_unix = start_raw(value_bytes, n)
     key = new_key_hex()
     capacity = str(int(value_bytes * n * 1.3 / n_nodes) + (64 << 20))
     nodes = [LocalNode(key, capacity=capacity, env=NODE_ENV) for _ in range(n_nodes)]
     redis_proc, rclient, redis_note = start_redis(value_bytes) if with_redis else (None, None, "not run")
-    rawc = RawClient(raw_port)
+    rawc, rawu = RawClient(raw_port), RawClient(raw_port, unix_name=raw_unix)
     try:
         config = ClientConfig(servers=parse_servers(",".join(x.address for x in nodes), "bench"),
                               auth_key=AuthKey.from_hex(key, "bench"), pool_size=max(8, threads))
-        client = Client(config)
+        client = Client(config)  # the default: same-host nodes over their Unix socket
+        client_tcp = Client(dataclasses.replace(config, local_socket=False))  # loopback TCP, as before it
         src = memoryview(prefaulted_pool(value_bytes * n))
         dst = memoryview(prefaulted_pool(value_bytes * n))
         for i in range(n):
@@ -276,20 +300,33 @@ def measure(value_bytes: int, n: int, threads: int, n_nodes: int, reps: int, bpo
                 v = rclient.get(keys[i])
                 assert v is not None and len(v) == value_bytes
 
+        def memkv_put(c):
+            return lambda idx: [c.batch_put_views([(keys[i], slot(src, i)) for i in b]) for b in batches(idx)]
+
+        def memkv_get(c):
+            return lambda idx: [c.batch_get_into([(keys[i], slot(dst, i)) for i in b]) for b in batches(idx)]
+
+        # "raw"/"memkv-tcp": loopback TCP; "raw-unix"/"memkv": the Unix socket (memkv's default).
         ops = {
             "raw put": lambda idx: [rawc.put(i, slot(src, i)) for i in idx],
-            "memkv put": lambda idx: [client.batch_put_views([(keys[i], slot(src, i)) for i in b]) for b in batches(idx)],
+            "raw-unix put": lambda idx: [rawu.put(i, slot(src, i)) for i in idx],
+            "memkv put": memkv_put(client),
+            "memkv-tcp put": memkv_put(client_tcp),
             "raw get": lambda idx: [rawc.get(i, slot(dst, i)) for i in idx],
-            "memkv get": lambda idx: [client.batch_get_into([(keys[i], slot(dst, i)) for i in b]) for b in batches(idx)],
+            "raw-unix get": lambda idx: [rawu.get(i, slot(dst, i)) for i in idx],
+            "memkv get": memkv_get(client),
+            "memkv-tcp get": memkv_get(client_tcp),
         }
         if rclient is not None:
             ops["redis put"] = lambda idx: [rclient.set(keys[i], slot(src, i)) for i in idx]
             ops["redis get"] = redis_get
-        server_pid = {"raw": raw.pid, "memkv": nodes[0].pid if n_nodes == 1 else None,
+        node_pid = nodes[0].pid if n_nodes == 1 else None
+        server_pid = {"raw": raw.pid, "raw-unix": raw.pid, "memkv": node_pid, "memkv-tcp": node_pid,
                       "redis": redis_proc.pid if redis_proc is not None else None}
         rates: dict[str, list[float]] = {name: [] for name in ops}
         cpu: dict[str, list[float]] = {name: [] for name in ops}  # CPU seconds per GB moved
-        block_ratios: dict[str, list[float]] = {f"memkv/raw {op}": [] for op in ("put", "get")}
+        pairs = (("memkv", "raw"), ("memkv", "raw-unix"), ("memkv-tcp", "raw"), ("memkv", "memkv-tcp"))
+        block_ratios: dict[str, list[float]] = {f"{a}/{b} {op}": [] for a, b in pairs for op in ("put", "get")}
         # Interleaved: each repetition moves the values in blocks of `block_values` batches per
         # thread, the systems taking turns on every block (order reversed every other block), so
         # a drift of the host's speed within a repetition hits them alike.
@@ -314,20 +351,23 @@ def measure(value_bytes: int, n: int, threads: int, n_nodes: int, reps: int, bpo
                             spent[name] += dt
                             used[name] += cpu_seconds() - c0 + (cpu_seconds(pid) - s0 if pid else 0.0)
                             per_block[name].append(dt)
-                            if name == "memkv get":
+                            if name in ("memkv get", "memkv-tcp get"):
                                 for i in (i for idx in block for i in idx):
                                     assert slot(dst, i) == slot(src, i), "memkv get returned wrong bytes"
                                     dst[i * value_bytes : i * value_bytes + 8] = b"\0" * 8  # must be written again
                     # memkv/raw from each block's pair of timings, median over the blocks: a burst
                     # of another process's work spoils a block or two, not the repetition.
-                    block_ratios[f"memkv/raw {op}"].append(statistics.median(
-                        r / m for r, m in zip(per_block[f"raw {op}"], per_block[f"memkv {op}"])))
+                    for a, b in pairs:
+                        block_ratios[f"{a}/{b} {op}"].append(statistics.median(
+                            tb / ta for tb, ta in zip(per_block[f"{b} {op}"], per_block[f"{a} {op}"])))
                     for name, dt in spent.items():
                         rates[name].append(value_bytes * n / dt / 1e9)
                         cpu[name].append(used[name] / (value_bytes * n / 1e9))
         client.close()
+        client_tcp.close()
     finally:
         rawc.close()
+        rawu.close()
         raw.kill()
         if redis_proc is not None:
             redis_proc.kill()
@@ -337,7 +377,7 @@ def measure(value_bytes: int, n: int, threads: int, n_nodes: int, reps: int, bpo
     def per_rep(a: str, b: str) -> list[float]:
         return [x / y for x, y in zip(rates[a], rates[b])]
 
-    ratios = {f"memkv/raw {op}": per_rep(f"memkv {op}", f"raw {op}") for op in ("put", "get")}
+    ratios = {f"{a}/{b} {op}": per_rep(f"{a} {op}", f"{b} {op}") for a, b in pairs for op in ("put", "get")}
     if rclient is not None:
         ratios.update({f"memkv/redis {op}": per_rep(f"memkv {op}", f"redis {op}") for op in ("put", "get")})
     return {"value_bytes": value_bytes, "values": n, "threads": threads, "nodes": n_nodes, "blocks_per_op": bpo,
@@ -389,7 +429,7 @@ def measure_tls(value_bytes: int, n: int, threads: int, reps: int, ktls: bool, b
     from tests.tlscerts import make_pki
 
     pki = make_pki(Path(tempfile.mkdtemp(prefix="memkv-bench-pki-")))
-    raw, raw_port = start_raw(value_bytes, n, [pki.server.cert, pki.server.key, "1" if ktls else "0"])
+    raw, raw_port, _ = start_raw(value_bytes, n, [pki.server.cert, pki.server.key, "1" if ktls else "0"])
     ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
     ctx.minimum_version = ssl.TLSVersion.TLSv1_3
     ctx.load_verify_locations(pki.ca)
@@ -508,16 +548,16 @@ def print_config(r: dict) -> None:
           f"{r['blocks_per_op']} per batch, {r['reps']} reps; redis: {r['redis']}")
     cols = ("put GB/s", "get GB/s", "put cpu-s/GB", "get cpu-s/GB") if "cpu_s_per_gb" in r else ("put GB/s", "get GB/s")
     print(f"  {'':<11}" + "".join(f"{op:>14}" for op in cols))
-    for who in ("raw", "memkv", "redis"):
+    for who in ("raw", "raw-unix", "memkv-tcp", "memkv", "redis"):
         if f"{who} put" in r["gbps"]:
             figures = [statistics.median(r["gbps"][f"{who} {op}"]) for op in ("put", "get")]
             if "cpu_s_per_gb" in r:
                 figures += [statistics.median(r["cpu_s_per_gb"][f"{who} {op}"]) for op in ("put", "get")]
             print(f"  {who:<11}" + "".join(f"{x:>14.2f}" for x in figures))
     for name, vals in r["ratios"].items():
-        print(f"  {name:<18} median {statistics.median(vals):.2f}  (per rep {min(vals):.2f}-{max(vals):.2f})")
+        print(f"  {name:<22} median {statistics.median(vals):.2f}  (per rep {min(vals):.2f}-{max(vals):.2f})")
     for name, vals in r.get("block_median_ratios", {}).items():
-        print(f"  {name:<18} block-median {statistics.median(vals):.2f}  (per rep {min(vals):.2f}-{max(vals):.2f})")
+        print(f"  {name:<22} block-median {statistics.median(vals):.2f}  (per rep {min(vals):.2f}-{max(vals):.2f})")
 
 
 def plot_sweep(rows: list[dict], path: Path) -> None:
