@@ -21,8 +21,10 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import signal
 import socket
 import threading
+import time
 import urllib.request
 
 import pytest
@@ -233,3 +235,27 @@ def test_memkv_local_socket_setting_is_parsed_and_a_bad_value_names_the_variable
     assert ClientConfig.from_env({"MEMKV_CONFIG": str(yaml_file)}).local_socket is False
     with pytest.raises(ConfigError, match="local_socket"):
         ClientConfig(servers=(ServerAddress("127.0.0.1", 1),), auth_key=AuthKey.from_hex(key, "k"), local_socket="no")
+
+
+def test_a_stalled_node_costs_one_handshake_timeout_and_keeps_its_socket(start_node, make_client, wait_until):
+    node = start_node(capacity="64MiB")
+    client = make_client([node], io_timeout_s=1.0, connect_timeout_s=0.5, down_for_s=0.2)
+    assert client.batch_put_views([("k", b"v" * 100)]) == [True]
+    nc = client._nodes[0]
+    assert nc.local
+    for conn in nc._idle:  # the next call must connect while the node is stopped
+        conn.close()
+    nc._idle.clear()
+    os.kill(node.pid, signal.SIGSTOP)
+    try:
+        started = time.monotonic()
+        assert client.get("k") is None, "a stalled node is a miss"
+        took = time.monotonic() - started
+        assert [h["up"] for h in client.health()] == [False]
+    finally:
+        os.kill(node.pid, signal.SIGCONT)
+    # The socket accepted (the kernel queues it) and the handshake timed out: one handshake bound
+    # (max(connect, io, 1 s) = 1 s), not that plus a TCP attempt after it.
+    assert took < 1.0 + 1.5, f"the stalled node held the caller {took:.2f} s"
+    wait_until(lambda: client.get("k") == b"v" * 100, 10.0, what="a read once the node runs again")
+    assert nc.local and not nc._local_refused, "a stall is not a reason to leave the same-host socket"

@@ -36,6 +36,7 @@ from memkv.errors import (
     ConnectError,
     IntegrityError,
     MemKVError,
+    MemKVTimeout,
     NodeUnavailable,
     PoolTimeout,
     ProtocolError,
@@ -516,36 +517,43 @@ class NodeClient:
     def _open(self) -> NodeConnection:
         """A new connection: to the node's same-host socket when one is known to work from
         here, else TCP (then switching to the socket the node names, if it can be reached).
-        Only a failure of the TCP connection marks the node down."""
-        if (name := self._local_name) is not None and (conn := self._try_local(name, self.node_id)) is not None:
-            return conn
+        A failed TCP connection marks the node down, and so does a same-host socket that does
+        not answer in time (a stalled node: TCP would wait as long again)."""
         try:
+            if (name := self._local_name) is not None and (conn := self._try_local(name, self.node_id)) is not None:
+                return conn
             conn = self._new_connection(self._connect)
         except (TransportError, ProtocolError) as exc:
             self.mark_down(exc)
             raise
         name = conn.hello.local_socket
-        usable = self._use_local and name is not None and name not in self._local_refused
-        if usable and name is not None and (local := self._try_local(name, conn.hello.node_id)) is not None:
-            conn.close()
-            return local
+        if self._use_local and name is not None and name not in self._local_refused:
+            try:
+                local = self._try_local(name, conn.hello.node_id)
+            except MemKVTimeout:
+                local = None  # busy right now: keep the TCP connection, try the socket next time
+            if local is not None:
+                conn.close()
+                return local
         return conn
 
     def _try_local(self, name: str, node_id: str | None) -> NodeConnection | None:
         """A connection to the same-host socket `name` that answers as the node `node_id`, or
-        None (and the name is not tried again)."""
+        None, and then the name is never tried again. Raises MemKVTimeout (the name kept) when
+        the socket accepted but the handshake did not finish in time."""
         try:
             conn = self._new_connection(local_connect(name))
+        except MemKVTimeout:
+            raise
         except (TransportError, ProtocolError, AuthError) as exc:
-            # Refused at once from another host or network namespace; also a restarted node.
-            self._local_refused.add(name)
-            self._local_name = None
+            # Refused at once from another host or network namespace, or by a node that is
+            # shutting down (a restarted node names a new socket); or not a node at all.
+            self._refuse_local(name)
             log.info("MemKV: %s: same-host socket %s not usable from here (%s); using TCP", self.name, name, exc)
             return None
         if conn.hello.local_socket != name or conn.hello.node_id != node_id:
             conn.close()  # not the node that named it: never trust the name again
-            self._local_refused.add(name)
-            self._local_name = None
+            self._refuse_local(name)
             log.warning("MemKV: %s: same-host socket %s answered as another node; using TCP", self.name, name)
             return None
         if self._local_name is None:
@@ -553,6 +561,10 @@ class NodeClient:
         self._local_name = name
         conn.local = True
         return conn
+
+    def _refuse_local(self, name: str) -> None:
+        self._local_refused.add(name)
+        self._local_name = None
 
     def _new_connection(self, connect: Connect) -> NodeConnection:
         return NodeConnection(
