@@ -259,3 +259,30 @@ def test_a_stalled_node_costs_one_handshake_timeout_and_keeps_its_socket(start_n
     assert took < 1.0 + 1.5, f"the stalled node held the caller {took:.2f} s"
     wait_until(lambda: client.get("k") == b"v" * 100, 10.0, what="a read once the node runs again")
     assert nc.local and not nc._local_refused, "a stall is not a reason to leave the same-host socket"
+
+
+def test_connections_opened_at_once_by_many_threads_all_reach_the_unix_socket(start_node, make_client):
+    """The first connections to a node race: one learns the name over TCP while the others may
+    already find it. None may take the name for another node's (each compares node ids)."""
+    node = start_node(capacity="64MiB")
+    for round_ in range(20):
+        client = make_client([node], pool_size=16)
+        nc = client._nodes[0]
+        start = threading.Barrier(16)
+        families: list[int] = []
+
+        def connect_once(i: int) -> None:
+            start.wait(5.0)
+            time.sleep((i * round_ % 7) * 0.0005)  # spread the arrivals over the first handshake
+            conn = nc.borrow()
+            families.append(conn.sock.family)
+            nc.give_back(conn)
+
+        threads = [threading.Thread(target=connect_once, args=(i,)) for i in range(16)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(10.0)
+        assert not nc._local_refused, f"a connection refused the node's own socket: {nc._local_refused}"
+        assert len(families) == 16
+        client.close()

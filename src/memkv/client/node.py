@@ -460,7 +460,9 @@ class NodeClient:
         self._on_health = on_health
         self._connect = connect
         self._use_local = local_socket
-        self._local_name: str | None = None  # the node's same-host socket, reachable from here
+        # (name, node_id) of the node's same-host socket, reachable from here: one object, so that a
+        # thread never pairs a name with a node id another thread has not yet set.
+        self._local: tuple[str, str] | None = None
         self._local_refused: set[str] = set()  # names that were not (another host, another node)
         self._closed = False
 
@@ -512,7 +514,7 @@ class NodeClient:
     @property
     def local(self) -> bool:
         """True while new connections go to the node's same-host socket."""
-        return self._local_name is not None
+        return self._local is not None
 
     def _open(self) -> NodeConnection:
         """A new connection: to the node's same-host socket when one is known to work from
@@ -520,7 +522,7 @@ class NodeClient:
         A failed TCP connection marks the node down, and so does a same-host socket that does
         not answer in time (a stalled node: TCP would wait as long again)."""
         try:
-            if (name := self._local_name) is not None and (conn := self._try_local(name, self.node_id)) is not None:
+            if (known := self._local) is not None and (conn := self._try_local(*known)) is not None:
                 return conn
             conn = self._new_connection(self._connect)
         except (TransportError, ProtocolError) as exc:
@@ -537,7 +539,7 @@ class NodeClient:
                 return local
         return conn
 
-    def _try_local(self, name: str, node_id: str | None) -> NodeConnection | None:
+    def _try_local(self, name: str, node_id: str) -> NodeConnection | None:
         """A connection to the same-host socket `name` that answers as the node `node_id`, or
         None, and then the name is never tried again. Raises MemKVTimeout (the name kept) when
         the socket accepted but the handshake did not finish in time."""
@@ -556,15 +558,15 @@ class NodeClient:
             self._refuse_local(name)
             log.warning("MemKV: %s: same-host socket %s answered as another node; using TCP", self.name, name)
             return None
-        if self._local_name is None:
+        if self._local is None:
             log.debug("MemKV: %s: connections go to the same-host socket %s", self.name, name)
-        self._local_name = name
+        self._local = (name, node_id)
         conn.local = True
         return conn
 
     def _refuse_local(self, name: str) -> None:
         self._local_refused.add(name)
-        self._local_name = None
+        self._local = None
 
     def _new_connection(self, connect: Connect) -> NodeConnection:
         return NodeConnection(
