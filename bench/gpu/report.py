@@ -242,6 +242,8 @@ def main() -> int:
                     help="run 34: the stages of TCP and RDMA engines side by side (one call)")
     ap.add_argument("--pipeline", action="store_true",
                     help="run 39: TCP, RDMA and RDMA with pipelined RDMA_GETs side by side (one call)")
+    ap.add_argument("--local", action="store_true",
+                    help="runs 43-47: loopback TCP vs the same-host socket, two machines")
     ap.add_argument("--direct", action="store_true",
                     help="direct mode (runs 21, 26, 27): revisit TTFT per mode, pinned host memory, vs recompute")
     ap.add_argument("--img", default=None)
@@ -249,6 +251,9 @@ def main() -> int:
     if args.direct:
         args.img = args.img or os.path.join(REPO, "docs", "img", "gpu-direct.png")
         return direct_plot(args)
+    if args.local:
+        args.img = args.img or os.path.join(REPO, "docs", "img", "gpu-breakdown-local.png")
+        return local_plot(args)
     if args.pipeline:
         args.img = args.img or os.path.join(REPO, "docs", "img", "gpu-breakdown-pipeline.png")
         return pipeline_plot(args)
@@ -645,6 +650,10 @@ TRANSPORTS = {"run34-tcp-main-restart.json": "TCP", "run34-rdma-main-restart.jso
 # 2026-12-03: TCP, RDMA (one RDMA_GET per node and batch) and RDMA with 16 MiB pipelined parts (run 39).
 PIPELINE = {"run39-tcp-main.json": "TCP", "run39-rdma0-main.json": "RDMA",
             "run39-rdma16-main.json": "RDMA, 16 MiB parts"}
+# 2026-12-03: loopback TCP (MEMKV_LOCAL_SOCKET=off) vs the same-host socket (the default), on two
+# machines, each pair one call after the other on the same machine (runs 43-44 and 46-47).
+LOCAL = {"run44-tcp-main.json": "host A, TCP", "run43-local-main-restart.json": "host A, same-host socket",
+         "run47-tcp-main.json": "host B, TCP", "run46-local-main-notier.json": "host B, same-host socket"}
 
 
 def breakdown_plot(args) -> int:
@@ -661,6 +670,13 @@ def transports_plot(args) -> int:
     return stages_plot(args, TRANSPORTS,
                        "A promotion's stages, TCP vs RDMA (UCX cma) in one call, README's tier config\n"
                        "(run 34: 1x H200, 16 vCPUs, vLLM 0.25.0, 32B shape, 4 MemKV nodes on loopback)")
+
+
+def local_plot(args) -> int:
+    """Runs 43-47: TCP vs the same-host socket, per host: docs/img/gpu-breakdown-local.png."""
+    return stages_plot(args, LOCAL,
+                       "A promotion's stages: loopback TCP vs the nodes' same-host (Unix) socket, README's tier config\n"
+                       "(runs 43-47: 1x H200, 16 vCPUs, vLLM 0.25.0, 32B shape, 4 MemKV nodes; two machines, A and B)")
 
 
 def pipeline_plot(args) -> int:
