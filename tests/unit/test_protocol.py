@@ -149,6 +149,7 @@ MESSAGES = [
     ("ping", "c2s", p.PingRequest(), b""),
     ("ping-reply", "s2c", p.PingReply(), b""),
     ("hello-ok", "s2c", p.HelloOk("node-a:9900", p.Limits()), b""),
+    ("hello-ok-local-socket", "s2c", p.HelloOk("node-a:9900", p.Limits(), "@memkv-9900-" + "ab" * 12), b""),
     (
         "hello-ok-custom-limits",
         "s2c",
@@ -573,6 +574,11 @@ MALFORMED_REPLIES = [
         raw_frame(p.Opcode.HELLO_OK, json.dumps({"node_id": "n", "limits": {"max_key_bytes": 0}}).encode(), send_key=S2C_KEY),
         p.ErrorCode.MALFORMED,
     ),
+    # A same-host socket name is "@" + an abstract name, never a path or anything else.
+    ("hello-ok-local-socket-path", raw_frame(p.Opcode.HELLO_OK, json.dumps({"node_id": "n", "limits": {}, "local_socket": "/tmp/memkv.sock"}).encode(), send_key=S2C_KEY), p.ErrorCode.MALFORMED),
+    ("hello-ok-local-socket-empty", raw_frame(p.Opcode.HELLO_OK, json.dumps({"node_id": "n", "limits": {}, "local_socket": "@"}).encode(), send_key=S2C_KEY), p.ErrorCode.MALFORMED),
+    ("hello-ok-local-socket-not-a-string", raw_frame(p.Opcode.HELLO_OK, json.dumps({"node_id": "n", "limits": {}, "local_socket": 1}).encode(), send_key=S2C_KEY), p.ErrorCode.MALFORMED),
+    ("hello-ok-local-socket-too-long", raw_frame(p.Opcode.HELLO_OK, json.dumps({"node_id": "n", "limits": {}, "local_socket": "@" + "a" * 101}).encode(), send_key=S2C_KEY), p.ErrorCode.MALFORMED),
     ("status-reply-truncated", raw_frame(0x92, struct.pack(">I", 3) + b"\x00", send_key=S2C_KEY), p.ErrorCode.MALFORMED),
     ("get-reply-truncated", raw_frame(0x91, struct.pack(">I", 1) + b"\x00" + struct.pack(">I", 0), send_key=S2C_KEY), p.ErrorCode.MALFORMED),
     ("list-reply-without-flag", raw_frame(0x94, keys_meta([b"a"]) + struct.pack(">I", 1), send_key=S2C_KEY), p.ErrorCode.MALFORMED),
