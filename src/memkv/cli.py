@@ -491,6 +491,8 @@ def cmd_probe(args: argparse.Namespace) -> int:
                         "node_id": node.node_id,
                         "rtt_ms": round(rtt * 1000, 3),
                         "max_value_bytes": node.limits.max_value_bytes if node.limits else None,
+                        # the node's same-host socket (docs/operations.md "Same-host clients") or TCP
+                        "via": "local" if node.local else "tcp",
                     }
                 )
             except MemKVError as exc:
@@ -501,7 +503,7 @@ def cmd_probe(args: argparse.Namespace) -> int:
     else:
         for r in results:
             if r["ok"]:
-                print(f"ok    {r['server']}  node={r['node_id']}  rtt={r['rtt_ms']:.3f} ms")
+                print(f"ok    {r['server']}  node={r['node_id']}  rtt={r['rtt_ms']:.3f} ms  via={r['via']}")
             else:
                 print(f"FAIL  {r['server']}  {r['error']}")
     return EXIT_OK if ok else EXIT_FAILED
