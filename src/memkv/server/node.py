@@ -30,9 +30,10 @@ Same-host clients (docs/protocol.md section 2.6): unless TLS owns the data port 
 `local_socket` is off, the node also listens on an abstract AF_UNIX socket with a random name
 and names it in HELLO_OK on plain connections; a client on the same host (and network
 namespace) reconnects there. It speaks the very same protocol, handshake and MACs included:
-only the kernel path differs (2.4x the bytes per CPU-second of loopback TCP on the 2-vCPU VM,
-bench/unix_vs_tcp.py). An abstract name is reachable from the node's network namespace
-only, as loopback TCP is, and the key is still required.
+only the kernel path differs (plain sockets: 2.4x the speed of loopback TCP for half the CPU
+per byte on the 2-vCPU VM, 1.5x on the 16-vCPU GPU host; bench/unix_vs_tcp.py). An abstract
+name is reachable from the node's network namespace only, as loopback TCP is, and the key is
+still required.
 
 Threading: `serve_forever` runs the accept loop in the calling thread; each connection gets a
 daemon thread. `shutdown()` may be called from any thread (e.g. a SIGTERM handler) and is
