@@ -10,7 +10,7 @@ tries again. A connection that failed in any way is closed, never returned to th
 Same-host nodes (docs/protocol.md section 2.6): a node names its abstract Unix socket in
 HELLO_OK; once a TCP connection has learnt the name, NodeClient opens its connections there
 (same protocol, same handshake; a cheaper kernel path than loopback TCP: docs/performance.md) and
-keeps the TCP one for nothing. A name that cannot be reached from here (another host or
+closes the TCP one. A name that cannot be reached from here (another host or
 network namespace: refused at once) or that answers as another node is not tried again; a node
 that restarted names a new socket, learnt on the next TCP connection.
 
@@ -136,7 +136,6 @@ class NodeConnection:
         self.address = address
         self.name = address.name
         self.io_timeout_s = io_timeout_s
-        self.local = False  # over the node's same-host socket (NodeClient sets it)
         self._unsent = bytearray()  # queued by queue_request, not yet taken by the socket
         self._rx = bytearray()  # the part of the next reply received by recv_ready so far
         self._rx_header: p.FrameHeader | None = None
@@ -561,7 +560,6 @@ class NodeClient:
         if self._local is None:
             log.debug("MemKV: %s: connections go to the same-host socket %s", self.name, name)
         self._local = (name, node_id)
-        conn.local = True
         return conn
 
     def _refuse_local(self, name: str) -> None:
