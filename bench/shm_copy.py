@@ -14,13 +14,23 @@ This measures that ceiling before anything is built, against the socket path in 
     pre-faulted once, as a client would at attach); T client threads copy each value from the
     mapping into its slot with one `ctypes.memmove` (the GIL is released during the copy).
 
-With `--verify` both also hash every value with xxh3-128 (python-xxhash) as memkv verifies:
-the socket path in 256 KiB pieces right after each receive, the shm path per 256 KiB piece
-right after its copy. The destination is a pinned torch tensor when torch imports (vLLM's pool
-is pinned), else pre-faulted anonymous memory. The two take turns, repetition by repetition.
-Prints GB/s, CPU-seconds per GB (both processes) and shm/socket.
+  * shm-fresh (with `--fresh`): as shm, but through a mapping made anew for the repetition and
+    not pre-faulted, as a client process that just started (a restarted engine) would have:
+    each thread fills the page tables of its value with one madvise(MADV_POPULATE_READ) before
+    the copy (Linux 5.14+; else the copy takes the page faults). What a fresh engine's first
+    load of each value would cost on top of the copy.
 
-    python3 bench/shm_copy.py [--gib 8] [--threads 8] [--reps 3] [--verify] [--out FILE]
+`--verify python` also hashes every value with xxh3-128 (python-xxhash) as memkv verifies: the
+socket path in 256 KiB pieces right after each receive, the shm paths per 256 KiB piece right
+after its copy. `--verify compiled` uses memkv's compiled loops instead (memkv._recv_verify,
+built by `pip install -e .` or carried as src/memkv/_recv_verify.abi3.so): recv_xxh3_into for
+the socket, copy_xxh3 for the shm paths, each one GIL release per value. The destination is a
+pinned torch tensor when torch imports (vLLM's pool is pinned), else pre-faulted anonymous
+memory. The modes take turns, repetition by repetition (order reversed every other one).
+Prints GB/s, CPU-seconds per GB (both processes) and each shm mode / socket.
+
+    python3 bench/shm_copy.py [--gib 8] [--threads 8,16] [--reps 3] [--verify {none,python,compiled}]
+                              [--fresh] [--out FILE]
 """
 
 from __future__ import annotations
@@ -33,6 +43,7 @@ import os
 import platform
 import socket
 import statistics
+import sys
 import threading
 import time
 
@@ -69,6 +80,39 @@ def _hasher():
     return xxhash.xxh3_128
 
 
+def _compiled():
+    """memkv's compiled loops (csrc/recv_verify.c) as built in this checkout's src/, or None.
+    Loaded from its file alone: the package's imports (blake3, ...) need not be on the host."""
+    import glob
+    import importlib.util
+
+    here = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src", "memkv")
+    for path in glob.glob(os.path.join(here, "_recv_verify*.so")):
+        spec = importlib.util.spec_from_file_location("memkv._recv_verify", path)
+        if spec is None or spec.loader is None:
+            continue
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module
+    return None
+
+
+_LIBC = ctypes.CDLL(None, use_errno=True)
+_LIBC.mmap.restype = ctypes.c_void_p
+_LIBC.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+_LIBC.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+_LIBC.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+MADV_POPULATE_READ = 22  # Linux 5.14
+
+
+def _map_fresh(fd: int, size: int) -> int:
+    """A new read-only mapping of the node's memory, page tables empty (ctypes: no GIL held)."""
+    addr = _LIBC.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+    if addr in (None, ctypes.c_void_p(-1).value):
+        raise OSError(ctypes.get_errno(), "mmap of the node's memory failed")
+    return addr
+
+
 def _node(listener: socket.socket, fd: int, size: int, ready: int) -> None:
     """The node: fills the shared values, says so on `ready`, then serves them over the socket."""
     shared = mmap.mmap(fd, size, flags=mmap.MAP_SHARED)
@@ -90,17 +134,27 @@ def _node(listener: socket.socket, fd: int, size: int, ready: int) -> None:
         threading.Thread(target=one, args=(conn,), daemon=True).start()
 
 
-def run(mode: str, conns, shared_addr: int, dst_addr: int, dst: memoryview, values: int, threads: int, verify: bool):
-    hasher = _hasher() if verify else None
+def run(mode: str, conns, shared_addr: int, dst_addr: int, dst: memoryview, values: int, threads: int, verify: str, fd: int):
+    hasher = _hasher() if verify == "python" else None
+    compiled = _compiled() if verify == "compiled" else None
     digests: list[bytes] = []
+    size = values * VALUE
+    src_addr = _map_fresh(fd, size) if mode == "shm-fresh" else shared_addr
 
     def worker(t: int) -> None:
         for i in range(t, values, threads):
             slot = dst[i * VALUE : (i + 1) * VALUE]
+            src = src_addr + i * VALUE
             h = hasher() if hasher else None
             if mode == "socket":
                 conn = conns[t]
                 conn.sendall(i.to_bytes(4, "big"))
+                if compiled is not None:
+                    got, err, digest = compiled.recv_xxh3_into(conn.fileno(), slot, PIECE, -1.0)
+                    if got != VALUE:
+                        raise OSError(err, "receive failed")
+                    digests.append(digest)
+                    continue
                 got = 0
                 while got < VALUE:
                     n = conn.recv_into(slot[got:], min(PIECE, VALUE - got) if h else VALUE - got)
@@ -108,12 +162,17 @@ def run(mode: str, conns, shared_addr: int, dst_addr: int, dst: memoryview, valu
                         h.update(slot[got : got + n])
                     got += n
             else:
-                if h:
+                if mode == "shm-fresh":
+                    _LIBC.madvise(src, VALUE, MADV_POPULATE_READ)  # fails harmlessly before Linux 5.14
+                if compiled is not None:
+                    source = memoryview((ctypes.c_char * VALUE).from_address(src)).cast("B")
+                    digests.append(compiled.copy_xxh3(slot, source, PIECE))
+                elif h:
                     for off in range(0, VALUE, PIECE):
-                        ctypes.memmove(dst_addr + i * VALUE + off, shared_addr + i * VALUE + off, PIECE)
+                        ctypes.memmove(dst_addr + i * VALUE + off, src + off, PIECE)
                         h.update(slot[off : off + PIECE])
                 else:
-                    ctypes.memmove(dst_addr + i * VALUE, shared_addr + i * VALUE, VALUE)
+                    ctypes.memmove(dst_addr + i * VALUE, src, VALUE)
             if h:
                 digests.append(h.digest())
 
@@ -123,7 +182,12 @@ def run(mode: str, conns, shared_addr: int, dst_addr: int, dst: memoryview, valu
         w.start()
     for w in workers:
         w.join()
-    return time.perf_counter() - t0, r0, os.times()
+    elapsed, r1 = time.perf_counter() - t0, os.times()
+    if mode == "shm-fresh":
+        _LIBC.munmap(src_addr, size)
+    if verify != "none" and len(digests) != values:
+        raise SystemExit(f"{mode}: {len(digests)} of {values} values verified")
+    return elapsed, r0, r1
 
 
 def _child_cpu(pid: int) -> float:
@@ -137,7 +201,9 @@ def main() -> None:
     ap.add_argument("--gib", type=float, default=8.0, help="bytes moved per repetition (a 32k prompt of the 32B shape: 8)")
     ap.add_argument("--threads", default="8", help="client threads, comma-separated")
     ap.add_argument("--reps", type=int, default=3)
-    ap.add_argument("--verify", action="store_true", help="xxh3-128 over every value, in 256 KiB pieces")
+    ap.add_argument("--verify", choices=("none", "python", "compiled"), default="none",
+                    help="xxh3-128 over every value in 256 KiB pieces: python-xxhash, or memkv's compiled loops")
+    ap.add_argument("--fresh", action="store_true", help="also shm-fresh: a new, unfaulted mapping per repetition")
     ap.add_argument("--out")
     args = ap.parse_args()
     values = int(args.gib * (1 << 30)) // VALUE
@@ -156,6 +222,10 @@ def main() -> None:
         finally:
             os._exit(0)
     listener.close()
+    if args.verify == "compiled" and _compiled() is None:
+        raise SystemExit("--verify compiled: memkv._recv_verify is not built in this checkout's src/")
+    if args.verify == "python" and _hasher() is None:
+        raise SystemExit("--verify python: python-xxhash is not installed")
     keep, dst_addr, dst, kind = _destination(size)
     if os.read(ready_r, 1) != b"1":
         raise SystemExit("the node process did not fill its values")
@@ -169,14 +239,17 @@ def main() -> None:
         "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
         "machine": f"{platform.node()} {platform.machine()} {os.cpu_count()} CPUs, Linux {platform.release()}",
         "destination": kind,
-        "verify": bool(args.verify and _hasher()),
+        "verify": args.verify,
         "bytes": size,
         "populate_mapping_s": map_s,
         "rows": [],
     }
     print(f"# {result['machine']}, {time.strftime('%H:%M UTC', time.gmtime())}; {size / 2**30:.1f} GiB per rep into {kind}; "
-          f"verify={'xxh3-128' if result['verify'] else 'no'}; mapping the node's memory once: {map_s:.2f} s")
-    print(f"{'threads':>7} {'rep':>3} {'socket GB/s':>11} {'shm GB/s':>9} {'shm/socket':>10} {'socket CPU-s/GB':>15} {'shm CPU-s/GB':>12}")
+          f"verify={args.verify}; mapping the node's memory once: {map_s:.2f} s")
+    modes = ["socket", "shm"] + (["shm-fresh"] if args.fresh else [])
+    shm_modes = modes[1:]
+    print(f"{'threads':>7} {'rep':>3} " + " ".join(f"{m + ' GB/s':>14}" for m in modes) + " "
+          + " ".join(f"{m + '/socket':>16}" for m in shm_modes) + " " + " ".join(f"{m + ' CPU-s/GB':>18}" for m in modes))
     try:
         for threads in [int(t) for t in args.threads.split(",")]:
             conns = []
@@ -184,25 +257,27 @@ def main() -> None:
                 c = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
                 c.connect(name)
                 conns.append(c)
-            for mode in ("shm", "socket"):  # warm: page tables, socket buffers, caches
-                run(mode, conns, shared_addr, dst_addr, dst, values, threads, args.verify)
+            for mode in modes:  # warm: page tables, socket buffers, caches
+                run(mode, conns, shared_addr, dst_addr, dst, values, threads, args.verify, fd)
             for rep in range(args.reps):
                 got = {}
-                for mode in (("socket", "shm") if rep % 2 == 0 else ("shm", "socket")):
+                for mode in (modes if rep % 2 == 0 else modes[::-1]):
                     n0 = _child_cpu(node)
-                    elapsed, r0, r1 = run(mode, conns, shared_addr, dst_addr, dst, values, threads, args.verify)
+                    elapsed, r0, r1 = run(mode, conns, shared_addr, dst_addr, dst, values, threads, args.verify, fd)
                     cpu = (r1.user - r0.user) + (r1.system - r0.system) + _child_cpu(node) - n0
                     got[mode] = {"gb_s": size / elapsed / 1e9, "cpu_s_per_gb": cpu / (size / 1e9)}
                 row = {"threads": threads, "rep": rep, **{f"{m}_{k}": v for m, d in got.items() for k, v in d.items()}}
-                row["shm_over_socket"] = got["shm"]["gb_s"] / got["socket"]["gb_s"]
+                for m in shm_modes:
+                    row[f"{m}_over_socket"] = got[m]["gb_s"] / got["socket"]["gb_s"]
                 result["rows"].append(row)
-                print(f"{threads:>7} {rep:>3} {got['socket']['gb_s']:>11.2f} {got['shm']['gb_s']:>9.2f} "
-                      f"{row['shm_over_socket']:>10.2f} {got['socket']['cpu_s_per_gb']:>15.3f} {got['shm']['cpu_s_per_gb']:>12.3f}",
-                      flush=True)
+                print(f"{threads:>7} {rep:>3} " + " ".join(f"{got[m]['gb_s']:>14.2f}" for m in modes) + " "
+                      + " ".join(f"{row[m + '_over_socket']:>16.2f}" for m in shm_modes) + " "
+                      + " ".join(f"{got[m]['cpu_s_per_gb']:>18.3f}" for m in modes), flush=True)
             for c in conns:
                 c.close()
-            ratios = [r["shm_over_socket"] for r in result["rows"] if r["threads"] == threads]
-            print(f"{threads:>7} median shm/socket {statistics.median(ratios):.2f}")
+            for m in shm_modes:
+                ratios = [r[f"{m}_over_socket"] for r in result["rows"] if r["threads"] == threads]
+                print(f"{threads:>7} median {m}/socket {statistics.median(ratios):.2f}")
     finally:
         os.kill(node, 9)
         os.waitpid(node, 0)

@@ -23,6 +23,7 @@
 #include <Python.h>
 
 #include <errno.h>
+#include <string.h>
 #include <sys/socket.h>
 #include <sys/time.h>
 #include <time.h>
@@ -159,6 +160,60 @@ static PyObject *recv_xxh3_into(PyObject *self, PyObject *args) {
     return Py_BuildValue("niN", (Py_ssize_t)got, err, digest);
 }
 
+static PyObject *copy_xxh3(PyObject *self, PyObject *args) {
+    /* copy_xxh3(target, source, piece_bytes) -> digest: copy `source` into `target` (same
+     * length) piece by piece, hashing each piece of the copy right after it was written (in
+     * cache), with no GIL: the one-copy load of a same-host node's shared memory (run 48 in
+     * docs/performance.md measured what it buys). The digest is of the bytes in `target`: what
+     * was copied is what was verified, whatever the source does meanwhile. */
+    (void)self;
+    PyObject *target_obj, *source_obj;
+    Py_ssize_t piece;
+    if (!PyArg_ParseTuple(args, "OOn", &target_obj, &source_obj, &piece)) {
+        return NULL;
+    }
+    if (piece <= 0) {
+        PyErr_SetString(PyExc_ValueError, "piece_bytes must be positive");
+        return NULL;
+    }
+    Py_buffer target, source;
+    if (PyObject_GetBuffer(target_obj, &target, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0) {
+        return NULL;
+    }
+    if (PyObject_GetBuffer(source_obj, &source, PyBUF_C_CONTIGUOUS) < 0) {
+        PyBuffer_Release(&target);
+        return NULL;
+    }
+    if (source.len != target.len) {
+        PyBuffer_Release(&source);
+        PyBuffer_Release(&target);
+        PyErr_SetString(PyExc_ValueError, "source and target differ in length");
+        return NULL;
+    }
+    XXH3_state_t *state = new_state();
+    if (state == NULL) {
+        PyBuffer_Release(&source);
+        PyBuffer_Release(&target);
+        return NULL;
+    }
+    char *dst = (char *)target.buf;
+    const char *src = (const char *)source.buf;
+    size_t total = (size_t)target.len;
+    Py_BEGIN_ALLOW_THREADS
+    for (size_t off = 0; off < total; off += (size_t)piece) {
+        size_t n = total - off < (size_t)piece ? total - off : (size_t)piece;
+        memcpy(dst + off, src + off, n);
+        XXH3_128bits_update(state, dst + off, n);
+    }
+    Py_END_ALLOW_THREADS
+    PyBuffer_Release(&source);
+    PyBuffer_Release(&target);
+    XXH128_canonical_t canon;
+    XXH128_canonicalFromHash(&canon, XXH3_128bits_digest(state));
+    XXH3_freeState(state);
+    return PyBytes_FromStringAndSize((const char *)canon.digest, sizeof canon.digest);
+}
+
 static PyObject *xxh3_128_digest(PyObject *self, PyObject *args) {
     /* The one-shot digest of this build, for the tests that hold it to python-xxhash's. */
     (void)self;
@@ -182,6 +237,8 @@ static PyObject *xxh3_128_digest(PyObject *self, PyObject *args) {
 static PyMethodDef methods[] = {
     {"recv_xxh3_into", recv_xxh3_into, METH_VARARGS,
      "recv_xxh3_into(fd, buffer, piece_bytes, deadline) -> (got, errno, digest or None)"},
+    {"copy_xxh3", copy_xxh3, METH_VARARGS,
+     "copy_xxh3(target, source, piece_bytes) -> digest of the copy (16 bytes)"},
     {"xxh3_128_digest", xxh3_128_digest, METH_VARARGS, "xxh3_128_digest(data) -> 16 bytes"},
     {NULL, NULL, 0, NULL},
 };

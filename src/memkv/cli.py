@@ -188,6 +188,13 @@ def _parser() -> argparse.ArgumentParser:
         help="serve same-host clients over TCP too (default: also over an abstract Unix socket, named to them in the "
         "handshake; docs/operations.md, 'Same-host clients')",
     )
+    s.add_argument(
+        "--no-shared-memory",
+        dest="shared_memory",
+        action="store_false",
+        help="keep values in private memory (default: values of 1 MiB and more in memory that clients on the "
+        "same-host socket map and copy from; docs/operations.md, 'Same-host clients')",
+    )
     t = s.add_argument_group("TLS (docs/operations.md, 'Encryption in transit'); SIGHUP re-reads the files")
     t.add_argument("--tls-cert", default=None, metavar="FILE", help="PEM certificate (chain) of the node: turns TLS on")
     t.add_argument("--tls-key", default=None, metavar="FILE", help="PEM private key of --tls-cert")
@@ -336,6 +343,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         tls_ca=args.tls_ca,
         tls_listen=parse_address(args.tls_listen, "--tls-listen") if args.tls_listen else None,
         local_socket=args.local_socket,
+        shared_memory=args.shared_memory,
     )
     key = _server_key(args)
     try:
@@ -365,7 +373,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         flush=True,
     )
     if node.local_socket:
-        print(f"memkv: same-host clients connect to {node.local_socket} (abstract Unix socket)", flush=True)
+        shared = ", values in shared memory they map" if node.shared is not None else ""
+        print(f"memkv: same-host clients connect to {node.local_socket} (abstract Unix socket{shared})", flush=True)
     try:
         node.serve_forever()
     finally:

@@ -37,6 +37,7 @@ ENV_PROMETHEUS_BIND = "MEMKV_PROMETHEUS_BIND"
 ENV_TRANSPORT = "MEMKV_TRANSPORT"
 ENV_INTEGRITY = "MEMKV_INTEGRITY"
 ENV_LOCAL_SOCKET = "MEMKV_LOCAL_SOCKET"
+ENV_SHARED_MEMORY = "MEMKV_SHARED_MEMORY"
 # TLS (memkv/tls.py): any of them set turns TLS on for every server.
 ENV_TLS_CA = "MEMKV_TLS_CA"
 ENV_TLS_CERT = "MEMKV_TLS_CERT"
@@ -55,6 +56,7 @@ CLIENT_ENV_VARS = (
     ENV_TRANSPORT,
     ENV_INTEGRITY,
     ENV_LOCAL_SOCKET,
+    ENV_SHARED_MEMORY,
     ENV_TLS_CA,
     ENV_TLS_CERT,
     ENV_TLS_KEY,
@@ -297,6 +299,7 @@ YAML_KEYS = {
     "transport": "auto | tcp | rdma",
     "integrity": "xxh3 | blake3",
     "local_socket": "on | off: same-host nodes over their Unix socket",
+    "shared_memory": "on | off: copy same-host nodes' values from their shared memory",
     "connect_timeout_s": "seconds",
     "io_timeout_s": "seconds",
     "pool_size": "connections per server",
@@ -346,10 +349,15 @@ class ClientConfig:
     # Same-host nodes over the abstract Unix socket they name in HELLO_OK (memkv/client/node.py);
     # never with TLS (TLS was asked for). MEMKV_LOCAL_SOCKET=off keeps every connection on TCP.
     local_socket: bool = True
+    # On the same-host socket, copy values straight from the node's shared memory when it offers
+    # it (memkv/client/shared.py). MEMKV_SHARED_MEMORY=off receives them over the socket.
+    shared_memory: bool = True
 
     def __post_init__(self) -> None:
         if not isinstance(self.local_socket, bool):
             raise ConfigError(f"local_socket: expected on or off, got {self.local_socket!r}")
+        if not isinstance(self.shared_memory, bool):
+            raise ConfigError(f"shared_memory: expected on or off, got {self.shared_memory!r}")
         if not self.servers:
             raise ConfigError("servers: at least one server is required")
         if self.transport not in TRANSPORTS:
@@ -405,6 +413,8 @@ class ClientConfig:
             fields["integrity"] = str(got[0]).strip().lower()
         if got := pick(ENV_LOCAL_SOCKET, "local_socket"):
             fields["local_socket"] = parse_switch(got[0], got[1])
+        if got := pick(ENV_SHARED_MEMORY, "shared_memory"):
+            fields["shared_memory"] = parse_switch(got[0], got[1])
         for key in ("connect_timeout_s", "io_timeout_s", "down_for_s", "pool_size"):
             if key in doc:
                 fields[key] = doc[key]
@@ -634,6 +644,9 @@ class ServerConfig:
     # Same-host clients over an abstract AF_UNIX socket named in HELLO_OK (memkv/server/node.py);
     # off with TLS on the data port. `memkv serve --no-local-socket` turns it off.
     local_socket: bool = True
+    # Values of 1 MiB and more in memfd arenas that same-host clients map and copy from
+    # (memkv/server/shared.py); needs the same-host socket. `--no-shared-memory` turns it off.
+    shared_memory: bool = True
 
     def __post_init__(self) -> None:
         self._check_tls()

@@ -105,6 +105,9 @@ class Opcode(enum.IntEnum):
     RELEASE = 0x16  # end leases early
     RDMA_ATTACH = 0x20  # client -> node: the client's RDMA metadata (section 10 of docs/protocol.md)
     RDMA_GET = 0x21  # client -> node: WRITE these values into these slots of the client's pool
+    SHM_ATTACH = 0x30  # same-host socket: the descriptors of these shared arenas (section 12)
+    SHM_GET = 0x31  # same-host socket: where these values lie in shared memory; pins them
+    SHM_DONE = 0x32  # same-host socket: the values of the last SHM_GET are copied; unpin
     ERROR = 0x7F  # server -> client; the connection closes after it
     REPLY = 0x80  # or-ed into the request opcode
 
@@ -139,6 +142,7 @@ class ItemStatus(enum.IntEnum):
     NO_SPACE = 3  # PUT: cannot fit even after eviction (value larger than its lane, all pinned)
     TRANSFER_FAILED = 4  # RDMA_GET: the node's WRITE failed or did not complete within the window
     LEASED = 5  # PUT / DELETE of a leased key: the leased value stays (DELETE: removed when its leases end)
+    NOT_SHARED = 6  # SHM_GET: the value is in the node's private memory: GET it over the socket
 
 
 class ChecksumAlgo(enum.IntEnum):
@@ -200,11 +204,14 @@ class HelloOk:
     """Sent by the node after a good handshake: who it is and what it accepts.
 
     `local_socket`: the name of the node's same-host socket (`@` + an abstract AF_UNIX name,
-    random per node process; docs/protocol.md section 2.6), or None when it serves none."""
+    random per node process; docs/protocol.md section 2.6), or None when it serves none.
+    `shared_memory`: this connection may map the node's value memory (SHM_* requests; only on
+    the same-host socket, section 12)."""
 
     node_id: str
     limits: Limits
     local_socket: str | None = None
+    shared_memory: bool = False
 
     def __post_init__(self) -> None:
         if self.local_socket is not None and not is_local_socket_name(self.local_socket):
@@ -385,6 +392,59 @@ class RdmaGetReply:
     items: tuple[GetReplyItem, ...]
 
 
+# --------------------------------------------------------------------------------------------
+# Shared memory (docs/protocol.md section 12): on the same-host socket only. The node keeps
+# large values in memfd arenas; SHM_ATTACH hands the client their descriptors (SCM_RIGHTS, on
+# the reply frame), SHM_GET says where each value lies and pins it until SHM_DONE, the next
+# request, the connection's end, or io_timeout_s, whichever comes first. The client copies and
+# verifies each value itself: what it copied is what it verified, so a value the node reused
+# meanwhile is a checksum miss, never wrong bytes.
+# --------------------------------------------------------------------------------------------
+
+MAX_SHM_ATTACH = 64  # arenas per SHM_ATTACH (the kernel passes at most 253 descriptors a message)
+_ARENA_COUNT = struct.Struct(">I")
+
+
+@dataclasses.dataclass(frozen=True)
+class ShmAttachRequest:
+    arenas: tuple[int, ...]  # arena ids (u32) as SHM_GET replies name them
+
+
+@dataclasses.dataclass(frozen=True)
+class ShmAttachReply:
+    """Per requested arena its size in bytes, 0 for an id that is no arena. The frame carries
+    one descriptor per arena of size > 0, in this order."""
+
+    arenas: tuple[int, ...]
+    sizes: tuple[int, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class ShmGetRequest:
+    keys: tuple[bytes, ...]
+    expected_lengths: tuple[int, ...]  # as GET: exactly this length or a miss (ANY_LENGTH: any)
+
+
+@dataclasses.dataclass(frozen=True)
+class ShmGetReply:
+    """As a GET reply's items, no payload; an OK value lies at `offsets[i]` of arena `arenas[i]`
+    (both 0 for other statuses)."""
+
+    items: tuple[GetReplyItem, ...]
+    arenas: tuple[int, ...]
+    offsets: tuple[int, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class ShmDoneRequest:
+    pass
+
+
+@dataclasses.dataclass(frozen=True)
+class ShmDoneReply:
+    pass
+
+
 # Every message a client sends, and every message a node sends (ERROR included).
 Request = (
     PingRequest
@@ -397,9 +457,23 @@ Request = (
     | ReleaseRequest
     | RdmaAttachRequest
     | RdmaGetRequest
+    | ShmAttachRequest
+    | ShmGetRequest
+    | ShmDoneRequest
 )
 Reply = (
-    PingReply | HelloOk | StatusReply | GetReply | ListReply | LeaseReply | ErrorReply | RdmaAttachReply | RdmaGetReply
+    PingReply
+    | HelloOk
+    | StatusReply
+    | GetReply
+    | ListReply
+    | LeaseReply
+    | ErrorReply
+    | RdmaAttachReply
+    | RdmaGetReply
+    | ShmAttachReply
+    | ShmGetReply
+    | ShmDoneReply
 )
 Message = Request | Reply
 
@@ -465,6 +539,11 @@ def _check_rdma_metadata(size: int, err: _ErrorClass) -> None:
         raise err(f"RDMA metadata of {size} bytes: must be 1..{MAX_RDMA_METADATA_BYTES}", ErrorCode.FRAME_TOO_LARGE)
 
 
+def _check_shm_attach(n: int, err: _ErrorClass) -> None:
+    if not 1 <= n <= MAX_SHM_ATTACH:
+        raise err(f"SHM_ATTACH of {n} arenas: must be 1..{MAX_SHM_ATTACH}", ErrorCode.BATCH_TOO_LARGE)
+
+
 def _check_lease_ttl(ttl_ms: int, err: _ErrorClass) -> None:
     if not 1 <= ttl_ms <= MAX_LEASE_MS:
         raise err(f"lease ttl of {ttl_ms} ms: must be 1..{MAX_LEASE_MS}", ErrorCode.MALFORMED)
@@ -491,7 +570,9 @@ def _validate_put(msg: PutRequest, limits: Limits) -> None:
     _check_keys([it.key for it in msg.items], limits, LocalProtocolError)
 
 
-def _validate_keys(msg: GetRequest | ExistsRequest | DeleteRequest | RdmaGetRequest, limits: Limits) -> None:
+def _validate_keys(
+    msg: GetRequest | ExistsRequest | DeleteRequest | RdmaGetRequest | ShmGetRequest, limits: Limits
+) -> None:
     _check_keys(msg.keys, limits, LocalProtocolError)
 
 
@@ -528,6 +609,8 @@ _VALIDATORS: dict[type, Callable[[Any, Limits], None]] = {
     ExistsRequest: _validate_keys,
     DeleteRequest: _validate_keys,
     RdmaGetRequest: _validate_keys,
+    ShmGetRequest: _validate_keys,
+    ShmAttachRequest: lambda msg, limits: _check_shm_attach(len(msg.arenas), LocalProtocolError),
     ListRequest: _validate_list,
     ListReply: _validate_list_reply,
     LeaseRequest: _validate_lease,
@@ -587,6 +670,8 @@ def _encode_hello_ok(msg: HelloOk) -> _Encoded:
     body: dict[str, object] = {"node_id": msg.node_id, "limits": msg.limits.to_json()}
     if msg.local_socket is not None:  # absent, not null: a client that predates it ignores the key
         body["local_socket"] = msg.local_socket
+    if msg.shared_memory:
+        body["shared_memory"] = True
     return Opcode.HELLO_OK, 0, json.dumps(body).encode()
 
 
@@ -687,6 +772,38 @@ def _encode_rdma_get_reply(msg: RdmaGetReply) -> _Encoded:
     return Opcode.RDMA_GET | Opcode.REPLY, 0, _pack_items(msg.items)
 
 
+def _encode_shm_attach(msg: ShmAttachRequest) -> _Encoded:
+    n = len(msg.arenas)
+    return Opcode.SHM_ATTACH, 0, _ARENA_COUNT.pack(n) + struct.pack(f">{n}I", *msg.arenas)
+
+
+def _encode_shm_attach_reply(msg: ShmAttachReply) -> _Encoded:
+    n = len(msg.arenas)
+    if len(msg.sizes) != n:
+        raise LocalProtocolError("an SHM_ATTACH reply needs one size per arena", ErrorCode.MALFORMED)
+    return (
+        Opcode.SHM_ATTACH | Opcode.REPLY,
+        0,
+        _ARENA_COUNT.pack(n) + struct.pack(f">{n}I{n}Q", *msg.arenas, *msg.sizes),
+    )
+
+
+def _encode_shm_get(msg: ShmGetRequest) -> _Encoded:
+    n = len(msg.keys)
+    return Opcode.SHM_GET, 0, _pack_keys(msg.keys) + struct.pack(f">{n}I", *msg.expected_lengths)
+
+
+def _encode_shm_get_reply(msg: ShmGetReply) -> _Encoded:
+    n = len(msg.items)
+    if not len(msg.arenas) == len(msg.offsets) == n:
+        raise LocalProtocolError("an SHM_GET reply needs one arena and one offset per item", ErrorCode.MALFORMED)
+    return (
+        Opcode.SHM_GET | Opcode.REPLY,
+        0,
+        _pack_items(msg.items) + struct.pack(f">{n}I{n}Q", *msg.arenas, *msg.offsets),
+    )
+
+
 _ENCODERS: dict[type, Callable[[Any], _Encoded]] = {
     PingRequest: _encode_ping,
     PingReply: _encode_ping_reply,
@@ -707,6 +824,12 @@ _ENCODERS: dict[type, Callable[[Any], _Encoded]] = {
     RdmaAttachReply: _encode_rdma_attach_reply,
     RdmaGetRequest: _encode_rdma_get,
     RdmaGetReply: _encode_rdma_get_reply,
+    ShmAttachRequest: _encode_shm_attach,
+    ShmAttachReply: _encode_shm_attach_reply,
+    ShmGetRequest: _encode_shm_get,
+    ShmGetReply: _encode_shm_get_reply,
+    ShmDoneRequest: lambda msg: (Opcode.SHM_DONE, 0, b""),
+    ShmDoneReply: lambda msg: (Opcode.SHM_DONE | Opcode.REPLY, 0, b""),
 }
 
 
@@ -786,7 +909,10 @@ def _decode_error(status: int, meta: memoryview, limits: Limits) -> _Decoded:
 
 def _decode_hello_ok(status: int, meta: memoryview, limits: Limits) -> _Decoded:
     body = json.loads(bytes(meta))
-    return HelloOk(str(body["node_id"]), Limits(**body["limits"]), body.get("local_socket")), len(meta)
+    shared = body.get("shared_memory", False)
+    if not isinstance(shared, bool):
+        raise RemoteProtocolError(f"HELLO_OK: shared_memory must be true or false, got {shared!r}", ErrorCode.MALFORMED)
+    return HelloOk(str(body["node_id"]), Limits(**body["limits"]), body.get("local_socket"), shared), len(meta)
 
 
 def _decode_exists(status: int, meta: memoryview, limits: Limits) -> _Decoded:
@@ -933,6 +1059,34 @@ def _decode_rdma_get_reply(status: int, meta: memoryview, limits: Limits) -> _De
     return RdmaGetReply(items), off
 
 
+def _decode_shm_attach(status: int, meta: memoryview, limits: Limits) -> _Decoded:
+    (n,) = _ARENA_COUNT.unpack_from(meta, 0)
+    _check_shm_attach(n, RemoteProtocolError)
+    arenas = struct.unpack_from(f">{n}I", meta, _ARENA_COUNT.size)
+    return ShmAttachRequest(arenas), _ARENA_COUNT.size + 4 * n
+
+
+def _decode_shm_attach_reply(status: int, meta: memoryview, limits: Limits) -> _Decoded:
+    (n,) = _ARENA_COUNT.unpack_from(meta, 0)
+    _check_shm_attach(n, RemoteProtocolError)
+    fields = struct.unpack_from(f">{n}I{n}Q", meta, _ARENA_COUNT.size)
+    return ShmAttachReply(fields[:n], fields[n:]), _ARENA_COUNT.size + 12 * n
+
+
+def _decode_shm_get(status: int, meta: memoryview, limits: Limits) -> _Decoded:
+    keys, off = _read_keys(meta, limits)
+    n = len(keys)
+    lengths = struct.unpack_from(f">{n}I", meta, off)
+    return ShmGetRequest(keys, lengths), off + 4 * n
+
+
+def _decode_shm_get_reply(status: int, meta: memoryview, limits: Limits) -> _Decoded:
+    items, off = _read_items(meta, limits)
+    n = len(items)
+    fields = struct.unpack_from(f">{n}I{n}Q", meta, off)
+    return ShmGetReply(items, fields[:n], fields[n:]), off + 12 * n
+
+
 _DECODERS: dict[int, Callable[[int, memoryview, Limits], _Decoded]] = {
     Opcode.PING: _decode_ping,
     Opcode.PING | Opcode.REPLY: _decode_ping_reply,
@@ -956,6 +1110,12 @@ _DECODERS: dict[int, Callable[[int, memoryview, Limits], _Decoded]] = {
     Opcode.RDMA_ATTACH | Opcode.REPLY: _decode_rdma_attach_reply,
     Opcode.RDMA_GET: _decode_rdma_get,
     Opcode.RDMA_GET | Opcode.REPLY: _decode_rdma_get_reply,
+    Opcode.SHM_ATTACH: _decode_shm_attach,
+    Opcode.SHM_ATTACH | Opcode.REPLY: _decode_shm_attach_reply,
+    Opcode.SHM_GET: _decode_shm_get,
+    Opcode.SHM_GET | Opcode.REPLY: _decode_shm_get_reply,
+    Opcode.SHM_DONE: lambda status, meta, limits: (ShmDoneRequest(), 0),
+    Opcode.SHM_DONE | Opcode.REPLY: lambda status, meta, limits: (ShmDoneReply(), 0),
 }
 
 

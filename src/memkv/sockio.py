@@ -40,6 +40,7 @@ import os
 import socket
 import ssl
 import struct
+import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import cast
@@ -282,6 +283,37 @@ def recv_exactly(sock: socket.socket, n: int, deadline: float | None = None) -> 
     if n:
         recv_exactly_into(sock, memoryview(buf), deadline)
     return buf
+
+
+def recv_exactly_with_fds(sock: socket.socket, n: int, max_fds: int, deadline: float) -> tuple[bytearray, list[int]]:
+    """n bytes from an AF_UNIX socket and the descriptors passed with them (SCM_RIGHTS), at most
+    `max_fds`. The caller owns (and must close) every descriptor returned; on an error none is
+    left open. More descriptors than `max_fds` (the kernel truncates them) raise OSError."""
+    buf = bytearray(n)
+    view = memoryview(buf)
+    fds: list[int] = []
+    got = 0
+    space = socket.CMSG_SPACE(max_fds * 4)
+    try:
+        while got < n:
+            _arm(sock, socket.SO_RCVTIMEO, deadline, got, n)
+            try:
+                k, ancdata, flags, _ = sock.recvmsg_into([view[got:]], space)
+            except BlockingIOError:
+                raise TimeoutError(f"timed out after {got} of {n} bytes") from None
+            for level, kind, data in ancdata:
+                if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+                    fds.extend(int.from_bytes(data[i : i + 4], sys.byteorder) for i in range(0, len(data) - 3, 4))
+            if flags & socket.MSG_CTRUNC:
+                raise OSError(errno.EMSGSIZE, f"more than {max_fds} descriptors passed")
+            if k == 0:
+                raise PeerClosed(got, n)
+            got += k
+    except BaseException:
+        for fd in fds:
+            os.close(fd)
+        raise
+    return buf, fds
 
 
 def discard(sock: socket.socket, n: int, scratch: memoryview, deadline: float | None = None) -> None:

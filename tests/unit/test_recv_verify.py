@@ -4,7 +4,8 @@ sockets over 127.0.0.1, held to the pure-Python loop it stands in for.
 Behaviour under test:
 * where a C compiler and Python's headers are there, the extension was built (a silent build
   failure would leave every user on the slower loop);
-* its xxh3-128 is python-xxhash's, for any bytes (hypothesis);
+* its xxh3-128 is python-xxhash's, for any bytes (hypothesis), and so is the digest of its
+  copy-and-hash loop (copy_xxh3), whose target holds the source whole;
 * a value of any length, in pieces that do or do not divide it, lands whole and its digest is
   that of the bytes sent;
 * a peer that closes mid-value raises PeerClosed naming how many bytes had come; the kernel
@@ -83,6 +84,26 @@ def pair(pair):
 @given(st.binary(max_size=300 * KiB))
 def test_its_xxh3_is_python_xxhashs(data: bytes) -> None:
     assert compiled.xxh3_128_digest(data) == xxhash.xxh3_128_digest(data)
+
+
+@needs_compiled
+@settings(max_examples=60, deadline=None)
+@given(st.binary(max_size=600 * KiB), st.integers(min_value=1, max_value=300 * KiB))
+def test_copy_xxh3_copies_whole_and_digests_the_copy(data: bytes, piece: int) -> None:
+    # The one-copy load of bench/shm_copy.py: a read-only source (an mmap in use), any piece.
+    target = bytearray(len(data))
+    assert compiled.copy_xxh3(target, memoryview(data), piece) == xxhash.xxh3_128_digest(data)
+    assert target == data
+
+
+@needs_compiled
+def test_copy_xxh3_refuses_what_it_cannot_copy() -> None:
+    with pytest.raises(ValueError, match="differ in length"):
+        compiled.copy_xxh3(bytearray(3), b"abcd", 1)
+    with pytest.raises(ValueError, match="piece_bytes must be positive"):
+        compiled.copy_xxh3(bytearray(4), b"abcd", 0)
+    with pytest.raises(BufferError, match="not writable"):
+        compiled.copy_xxh3(b"read-only", b"read-only", 4)
 
 
 @needs_compiled

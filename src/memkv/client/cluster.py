@@ -167,6 +167,7 @@ class Client:
                 on_health=self._on_health,
                 connect=connect,
                 local_socket=config.local_socket and config.tls is None,
+                shared_memory=config.shared_memory,
             )
             for addr in config.servers
         ]

@@ -30,6 +30,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 
 from memkv import protocol as p
+from memkv.client.shared import ArenaError, NodeMemory, copy_verified
 from memkv.config import ServerAddress
 from memkv.errors import (
     AuthError,
@@ -53,6 +54,7 @@ from memkv.sockio import (
     can_recv_xxh3,
     recv_exactly,
     recv_exactly_into,
+    recv_exactly_with_fds,
     recv_xxh3_into,
     send_all,
     set_timeouts,
@@ -139,6 +141,9 @@ class NodeConnection:
         self._unsent = bytearray()  # queued by queue_request, not yet taken by the socket
         self._rx = bytearray()  # the part of the next reply received by recv_ready so far
         self._rx_header: p.FrameHeader | None = None
+        # The node's value memory, mapped here: set by NodeClient on a same-host connection whose
+        # node offered it (HELLO_OK shared_memory); GETs then copy from it (`_get_shared`).
+        self.memory: NodeMemory | None = None
         try:
             self.sock = connect(address, connect_timeout_s)
         except OSError as exc:
@@ -331,6 +336,14 @@ class NodeConnection:
         `checksum_failures`, and the connection stays usable. Raises on transport/protocol
         errors: every value not yet verified counts as not loaded.
         """
+        if self.memory is not None:
+            return self._get_shared(self.memory, keys, views, checksummer)
+        return self._get_received(keys, views, checksummer)
+
+    def _get_received(
+        self, keys: Sequence[bytes], views: Sequence[memoryview], checksummer: Checksummer
+    ) -> tuple[list[bool], int]:
+        """GET: the values come over the socket."""
         frame = self.codec.encode(p.GetRequest(tuple(keys), tuple(len(v) for v in views)))
         with self._io("write"):
             send_all(self.sock, [frame], self._deadline())
@@ -351,6 +364,96 @@ class NodeConnection:
             bad_sums += not ok
             results.append(ok)
         return results, bad_sums
+
+    def _get_shared(
+        self, memory: NodeMemory, keys: Sequence[bytes], views: Sequence[memoryview], checksummer: Checksummer
+    ) -> tuple[list[bool], int]:
+        """SHM_GET: each value copied from the node's shared memory and verified here; values the
+        node holds in private memory (NOT_SHARED) then come by GET (docs/protocol.md section 12)."""
+        if not memory.use():  # the node process it maps is gone (see NodeClient._memory_for)
+            self.memory = None
+            return self._get_received(keys, views, checksummer)
+        results = [False] * len(keys)
+        bad_sums = 0
+        private: list[int] = []
+        try:
+            reply = self.request(p.ShmGetRequest(tuple(keys), tuple(len(v) for v in views)))
+            if not isinstance(reply, p.ShmGetReply) or len(reply.items) != len(keys):
+                raise RemoteProtocolError(f"{self.name}: SHM_GET reply does not match the request")
+            places = list(zip(reply.items, reply.arenas, reply.offsets))
+            missing = memory.missing({arena for item, arena, _ in places if item.status == p.ItemStatus.OK})
+            if missing:
+                self._attach(memory, missing)
+            for i, ((item, arena, offset), view) in enumerate(zip(places, views)):
+                if item.status == p.ItemStatus.NOT_SHARED:
+                    private.append(i)
+                if item.status != p.ItemStatus.OK:
+                    continue
+                if item.length != len(view):
+                    raise RemoteProtocolError(f"{self.name}: placed {item.length} bytes for a {len(view)}-byte GET")
+                source = memory.source(arena, offset, item.length)
+                if source is None:
+                    raise RemoteProtocolError(
+                        f"{self.name}: SHM_GET placed a value outside its arenas (arena {arena}, offset {offset})"
+                    )
+                ok = copy_verified(view, source, item.algo, item.checksum, checksummer)
+                bad_sums += not ok
+                results[i] = ok
+            if not private:  # a GET below ends the pins as well
+                done = self.request(p.ShmDoneRequest())
+                if not isinstance(done, p.ShmDoneReply):
+                    raise RemoteProtocolError(f"{self.name}: expected the SHM_DONE reply, got {type(done).__name__}")
+        finally:
+            memory.unuse()
+        if private:
+            got, bad = self._get_received([keys[i] for i in private], [views[i] for i in private], checksummer)
+            for i, ok in zip(private, got):
+                results[i] = ok
+            bad_sums += bad
+        return results, bad_sums
+
+    def _attach(self, memory: NodeMemory, arenas: list[int]) -> None:
+        """Map the node's arenas `arenas`: their descriptors come with the SHM_ATTACH reply."""
+        for start in range(0, len(arenas), p.MAX_SHM_ATTACH):
+            wanted = tuple(arenas[start : start + p.MAX_SHM_ATTACH])
+            self.send(p.ShmAttachRequest(wanted))
+            deadline = self._deadline()
+            with self._io("read"):
+                prefix, fds = recv_exactly_with_fds(self.sock, p.FRAME_PREFIX_BYTES, len(wanted), deadline)
+                try:
+                    header = self.codec.parse_header(prefix)
+                    meta, more = recv_exactly_with_fds(self.sock, header.meta_len, len(wanted), deadline)
+                    fds += more
+                    reply = self.codec.open(header, bytes(prefix), meta)
+                except BaseException:
+                    for fd in fds:
+                        os.close(fd)
+                    raise
+            sized = (
+                []
+                if not isinstance(reply, p.ShmAttachReply)
+                else [(a, n) for a, n in zip(reply.arenas, reply.sizes) if n > 0]
+            )
+            if (
+                not isinstance(reply, p.ShmAttachReply)
+                or reply.arenas != wanted
+                or len(sized) != len(fds)
+                or len(sized) != len(wanted)
+            ):
+                for fd in fds:
+                    os.close(fd)
+                if isinstance(reply, p.ErrorReply):
+                    raise ServerError(
+                        f"{self.name}: node error {p.error_name(reply.code)}: {reply.message}", reply.code
+                    )
+                raise RemoteProtocolError(f"{self.name}: SHM_ATTACH reply does not give the arenas asked for")
+            for (arena, size), fd in zip(sized, fds):
+                try:
+                    memory.add(arena, fd, size)  # closes fd
+                except ArenaError as exc:
+                    for rest in fds[fds.index(fd) + 1 :]:
+                        os.close(rest)
+                    raise RemoteProtocolError(f"{self.name}: {exc.strerror}") from None
 
     def _recv_verified(
         self, view: memoryview, algo: int, checksum: bytes, checksummer: Checksummer, deadline: float
@@ -439,8 +542,10 @@ class NodeClient:
         on_health: Callable[[str, bool], None] | None = None,
         connect: Connect = tcp_connect,
         local_socket: bool = True,
+        shared_memory: bool = True,
     ) -> None:
-        """`local_socket`: use the node's same-host socket when it names one that works."""
+        """`local_socket`: use the node's same-host socket when it names one that works.
+        `shared_memory`: there, copy values from the node's memory when it offers it."""
         self.address = address
         self.name = address.name
         self._auth_key = auth_key
@@ -463,6 +568,8 @@ class NodeClient:
         # thread never pairs a name with a node id another thread has not yet set.
         self._local: tuple[str, str] | None = None
         self._local_refused: set[str] = set()  # names that were not (another host, another node)
+        self._use_shared = shared_memory
+        self._memory: NodeMemory | None = None  # the node process's arenas mapped here
         self._closed = False
 
     # -- health ---------------------------------------------------------------------------------
@@ -560,7 +667,27 @@ class NodeClient:
         if self._local is None:
             log.debug("MemKV: %s: connections go to the same-host socket %s", self.name, name)
         self._local = (name, node_id)
+        if self._use_shared and conn.hello.shared_memory:
+            conn.memory = self._memory_for(node_id)
         return conn
+
+    def _memory_for(self, node_id: str) -> NodeMemory:
+        """The mappings of node process `node_id`; those of a process it replaced go once no copy
+        uses them (they would keep that process's memory alive)."""
+        with self._lock:
+            old = self._memory
+            if old is not None and old.node_id == node_id:
+                return old
+            self._memory = NodeMemory(node_id)
+            new = self._memory
+        if old is not None:
+            old.retire()
+        return new
+
+    @property
+    def shared(self) -> bool:
+        """True while this node's values are copied from its shared memory."""
+        return self._local is not None and self._memory is not None and self._memory.node_id == self._local[1]
 
     def _refuse_local(self, name: str) -> None:
         self._local_refused.add(name)
@@ -622,8 +749,11 @@ class NodeClient:
         with self._lock:
             self._closed = True
             idle, self._idle = self._idle, []
+            memory = self._memory
         for conn in idle:
             conn.close()
+        if memory is not None:
+            memory.retire()  # unmapped once the last copy in progress ends
 
     # -- operations -----------------------------------------------------------------------------
 

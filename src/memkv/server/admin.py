@@ -65,6 +65,7 @@ def node_status(node: Node, admin_address: tuple[str, int]) -> dict[str, Any]:
         "address": f"{node.address[0]}:{node.address[1]}",
         "admin_address": f"{admin_address[0]}:{admin_address[1]}",
         "local_socket": node.local_socket,
+        "shared_memory": None if node.shared is None else node.shared.stats(),
         "ready": node.ready,
         "uptime_s": round(time.time() - node.started_at, 3),
         "connections": node.connection_count(),

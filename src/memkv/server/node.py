@@ -48,6 +48,7 @@ import logging
 import os
 import resource
 import secrets
+import select
 import socket
 import ssl
 import sys
@@ -59,7 +60,8 @@ from memkv.config import ServerConfig
 from memkv.errors import AuthError, LocalProtocolError, RemoteProtocolError
 from memkv.server.metrics import NodeMetrics
 from memkv.server.rdma import RdmaResponder, RequestContext
-from memkv.server.store import Leased, NoSpace, Store
+from memkv.server.shared import SharedArenas
+from memkv.server.store import Entry, Leased, NoSpace, Store
 from memkv.sockio import PeerClosed, discard, recv_exactly, recv_exactly_into, send_all, set_recv_timeout, set_timeouts
 from memkv.tls import TLS_HANDSHAKE_BYTE, ServerTls
 
@@ -76,6 +78,9 @@ _OP_NAMES: dict[int, str] = {
     p.Opcode.RELEASE: "release",
     p.Opcode.RDMA_ATTACH: "rdma_attach",  # RDMA control messages: memkv/server/rdma.py
     p.Opcode.RDMA_GET: "rdma_get",
+    p.Opcode.SHM_ATTACH: "shm_attach",  # shared memory: memkv/server/shared.py
+    p.Opcode.SHM_GET: "shm_get",
+    p.Opcode.SHM_DONE: "shm_done",
 }
 
 
@@ -146,6 +151,12 @@ class Node:
         # at most one: its items are received one after another). Bounds what writers that
         # stall mid-value can take from the cache (docs/operations.md, "Resource bounds").
         inflight = max(2 * config.max_value_bytes, config.capacity_bytes // 4)
+        # Value memory same-host clients may map (memkv/server/shared.py): only where there is a
+        # same-host socket to hand its descriptors over (Linux, no TLS on the data port).
+        self.shared: SharedArenas | None = None
+        if config.shared_memory and config.local_socket and sys.platform.startswith("linux"):
+            if not (config.tls_cert is not None and config.tls_listen is None):
+                self.shared = SharedArenas()
         self.store = Store(
             config.capacity_bytes,
             config.lanes,
@@ -153,6 +164,7 @@ class Node:
             max_lease_s=config.max_lease_s,
             max_leases=config.max_leases,
             max_lease_bytes=config.max_lease_bytes,
+            shared=self.shared,
         )
         self.metrics = NodeMetrics(self.store)
         self.rdma = RdmaResponder(
@@ -184,6 +196,9 @@ class Node:
         self.local_socket: str | None = None  # "@name" as HELLO_OK advertises it
         if config.local_socket and not self._listener_tls:
             self._local_listener, self.local_socket = _listen_local(self.address[1])
+        if self.local_socket is None:
+            self.shared = None  # new buffers stay private; HELLO_OK offers no shared memory
+            self.store.shared = None
         self._stopping = threading.Event()
         self._stopped = threading.Event()
         self._conns: set[socket.socket] = set()
@@ -415,8 +430,16 @@ class Connection:
         self.codec: p.FrameCodec | None = None
         self._scratch: memoryview | None = None
         self._deadline = 0.0  # when the frame being received must be complete (monotonic)
+        self._shm_pins: list[Entry] = []  # values of the last SHM_GET the client may be copying
+        self._shm_sent: set[int] = set()  # arenas whose descriptor this connection was given
 
     def run(self) -> None:
+        try:
+            self._run()
+        finally:
+            self._end_shm_pins()
+
+    def _run(self) -> None:
         if not self._handshake():
             return
         while not self.node._stopping.is_set():
@@ -479,7 +502,9 @@ class Connection:
             self.codec = hs.codec(self.node.limits)
             # The same-host socket is named to plain connections only: a TLS client asked for TLS.
             local = None if isinstance(self.sock, ssl.SSLSocket) else self.node.local_socket
-            send_all(self.sock, [self.codec.encode(p.HelloOk(self.node.node_id, self.node.limits, local))], deadline)
+            shared = self.node.shared is not None and self.sock.family == socket.AF_UNIX
+            hello_ok = p.HelloOk(self.node.node_id, self.node.limits, local, shared)
+            send_all(self.sock, [self.codec.encode(hello_ok)], deadline)
             return True
         except (OSError, ConnectionError):
             self.metrics.auth_failures.labels("incomplete").inc()
@@ -493,6 +518,14 @@ class Connection:
         assert codec is not None
         prefix = bytearray(p.FRAME_PREFIX_BYTES)
         view = memoryview(prefix)
+        if self._shm_pins:
+            # The client is copying the values of its SHM_GET: they stay pinned until its next
+            # frame, but no longer than a reply may take (io_timeout_s), so that a stalled
+            # client cannot hold them from eviction. A copy after that fails its checksum.
+            poller = select.poll()
+            poller.register(self.sock, select.POLLIN)
+            poller.poll(int(cfg.io_timeout_s * 1000))
+            self._end_shm_pins()
         set_recv_timeout(self.sock, cfg.idle_timeout_s)
         try:
             n = self.sock.recv_into(view)
@@ -547,6 +580,12 @@ class Connection:
         elif isinstance(msg, (p.RdmaAttachRequest, p.RdmaGetRequest)):  # memkv/server/rdma.py
             ctx = RequestContext(self.sock, self.peer, cfg.io_timeout_s, self._count_rdma_get)
             self._reply(self.node.rdma.handle(ctx, msg))
+        elif isinstance(msg, p.ShmGetRequest):
+            self._shm_get(msg)
+        elif isinstance(msg, p.ShmAttachRequest):
+            self._shm_attach(msg)
+        elif isinstance(msg, p.ShmDoneRequest):
+            self._reply(p.ShmDoneReply())  # the pins ended when this frame began
         seconds.observe(time.perf_counter() - started)
 
     def _put(self, msg: p.PutRequest) -> None:
@@ -623,6 +662,68 @@ class Connection:
             self.metrics.bytes_out.inc(sum(len(v) for v in values))
         finally:
             store.release(pinned)
+
+    # -- shared memory (docs/protocol.md section 12) ----------------------------------------------
+
+    def _shared(self, op: str) -> SharedArenas:
+        shared = self.node.shared
+        if shared is None or self.sock.family != socket.AF_UNIX:
+            raise RemoteProtocolError(
+                f"{op}: this connection was not offered shared memory (HELLO_OK): it is served on the "
+                "same-host socket of a node that shares its memory only",
+                p.ErrorCode.MALFORMED,
+            )
+        return shared
+
+    def _shm_get(self, msg: p.ShmGetRequest) -> None:
+        """Where each value lies, pinned until the client's next frame (see _serve_one). A value
+        in private memory (no arena could be made for it) answers NOT_SHARED: GET it."""
+        self._shared("SHM_GET")
+        store = self.node.store
+        found = store.acquire(msg.keys, msg.expected_lengths, p.ANY_LENGTH)
+        items, arenas, offsets, private = [], [], [], []
+        no_sum = bytes(p.CHECKSUM_BYTES)
+        for e in found:
+            if isinstance(e, int):
+                items.append(p.GetReplyItem(e, 0, 0, no_sum))
+                arenas.append(0)
+                offsets.append(0)
+            elif e.buf.arena is None:
+                private.append(e)
+                items.append(p.GetReplyItem(p.ItemStatus.NOT_SHARED, 0, 0, no_sum))
+                arenas.append(0)
+                offsets.append(0)
+            else:
+                self._shm_pins.append(e)
+                items.append(p.GetReplyItem(p.ItemStatus.OK, e.length, e.algo, e.checksum))
+                arenas.append(e.buf.arena.id)
+                offsets.append(e.buf.offset)
+        store.release(private)
+        statuses = bytes(it.status for it in items)
+        self._count_keys("get", statuses.replace(bytes([p.ItemStatus.NOT_SHARED]), b""))
+        self._reply(p.ShmGetReply(tuple(items), tuple(arenas), tuple(offsets)))
+        self.metrics.bytes_out.inc(sum(e.length for e in self._shm_pins))
+
+    def _shm_attach(self, msg: p.ShmAttachRequest) -> None:
+        """The arenas' descriptors, passed with the reply frame (SCM_RIGHTS)."""
+        shared = self._shared("SHM_ATTACH")
+        sizes, fds = [], []
+        for arena_id in msg.arenas:
+            found = shared.descriptor(arena_id)
+            sizes.append(0 if found is None else found[1])
+            if found is not None:
+                fds.append(found[0])
+                self._shm_sent.add(arena_id)
+        assert self.codec is not None
+        frame = self.codec.encode(p.ShmAttachReply(msg.arenas, tuple(sizes)), validate=False)
+        deadline = time.monotonic() + self.node.config.io_timeout_s
+        sent = socket.send_fds(self.sock, [frame], fds) if fds else 0  # blocking: SO_SNDTIMEO bounds it
+        send_all(self.sock, [memoryview(frame)[sent:]], deadline)
+
+    def _end_shm_pins(self) -> None:
+        if self._shm_pins:
+            pins, self._shm_pins = self._shm_pins, []
+            self.node.store.release(pins)
 
     def _count_rdma_get(self, statuses: bytes, bytes_out: int) -> None:
         self._count_keys("get", statuses)

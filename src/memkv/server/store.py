@@ -1,7 +1,8 @@
 """The node's value store: byte capacity, lanes, LRU eviction, buffers faulted once and reused.
 
-Memory. A value lives in a buffer the store owns: an anonymous private mmap (values >= 1 MiB,
-pre-faulted with MAP_POPULATE) or a bytearray (smaller ones). Buffers are sized to the value
+Memory. A value lives in a buffer the store owns: for values >= 1 MiB a slot of a shared memfd
+arena when the node shares its memory with same-host clients (memkv/server/shared.py), else an
+anonymous private mmap, either pre-faulted; a bytearray for smaller ones. Buffers are sized to the value
 rounded up to a page. When a value is evicted or deleted its buffer is reused for the next
 value of the same size class (KV-cache values of one model are all one size), so the hot path
 neither allocates nor page-faults; a bounded pool keeps freed buffers for reuse and beyond that
@@ -52,6 +53,7 @@ from typing import Any
 
 from memkv.config import LaneSpec
 from memkv.protocol import ItemStatus
+from memkv.server.shared import Arena, SharedArenas
 
 PAGE = mmap.PAGESIZE
 MMAP_THRESHOLD = 1 << 20
@@ -68,18 +70,35 @@ def buffer_size_for(length: int) -> int:
 
 
 class ValueBuffer:
-    """A reusable block of memory owned by the store."""
+    """A reusable block of memory owned by the store. `arena` is the shared arena it is a slot
+    of (at `offset`), or None for private memory."""
 
-    __slots__ = ("size", "_mem", "view")
+    __slots__ = ("size", "_mem", "view", "arena", "offset", "_shared")
 
-    def __init__(self, size: int) -> None:
+    def __init__(self, size: int, shared: SharedArenas | None = None) -> None:
         self.size = size
-        if size >= MMAP_THRESHOLD:
+        self.arena: Arena | None = None
+        self.offset = 0
+        self._shared = shared
+        slot = shared.take(size) if shared is not None and size >= MMAP_THRESHOLD else None
+        if slot is not None:
+            self.arena, self.offset = slot
+            self._mem: mmap.mmap | bytearray = self.arena.mem
+            self.view = self.arena.view[self.offset : self.offset + size]
+        elif size >= MMAP_THRESHOLD:
             flags = mmap.MAP_PRIVATE | getattr(mmap, "MAP_ANONYMOUS", 0x20) | getattr(mmap, "MAP_POPULATE", 0)
-            self._mem: mmap.mmap | bytearray = mmap.mmap(-1, size, flags=flags)
+            self._mem = mmap.mmap(-1, size, flags=flags)
+            self.view = memoryview(self._mem)
         else:
             self._mem = bytearray(size)
-        self.view = memoryview(self._mem)
+            self.view = memoryview(self._mem)
+
+    def free(self) -> None:
+        """The store is done with it: a slot goes back to its arena (its pages to the kernel);
+        private memory is unmapped when the buffer is collected."""
+        if self.arena is not None and self._shared is not None:
+            self._shared.give(self.arena, self.offset)
+            self.arena = None
 
 
 @dataclasses.dataclass(eq=False)
@@ -159,7 +178,9 @@ class Store:
         max_leases: int = DEFAULT_MAX_LEASES,
         max_lease_bytes: int | None = None,
         clock: Callable[[], float] = time.monotonic,
+        shared: SharedArenas | None = None,
     ) -> None:
+        """`shared`: arenas that large values live in, for same-host clients to map."""
         if capacity_bytes <= 0:
             raise ValueError("capacity_bytes must be positive")
         self.capacity_bytes = capacity_bytes
@@ -192,6 +213,7 @@ class Store:
             int(capacity_bytes * DEFAULT_LEASE_FRACTION) if max_lease_bytes is None else max_lease_bytes
         )
         self._clock = clock
+        self.shared = shared
         self._lease_heap: list[tuple[float, int, bytes, int]] = []  # (expiry, seq, key, token)
         self._lease_seq = 0
         self.leases = 0  # (key, token) pairs
@@ -241,7 +263,7 @@ class Store:
                 raise
         if buf is None:
             try:
-                buf = ValueBuffer(size)
+                buf = ValueBuffer(size, self.shared)
             except BaseException:
                 with self._lock:
                     self.allocated_bytes -= size
@@ -504,9 +526,10 @@ class Store:
             lst.append(buf)
             self._pool_bytes += buf.size
         else:
-            self.allocated_bytes -= buf.size  # dropped: the mapping is unmapped when collected
+            self.allocated_bytes -= buf.size
             if self.on_drop is not None:
                 self.on_drop(buf)
+            buf.free()
 
     def _take_pooled(self, size: int) -> ValueBuffer | None:
         i = bisect.bisect_left(self._pool_sizes, size)
@@ -529,6 +552,7 @@ class Store:
             dropped = lst.pop()
             if self.on_drop is not None:
                 self.on_drop(dropped)
+            dropped.free()
             if not lst:
                 del self._pool[size]
                 self._pool_sizes.pop()

@@ -1,0 +1,164 @@
+"""A same-host node's value memory, mapped read-only into this process (docs/protocol.md section 12).
+
+A node that offers shared memory on its same-host socket keeps values of 1 MiB and more in memfd
+arenas (memkv/server/shared.py). An SHM_GET tells where each value lies; the client copies it
+from the mapping straight into its destination and hashes the copy piece by piece while it is
+in cache (one copy per byte instead of two, no syscall per value). `copy_verified` holds the
+result to the checksum the node stored: a value the node reused meanwhile fails it and is a
+miss, so a stale mapping can cost a hit, never return wrong bytes.
+
+Mappings belong to one node process (its node_id): a node that restarted has new arenas, and the
+old mappings, which keep the dead process's memory alive, are unmapped once no copy uses them.
+
+Pages: a mapping is made without faulting anything in (most of an arena may be holes, and a read
+fault on a hole would allocate memory in the node). Before its first copy from a value's pages
+the client fills their page tables with one madvise(MADV_POPULATE_READ) (Linux 5.14+; without it
+the copy takes the faults one by one).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import hmac
+import logging
+import mmap
+import os
+import stat
+import threading
+
+from memkv.integrity import Checksummer
+from memkv.protocol import ChecksumAlgo
+
+try:
+    from memkv._recv_verify import copy_xxh3 as _compiled_copy
+except ImportError:
+    _compiled_copy = None  # type: ignore[assignment]
+# MEMKV_PURE_PYTHON=1 turns the compiled loop off, as for receives (memkv/sockio.py).
+COMPILED_COPY = _compiled_copy is not None and os.environ.get("MEMKV_PURE_PYTHON", "") in ("", "0")
+
+log = logging.getLogger("memkv.client")
+
+_LIBC = ctypes.CDLL(None, use_errno=True)
+_LIBC.mmap.restype = ctypes.c_void_p
+_LIBC.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+_LIBC.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+_LIBC.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+_MAP_FAILED = ctypes.c_void_p(-1).value
+MADV_POPULATE_READ = 22
+PAGE = mmap.PAGESIZE
+# Copied and hashed in pieces this large: each piece is hashed while the copy left it in cache.
+COPY_PIECE = 256 << 10
+
+
+class ArenaError(OSError):
+    """A descriptor the node passed cannot be mapped as the arena it announced."""
+
+
+class NodeMemory:
+    """The arenas of one node process mapped into this one. Thread-safe."""
+
+    def __init__(self, node_id: str) -> None:
+        self.node_id = node_id
+        self._lock = threading.Lock()
+        self._maps: dict[int, tuple[int, int]] = {}  # arena id -> (address, size)
+        self._populated: set[tuple[int, int]] = set()  # (arena, offset) whose page tables are filled
+        self._users = 0
+        self._retired = False
+
+    def missing(self, arenas: set[int]) -> list[int]:
+        with self._lock:
+            return sorted(a for a in arenas if a not in self._maps)
+
+    def add(self, arena: int, fd: int, size: int) -> None:
+        """Map `fd` (closed here in every case) as arena `arena` of `size` bytes, read-only."""
+        try:
+            info = os.fstat(fd)
+            if not stat.S_ISREG(info.st_mode) or info.st_size != size or size <= 0:
+                raise ArenaError(
+                    errno.EINVAL, f"arena {arena}: the descriptor is not a {size}-byte memory file (got {info.st_size})"
+                )
+            with self._lock:
+                if arena in self._maps or self._retired:
+                    return
+                addr = _LIBC.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+                if addr is None or addr == _MAP_FAILED:
+                    err = ctypes.get_errno()
+                    raise ArenaError(err, f"arena {arena}: mmap failed: {os.strerror(err)}")
+                self._maps[arena] = (addr, size)
+        finally:
+            os.close(fd)
+
+    def source(self, arena: int, offset: int, length: int) -> int | None:
+        """The address of `length` bytes at `offset` of `arena`, page tables filled; None when
+        the arena is not mapped or the range does not lie inside it (a node not to be trusted)."""
+        with self._lock:
+            found = self._maps.get(arena)
+            if found is None or offset < 0 or length <= 0 or offset + length > found[1]:
+                return None
+            first = (arena, offset) not in self._populated
+            if first:
+                self._populated.add((arena, offset))
+        addr = found[0] + offset
+        if first:
+            start = addr - addr % PAGE
+            _LIBC.madvise(start, addr + length - start, MADV_POPULATE_READ)  # an error: faults instead
+        return addr
+
+    def use(self) -> bool:
+        """Count a copy in progress; False once retired (its mappings go)."""
+        with self._lock:
+            if self._retired:
+                return False
+            self._users += 1
+            return True
+
+    def unuse(self) -> None:
+        with self._lock:
+            self._users -= 1
+            done = self._retired and self._users == 0
+        if done:
+            self._unmap()
+
+    def retire(self) -> None:
+        """The node process is gone or replaced: unmap once the last copy ends."""
+        with self._lock:
+            if self._retired:
+                return
+            self._retired = True
+            done = self._users == 0
+        if done:
+            self._unmap()
+
+    def _unmap(self) -> None:
+        with self._lock:
+            maps, self._maps = self._maps, {}
+            self._populated.clear()
+        for addr, size in maps.values():
+            _LIBC.munmap(addr, size)
+
+    @property
+    def arenas(self) -> int:
+        return len(self._maps)
+
+
+def copy_verified(target: memoryview, source_addr: int, algo: int, checksum: bytes, checksummer: Checksummer) -> bool:
+    """Copy len(target) bytes from `source_addr` into `target`, hashing the copy; True when it
+    matches `checksum`. The compiled loop does both without the GIL; the Python one copies each
+    piece with ctypes.memmove (no GIL) and hashes it right after (python-xxhash or blake3)."""
+    length = len(target)
+    source = memoryview((ctypes.c_char * length).from_address(source_addr)).cast("B")
+    if algo == ChecksumAlgo.XXH3_128 and COMPILED_COPY:
+        assert _compiled_copy is not None
+        digest = _compiled_copy(target, source, COPY_PIECE)
+        return hmac.compare_digest(Checksummer.padded(digest), checksum)
+    try:
+        hasher = checksummer.hasher(algo)
+    except ValueError:
+        return False  # an algorithm we do not know: a miss
+    target_addr = ctypes.addressof(ctypes.c_char.from_buffer(target))
+    for off in range(0, length, COPY_PIECE):
+        n = min(COPY_PIECE, length - off)
+        ctypes.memmove(target_addr + off, source_addr + off, n)
+        hasher.update(target[off : off + n])
+    return hmac.compare_digest(checksummer.finish(hasher), checksum)
