@@ -24,6 +24,9 @@
 
 #include <errno.h>
 #include <string.h>
+#include <stdint.h>
+#include <sys/mman.h>
+#include <unistd.h>
 #include <sys/socket.h>
 #include <sys/time.h>
 #include <time.h>
@@ -160,16 +163,23 @@ static PyObject *recv_xxh3_into(PyObject *self, PyObject *args) {
     return Py_BuildValue("niN", (Py_ssize_t)got, err, digest);
 }
 
+#ifndef MADV_POPULATE_READ
+#define MADV_POPULATE_READ 22 /* Linux 5.14 */
+#endif
+
 static PyObject *copy_xxh3(PyObject *self, PyObject *args) {
-    /* copy_xxh3(target, source, piece_bytes) -> digest: copy `source` into `target` (same
-     * length) piece by piece, hashing each piece of the copy right after it was written (in
-     * cache), with no GIL: the one-copy load of a same-host node's shared memory (run 48 in
-     * docs/performance.md measured what it buys). The digest is of the bytes in `target`: what
-     * was copied is what was verified, whatever the source does meanwhile. */
+    /* copy_xxh3(target, source, piece_bytes, populate=0) -> digest: copy `source` into `target`
+     * (same length) piece by piece, hashing each piece of the copy right after it was written
+     * (in cache), with no GIL: the one-copy load of a same-host node's shared memory
+     * (memkv/client/shared.py). The digest is of the bytes in `target`: what was copied is what
+     * was verified, whatever the source does meanwhile. `populate`: first fill the page tables
+     * of the source's pages (madvise MADV_POPULATE_READ; an error leaves the copy to fault them
+     * in), inside the same GIL release: a busy process makes every re-acquire costly. */
     (void)self;
     PyObject *target_obj, *source_obj;
     Py_ssize_t piece;
-    if (!PyArg_ParseTuple(args, "OOn", &target_obj, &source_obj, &piece)) {
+    int populate = 0;
+    if (!PyArg_ParseTuple(args, "OOn|p", &target_obj, &source_obj, &piece, &populate)) {
         return NULL;
     }
     if (piece <= 0) {
@@ -200,6 +210,11 @@ static PyObject *copy_xxh3(PyObject *self, PyObject *args) {
     const char *src = (const char *)source.buf;
     size_t total = (size_t)target.len;
     Py_BEGIN_ALLOW_THREADS
+    if (populate && total > 0) {
+        uintptr_t page = (uintptr_t)sysconf(_SC_PAGESIZE);
+        uintptr_t start = (uintptr_t)src & ~(page - 1);
+        (void)madvise((void *)start, (uintptr_t)src + total - start, MADV_POPULATE_READ);
+    }
     for (size_t off = 0; off < total; off += (size_t)piece) {
         size_t n = total - off < (size_t)piece ? total - off : (size_t)piece;
         memcpy(dst + off, src + off, n);
@@ -238,7 +253,7 @@ static PyMethodDef methods[] = {
     {"recv_xxh3_into", recv_xxh3_into, METH_VARARGS,
      "recv_xxh3_into(fd, buffer, piece_bytes, deadline) -> (got, errno, digest or None)"},
     {"copy_xxh3", copy_xxh3, METH_VARARGS,
-     "copy_xxh3(target, source, piece_bytes) -> digest of the copy (16 bytes)"},
+     "copy_xxh3(target, source, piece_bytes, populate=False) -> digest of the copy (16 bytes)"},
     {"xxh3_128_digest", xxh3_128_digest, METH_VARARGS, "xxh3_128_digest(data) -> 16 bytes"},
     {NULL, NULL, 0, NULL},
 };

@@ -107,7 +107,6 @@ class Opcode(enum.IntEnum):
     RDMA_GET = 0x21  # client -> node: WRITE these values into these slots of the client's pool
     SHM_ATTACH = 0x30  # same-host socket: the descriptors of these shared arenas (section 12)
     SHM_GET = 0x31  # same-host socket: where these values lie in shared memory; pins them
-    SHM_DONE = 0x32  # same-host socket: the values of the last SHM_GET are copied; unpin
     ERROR = 0x7F  # server -> client; the connection closes after it
     REPLY = 0x80  # or-ed into the request opcode
 
@@ -395,12 +394,13 @@ class RdmaGetReply:
 # --------------------------------------------------------------------------------------------
 # Shared memory (docs/protocol.md section 12): on the same-host socket only. The node keeps
 # large values in memfd arenas; SHM_ATTACH hands the client their descriptors (SCM_RIGHTS, on
-# the reply frame), SHM_GET says where each value lies and pins it until SHM_DONE, the next
-# request, the connection's end, or io_timeout_s, whichever comes first. The client copies and
+# the reply frame), SHM_GET says where each value lies and pins it until the connection's next
+# frame, its end, or SHM_PIN_S, whichever comes first. The client copies and
 # verifies each value itself: what it copied is what it verified, so a value the node reused
 # meanwhile is a checksum miss, never wrong bytes.
 # --------------------------------------------------------------------------------------------
 
+SHM_PIN_S = 2.0  # at most this long after an SHM_GET reply (a copy of 8 x 16 MiB takes ~30 ms)
 MAX_SHM_ATTACH = 64  # arenas per SHM_ATTACH (the kernel passes at most 253 descriptors a message)
 _ARENA_COUNT = struct.Struct(">I")
 
@@ -435,16 +435,6 @@ class ShmGetReply:
     offsets: tuple[int, ...]
 
 
-@dataclasses.dataclass(frozen=True)
-class ShmDoneRequest:
-    pass
-
-
-@dataclasses.dataclass(frozen=True)
-class ShmDoneReply:
-    pass
-
-
 # Every message a client sends, and every message a node sends (ERROR included).
 Request = (
     PingRequest
@@ -459,7 +449,6 @@ Request = (
     | RdmaGetRequest
     | ShmAttachRequest
     | ShmGetRequest
-    | ShmDoneRequest
 )
 Reply = (
     PingReply
@@ -473,7 +462,6 @@ Reply = (
     | RdmaGetReply
     | ShmAttachReply
     | ShmGetReply
-    | ShmDoneReply
 )
 Message = Request | Reply
 
@@ -828,8 +816,6 @@ _ENCODERS: dict[type, Callable[[Any], _Encoded]] = {
     ShmAttachReply: _encode_shm_attach_reply,
     ShmGetRequest: _encode_shm_get,
     ShmGetReply: _encode_shm_get_reply,
-    ShmDoneRequest: lambda msg: (Opcode.SHM_DONE, 0, b""),
-    ShmDoneReply: lambda msg: (Opcode.SHM_DONE | Opcode.REPLY, 0, b""),
 }
 
 
@@ -1114,8 +1100,6 @@ _DECODERS: dict[int, Callable[[int, memoryview, Limits], _Decoded]] = {
     Opcode.SHM_ATTACH | Opcode.REPLY: _decode_shm_attach_reply,
     Opcode.SHM_GET: _decode_shm_get,
     Opcode.SHM_GET | Opcode.REPLY: _decode_shm_get_reply,
-    Opcode.SHM_DONE: lambda status, meta, limits: (ShmDoneRequest(), 0),
-    Opcode.SHM_DONE | Opcode.REPLY: lambda status, meta, limits: (ShmDoneReply(), 0),
 }
 
 

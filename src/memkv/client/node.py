@@ -396,13 +396,11 @@ class NodeConnection:
                     raise RemoteProtocolError(
                         f"{self.name}: SHM_GET placed a value outside its arenas (arena {arena}, offset {offset})"
                     )
-                ok = copy_verified(view, source, item.algo, item.checksum, checksummer)
+                ok = copy_verified(view, *source, item.algo, item.checksum, checksummer)
                 bad_sums += not ok
                 results[i] = ok
-            if not private:  # a GET below ends the pins as well
-                done = self.request(p.ShmDoneRequest())
-                if not isinstance(done, p.ShmDoneReply):
-                    raise RemoteProtocolError(f"{self.name}: expected the SHM_DONE reply, got {type(done).__name__}")
+            # No message says the copies are done: the node unpins them at this connection's next
+            # frame (or after a bound); a round trip per batch cost a busy engine GIL re-acquires.
         finally:
             memory.unuse()
         if private:

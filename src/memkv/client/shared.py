@@ -89,9 +89,10 @@ class NodeMemory:
         finally:
             os.close(fd)
 
-    def source(self, arena: int, offset: int, length: int) -> int | None:
-        """The address of `length` bytes at `offset` of `arena`, page tables filled; None when
-        the arena is not mapped or the range does not lie inside it (a node not to be trusted)."""
+    def source(self, arena: int, offset: int, length: int) -> tuple[int, bool] | None:
+        """(address of `length` bytes at `offset` of `arena`, whether this is the first copy from
+        there: its page tables must be filled); None when the arena is not mapped or the range
+        does not lie inside it (a node not to be trusted)."""
         with self._lock:
             found = self._maps.get(arena)
             if found is None or offset < 0 or length <= 0 or offset + length > found[1]:
@@ -99,11 +100,7 @@ class NodeMemory:
             first = (arena, offset) not in self._populated
             if first:
                 self._populated.add((arena, offset))
-        addr = found[0] + offset
-        if first:
-            start = addr - addr % PAGE
-            _LIBC.madvise(start, addr + length - start, MADV_POPULATE_READ)  # an error: faults instead
-        return addr
+        return found[0] + offset, first
 
     def use(self) -> bool:
         """Count a copy in progress; False once retired (its mappings go)."""
@@ -142,20 +139,27 @@ class NodeMemory:
         return len(self._maps)
 
 
-def copy_verified(target: memoryview, source_addr: int, algo: int, checksum: bytes, checksummer: Checksummer) -> bool:
+def copy_verified(
+    target: memoryview, source_addr: int, populate: bool, algo: int, checksum: bytes, checksummer: Checksummer
+) -> bool:
     """Copy len(target) bytes from `source_addr` into `target`, hashing the copy; True when it
-    matches `checksum`. The compiled loop does both without the GIL; the Python one copies each
-    piece with ctypes.memmove (no GIL) and hashes it right after (python-xxhash or blake3)."""
+    matches `checksum`. `populate`: fill the source's page tables first (its first copy here).
+    The compiled loop does all of it in one GIL release (a busy engine makes every re-acquire
+    cost up to its switch interval); the Python one copies each piece with ctypes.memmove (no
+    GIL) and hashes it right after (python-xxhash or blake3)."""
     length = len(target)
     source = memoryview((ctypes.c_char * length).from_address(source_addr)).cast("B")
     if algo == ChecksumAlgo.XXH3_128 and COMPILED_COPY:
         assert _compiled_copy is not None
-        digest = _compiled_copy(target, source, COPY_PIECE)
+        digest = _compiled_copy(target, source, COPY_PIECE, populate)
         return hmac.compare_digest(Checksummer.padded(digest), checksum)
     try:
         hasher = checksummer.hasher(algo)
     except ValueError:
         return False  # an algorithm we do not know: a miss
+    if populate:
+        start = source_addr - source_addr % PAGE
+        _LIBC.madvise(start, source_addr + length - start, MADV_POPULATE_READ)  # an error: faults instead
     target_addr = ctypes.addressof(ctypes.c_char.from_buffer(target))
     for off in range(0, length, COPY_PIECE):
         n = min(COPY_PIECE, length - off)

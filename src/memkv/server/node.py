@@ -80,7 +80,6 @@ _OP_NAMES: dict[int, str] = {
     p.Opcode.RDMA_GET: "rdma_get",
     p.Opcode.SHM_ATTACH: "shm_attach",  # shared memory: memkv/server/shared.py
     p.Opcode.SHM_GET: "shm_get",
-    p.Opcode.SHM_DONE: "shm_done",
 }
 
 
@@ -520,11 +519,12 @@ class Connection:
         view = memoryview(prefix)
         if self._shm_pins:
             # The client is copying the values of its SHM_GET: they stay pinned until its next
-            # frame, but no longer than a reply may take (io_timeout_s), so that a stalled
-            # client cannot hold them from eviction. A copy after that fails its checksum.
+            # frame, but no longer than SHM_PIN_S, so that an idle or stalled client cannot hold
+            # them from eviction. A copy that outlasts it and meets a reused buffer fails its
+            # checksum: a miss, never wrong bytes.
             poller = select.poll()
             poller.register(self.sock, select.POLLIN)
-            poller.poll(int(cfg.io_timeout_s * 1000))
+            poller.poll(int(min(p.SHM_PIN_S, cfg.io_timeout_s) * 1000))
             self._end_shm_pins()
         set_recv_timeout(self.sock, cfg.idle_timeout_s)
         try:
@@ -584,8 +584,7 @@ class Connection:
             self._shm_get(msg)
         elif isinstance(msg, p.ShmAttachRequest):
             self._shm_attach(msg)
-        elif isinstance(msg, p.ShmDoneRequest):
-            self._reply(p.ShmDoneReply())  # the pins ended when this frame began
+
         seconds.observe(time.perf_counter() - started)
 
     def _put(self, msg: p.PutRequest) -> None:
