@@ -13,7 +13,8 @@ slow state, so only same-repetition ratios mean anything):
   * raw-unix: the same raw design over an abstract Unix socket: the kernel path MemKV's
     same-host clients take by default (docs/protocol.md section 2.6). "memkv" is the client as
     configured by default (over the node's Unix socket), "memkv-tcp" the same client with
-    local_socket off (loopback TCP). Same-family pairs (memkv/raw-unix, memkv-tcp/raw) price what
+    local_socket off (loopback TCP), "memkv-shm" the same client with shared_memory on (its GETs copy
+    from the node's memory: docs/protocol.md section 13; its PUTs are memkv's). Same-family pairs (memkv/raw-unix, memkv-tcp/raw) price what
     MemKV adds; memkv/raw is what a user gets against the raw TCP design.
   * redis: a real `redis-server` started by the bench (skipped if not installed; `apt-get
     install redis-server`), driven by redis-py with SET/GET of the same values.
@@ -281,6 +282,7 @@ def measure(value_bytes: int, n: int, threads: int, n_nodes: int, reps: int, bpo
                               auth_key=AuthKey.from_hex(key, "bench"), pool_size=max(8, threads))
         client = Client(config)  # the default: same-host nodes over their Unix socket
         client_tcp = Client(dataclasses.replace(config, local_socket=False))  # loopback TCP, as before it
+        client_shm = Client(dataclasses.replace(config, shared_memory=True))  # GETs copy from the node's memory
         src = memoryview(prefaulted_pool(value_bytes * n))
         dst = memoryview(prefaulted_pool(value_bytes * n))
         for i in range(n):
@@ -312,20 +314,23 @@ def measure(value_bytes: int, n: int, threads: int, n_nodes: int, reps: int, bpo
             "raw-unix put": lambda idx: [rawu.put(i, slot(src, i)) for i in idx],
             "memkv put": memkv_put(client),
             "memkv-tcp put": memkv_put(client_tcp),
+            "memkv-shm put": memkv_put(client_shm),
             "raw get": lambda idx: [rawc.get(i, slot(dst, i)) for i in idx],
             "raw-unix get": lambda idx: [rawu.get(i, slot(dst, i)) for i in idx],
             "memkv get": memkv_get(client),
             "memkv-tcp get": memkv_get(client_tcp),
+            "memkv-shm get": memkv_get(client_shm),
         }
         if rclient is not None:
             ops["redis put"] = lambda idx: [rclient.set(keys[i], slot(src, i)) for i in idx]
             ops["redis get"] = redis_get
         node_pid = nodes[0].pid if n_nodes == 1 else None
-        server_pid = {"raw": raw.pid, "raw-unix": raw.pid, "memkv": node_pid, "memkv-tcp": node_pid,
+        server_pid = {"raw": raw.pid, "raw-unix": raw.pid, "memkv": node_pid, "memkv-tcp": node_pid, "memkv-shm": node_pid,
                       "redis": redis_proc.pid if redis_proc is not None else None}
         rates: dict[str, list[float]] = {name: [] for name in ops}
         cpu: dict[str, list[float]] = {name: [] for name in ops}  # CPU seconds per GB moved
-        pairs = (("memkv", "raw"), ("memkv", "raw-unix"), ("memkv-tcp", "raw"), ("memkv", "memkv-tcp"))
+        pairs = (("memkv", "raw"), ("memkv", "raw-unix"), ("memkv-tcp", "raw"), ("memkv", "memkv-tcp"),
+                 ("memkv-shm", "raw-unix"))
         block_ratios: dict[str, list[float]] = {f"{a}/{b} {op}": [] for a, b in pairs for op in ("put", "get")}
         # Interleaved: each repetition moves the values in blocks of `block_values` batches per
         # thread, the systems taking turns on every block (order reversed every other block), so
@@ -351,7 +356,7 @@ def measure(value_bytes: int, n: int, threads: int, n_nodes: int, reps: int, bpo
                             spent[name] += dt
                             used[name] += cpu_seconds() - c0 + (cpu_seconds(pid) - s0 if pid else 0.0)
                             per_block[name].append(dt)
-                            if name in ("memkv get", "memkv-tcp get"):
+                            if name in ("memkv get", "memkv-tcp get", "memkv-shm get"):
                                 for i in (i for idx in block for i in idx):
                                     assert slot(dst, i) == slot(src, i), "memkv get returned wrong bytes"
                                     dst[i * value_bytes : i * value_bytes + 8] = b"\0" * 8  # must be written again
@@ -365,6 +370,7 @@ def measure(value_bytes: int, n: int, threads: int, n_nodes: int, reps: int, bpo
                         cpu[name].append(used[name] / (value_bytes * n / 1e9))
         client.close()
         client_tcp.close()
+        client_shm.close()
     finally:
         rawc.close()
         rawu.close()
@@ -548,7 +554,7 @@ def print_config(r: dict) -> None:
           f"{r['blocks_per_op']} per batch, {r['reps']} reps; redis: {r['redis']}")
     cols = ("put GB/s", "get GB/s", "put cpu-s/GB", "get cpu-s/GB") if "cpu_s_per_gb" in r else ("put GB/s", "get GB/s")
     print(f"  {'':<11}" + "".join(f"{op:>14}" for op in cols))
-    for who in ("raw", "raw-unix", "memkv-tcp", "memkv", "redis"):
+    for who in ("raw", "raw-unix", "memkv-tcp", "memkv", "memkv-shm", "redis"):
         if f"{who} put" in r["gbps"]:
             figures = [statistics.median(r["gbps"][f"{who} {op}"]) for op in ("put", "get")]
             if "cpu_s_per_gb" in r:

@@ -350,8 +350,9 @@ class ClientConfig:
     # never with TLS (TLS was asked for). MEMKV_LOCAL_SOCKET=off keeps every connection on TCP.
     local_socket: bool = True
     # On the same-host socket, copy values straight from the node's shared memory when it offers
-    # it (memkv/client/shared.py). MEMKV_SHARED_MEMORY=off receives them over the socket.
-    shared_memory: bool = True
+    # it (memkv/client/shared.py). Off by default: a client process's first copy of each value
+    # pays for its page tables, which made cold promotions slower (docs/performance.md).
+    shared_memory: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.local_socket, bool):

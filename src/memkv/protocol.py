@@ -105,7 +105,7 @@ class Opcode(enum.IntEnum):
     RELEASE = 0x16  # end leases early
     RDMA_ATTACH = 0x20  # client -> node: the client's RDMA metadata (section 10 of docs/protocol.md)
     RDMA_GET = 0x21  # client -> node: WRITE these values into these slots of the client's pool
-    SHM_ATTACH = 0x30  # same-host socket: the descriptors of these shared arenas (section 12)
+    SHM_ATTACH = 0x30  # same-host socket: the descriptors of these shared arenas (section 13)
     SHM_GET = 0x31  # same-host socket: where these values lie in shared memory; pins them
     ERROR = 0x7F  # server -> client; the connection closes after it
     REPLY = 0x80  # or-ed into the request opcode
@@ -205,7 +205,7 @@ class HelloOk:
     `local_socket`: the name of the node's same-host socket (`@` + an abstract AF_UNIX name,
     random per node process; docs/protocol.md section 2.6), or None when it serves none.
     `shared_memory`: this connection may map the node's value memory (SHM_* requests; only on
-    the same-host socket, section 12)."""
+    the same-host socket, section 13)."""
 
     node_id: str
     limits: Limits
@@ -392,7 +392,7 @@ class RdmaGetReply:
 
 
 # --------------------------------------------------------------------------------------------
-# Shared memory (docs/protocol.md section 12): on the same-host socket only. The node keeps
+# Shared memory (docs/protocol.md section 13): on the same-host socket only. The node keeps
 # large values in memfd arenas; SHM_ATTACH hands the client their descriptors (SCM_RIGHTS, on
 # the reply frame), SHM_GET says where each value lies and pins it until the connection's next
 # frame, its end, or SHM_PIN_S, whichever comes first. The client copies and

@@ -150,6 +150,7 @@ MESSAGES = [
     ("ping-reply", "s2c", p.PingReply(), b""),
     ("hello-ok", "s2c", p.HelloOk("node-a:9900", p.Limits()), b""),
     ("hello-ok-local-socket", "s2c", p.HelloOk("node-a:9900", p.Limits(), "@memkv-9900-" + "ab" * 12), b""),
+    ("hello-ok-shared-memory", "s2c", p.HelloOk("node-a:9900", p.Limits(), "@memkv-9900-" + "ab" * 12, True), b""),
     (
         "hello-ok-custom-limits",
         "s2c",
@@ -216,6 +217,23 @@ MESSAGES = [
             )
         ),
         b"",  # RDMA values never travel in the frame
+    ),
+    ("shm-attach", "c2s", p.ShmAttachRequest((0, 7, 2**32 - 1)), b""),
+    ("shm-attach-reply", "s2c", p.ShmAttachReply((0, 7), (1 << 30, 0)), b""),  # the descriptors ride beside
+    ("shm-get", "c2s", p.ShmGetRequest((b"a", b"b" * 480), (16 << 20, p.ANY_LENGTH)), b""),
+    (
+        "shm-get-reply",
+        "s2c",
+        p.ShmGetReply(
+            (
+                p.GetReplyItem(p.ItemStatus.OK, 16 << 20, p.ChecksumAlgo.XXH3_128, _SUMS.compute(b"x")),
+                p.GetReplyItem(p.ItemStatus.NOT_SHARED, 0, 0, bytes(32)),
+                p.GetReplyItem(p.ItemStatus.MISS, 0, 0, bytes(32)),
+            ),
+            (3, 0, 0),
+            ((1 << 30) - (16 << 20), 0, 0),
+        ),
+        b"",  # values are copied from the node's memory, never sent
     ),
 ]
 
@@ -565,6 +583,9 @@ MALFORMED = [
     ("list-limit-4097", raw_frame(p.Opcode.LIST, struct.pack(">IH", 4097, 0)), p.ErrorCode.BATCH_TOO_LARGE),
     ("list-limit-2**32-1", raw_frame(p.Opcode.LIST, struct.pack(">IH", 2**32 - 1, 0)), p.ErrorCode.BATCH_TOO_LARGE),
     ("list-prefix-over-480-bytes", raw_frame(p.Opcode.LIST, struct.pack(">IH", 1, 481) + b"k" * 481), p.ErrorCode.KEY_TOO_LONG),
+    ("shm-attach-none", raw_frame(p.Opcode.SHM_ATTACH, struct.pack(">I", 0)), p.ErrorCode.BATCH_TOO_LARGE),
+    ("shm-attach-too-many", raw_frame(p.Opcode.SHM_ATTACH, struct.pack(">I", 65) + bytes(4 * 65)), p.ErrorCode.BATCH_TOO_LARGE),
+    ("shm-attach-truncated", raw_frame(p.Opcode.SHM_ATTACH, struct.pack(">II", 2, 0)), p.ErrorCode.MALFORMED),
 ]
 
 MALFORMED_REPLIES = [
@@ -579,6 +600,10 @@ MALFORMED_REPLIES = [
     ("hello-ok-local-socket-empty", raw_frame(p.Opcode.HELLO_OK, json.dumps({"node_id": "n", "limits": {}, "local_socket": "@"}).encode(), send_key=S2C_KEY), p.ErrorCode.MALFORMED),
     ("hello-ok-local-socket-not-a-string", raw_frame(p.Opcode.HELLO_OK, json.dumps({"node_id": "n", "limits": {}, "local_socket": 1}).encode(), send_key=S2C_KEY), p.ErrorCode.MALFORMED),
     ("hello-ok-local-socket-too-long", raw_frame(p.Opcode.HELLO_OK, json.dumps({"node_id": "n", "limits": {}, "local_socket": "@" + "a" * 101}).encode(), send_key=S2C_KEY), p.ErrorCode.MALFORMED),
+    ("hello-ok-shared-memory-not-a-bool", raw_frame(p.Opcode.HELLO_OK, json.dumps({"node_id": "n", "limits": {}, "shared_memory": "yes"}).encode(), send_key=S2C_KEY), p.ErrorCode.MALFORMED),
+    # SHM_ATTACH asks for 1..MAX_SHM_ATTACH arenas; its reply and SHM_GET's carry every field per item.
+    ("shm-attach-reply-no-sizes", raw_frame(0xB0, struct.pack(">II", 1, 0), send_key=S2C_KEY), p.ErrorCode.MALFORMED),
+    ("shm-get-reply-no-places", raw_frame(0xB1, struct.pack(">I", 1) + b"\x00" + struct.pack(">I", 5) + b"\x01" + bytes(32), send_key=S2C_KEY), p.ErrorCode.MALFORMED),
     ("status-reply-truncated", raw_frame(0x92, struct.pack(">I", 3) + b"\x00", send_key=S2C_KEY), p.ErrorCode.MALFORMED),
     ("get-reply-truncated", raw_frame(0x91, struct.pack(">I", 1) + b"\x00" + struct.pack(">I", 0), send_key=S2C_KEY), p.ErrorCode.MALFORMED),
     ("list-reply-without-flag", raw_frame(0x94, keys_meta([b"a"]) + struct.pack(">I", 1), send_key=S2C_KEY), p.ErrorCode.MALFORMED),

@@ -369,7 +369,7 @@ class NodeConnection:
         self, memory: NodeMemory, keys: Sequence[bytes], views: Sequence[memoryview], checksummer: Checksummer
     ) -> tuple[list[bool], int]:
         """SHM_GET: each value copied from the node's shared memory and verified here; values the
-        node holds in private memory (NOT_SHARED) then come by GET (docs/protocol.md section 12)."""
+        node holds in private memory (NOT_SHARED) then come by GET (docs/protocol.md section 13)."""
         if not memory.use():  # the node process it maps is gone (see NodeClient._memory_for)
             self.memory = None
             return self._get_received(keys, views, checksummer)
@@ -540,7 +540,7 @@ class NodeClient:
         on_health: Callable[[str, bool], None] | None = None,
         connect: Connect = tcp_connect,
         local_socket: bool = True,
-        shared_memory: bool = True,
+        shared_memory: bool = False,
     ) -> None:
         """`local_socket`: use the node's same-host socket when it names one that works.
         `shared_memory`: there, copy values from the node's memory when it offers it."""
@@ -666,17 +666,18 @@ class NodeClient:
             log.debug("MemKV: %s: connections go to the same-host socket %s", self.name, name)
         self._local = (name, node_id)
         if self._use_shared and conn.hello.shared_memory:
-            conn.memory = self._memory_for(node_id)
+            conn.memory = self._memory_for(name)
         return conn
 
-    def _memory_for(self, node_id: str) -> NodeMemory:
-        """The mappings of node process `node_id`; those of a process it replaced go once no copy
-        uses them (they would keep that process's memory alive)."""
+    def _memory_for(self, process: str) -> NodeMemory:
+        """The mappings of one node process, named by its same-host socket (random per process:
+        a node restarted on the same port keeps its node_id, not its arenas); those of the
+        process it replaced go once no copy uses them (they keep that memory alive)."""
         with self._lock:
             old = self._memory
-            if old is not None and old.node_id == node_id:
+            if old is not None and old.process == process:
                 return old
-            self._memory = NodeMemory(node_id)
+            self._memory = NodeMemory(process)
             new = self._memory
         if old is not None:
             old.retire()
@@ -685,7 +686,7 @@ class NodeClient:
     @property
     def shared(self) -> bool:
         """True while this node's values are copied from its shared memory."""
-        return self._local is not None and self._memory is not None and self._memory.node_id == self._local[1]
+        return self._local is not None and self._memory is not None and self._memory.process == self._local[0]
 
     def _refuse_local(self, name: str) -> None:
         self._local_refused.add(name)

@@ -1,4 +1,4 @@
-"""A same-host node's value memory, mapped read-only into this process (docs/protocol.md section 12).
+"""A same-host node's value memory, mapped read-only into this process (docs/protocol.md section 13).
 
 A node that offers shared memory on its same-host socket keeps values of 1 MiB and more in memfd
 arenas (memkv/server/shared.py). An SHM_GET tells where each value lies; the client copies it
@@ -7,7 +7,8 @@ in cache (one copy per byte instead of two, no syscall per value). `copy_verifie
 result to the checksum the node stored: a value the node reused meanwhile fails it and is a
 miss, so a stale mapping can cost a hit, never return wrong bytes.
 
-Mappings belong to one node process (its node_id): a node that restarted has new arenas, and the
+Mappings belong to one node process (named by its same-host socket, random per process; a node
+restarted on the same port keeps its node_id): a node that restarted has new arenas, and the
 old mappings, which keep the dead process's memory alive, are unmapped once no copy uses them.
 
 Pages: a mapping is made without faulting anything in (most of an arena may be holes, and a read
@@ -58,8 +59,8 @@ class ArenaError(OSError):
 class NodeMemory:
     """The arenas of one node process mapped into this one. Thread-safe."""
 
-    def __init__(self, node_id: str) -> None:
-        self.node_id = node_id
+    def __init__(self, process: str) -> None:
+        self.process = process  # the node process's same-host socket name
         self._lock = threading.Lock()
         self._maps: dict[int, tuple[int, int]] = {}  # arena id -> (address, size)
         self._populated: set[tuple[int, int]] = set()  # (arena, offset) whose page tables are filled

@@ -662,7 +662,7 @@ class Connection:
         finally:
             store.release(pinned)
 
-    # -- shared memory (docs/protocol.md section 12) ----------------------------------------------
+    # -- shared memory (docs/protocol.md section 13) ----------------------------------------------
 
     def _shared(self, op: str) -> SharedArenas:
         shared = self.node.shared

@@ -1,6 +1,6 @@
 """Value memory that same-host clients can map: memfd arenas cut into slots of one size.
 
-Why (docs/protocol.md section 12, docs/performance.md "Shared memory for same-host clients"):
+Why (docs/protocol.md section 13, docs/performance.md "Shared memory for same-host clients"):
 over a socket every byte of a load is copied twice, both times by a CPU (into the socket by the
 node, out of it by the client). A client on the same host that maps the node's value memory
 copies each value once, straight into its destination (vLLM's CPU pool), and hashes the copy

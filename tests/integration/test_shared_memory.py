@@ -1,0 +1,207 @@
+"""Shared memory for same-host clients (docs/protocol.md section 13, memkv/client/shared.py).
+
+Behaviour under test, against real `memkv serve` processes on 127.0.0.1:
+* with `shared_memory` on, a client's loads from a same-host node copy values of 1 MiB and more
+  from the node's memory (SHM_GET, SHM_ATTACH counted by the node) byte-exact, with the compiled
+  copy loop and with the pure-Python one, xxh3 and blake3 alike; smaller values in the same
+  batch come over the socket (NOT_SHARED);
+* it is off by default on the client; `memkv serve --no-shared-memory` offers none: values then
+  all come over the socket;
+* a value the client was told about stays whole while pinned, even when its key is replaced;
+  once the pins ended and the buffer holds another value, a copy from the old place fails its
+  checksum: a miss, never wrong bytes;
+* a client that stays silent after an SHM_GET holds its pins no longer than SHM_PIN_S: a full
+  node then evicts those values for new ones;
+* a node restarted on the same port (same node_id) is mapped anew, and the mapping of the dead
+  process is released;
+* SHM requests off the same-host socket are refused with an error naming it; an arena id that
+  is none is answered without a descriptor, and the client says so.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+import urllib.request
+
+import pytest
+
+from memkv import protocol as p
+from memkv.client import shared
+from memkv.client.node import NodeConnection, local_connect
+from memkv.client.shared import NodeMemory, copy_verified
+from memkv.config import AuthKey, ServerAddress
+from memkv.errors import RemoteProtocolError, ServerError
+from memkv.integrity import Checksummer
+from tests.faults.nodeops import restart_empty
+
+pytestmark = pytest.mark.integration
+
+MiB = 1 << 20
+
+
+def status_of(node) -> dict:
+    with urllib.request.urlopen(node.admin_url + "/v1/status", timeout=5) as resp:
+        return json.loads(resp.read())
+
+
+def requests_of(node, op: str) -> float:
+    with urllib.request.urlopen(node.admin_url + "/v1/metrics", timeout=5) as resp:
+        text = resp.read().decode()
+    found = [x for x in text.splitlines() if x.startswith(f'memkv_node_requests_total{{op="{op}"}} ')]
+    return float(found[0].split()[1]) if found else 0.0
+
+
+def raw_connection(node, auth_key_hex: str, local: bool = True) -> NodeConnection:
+    key = AuthKey.from_hex(auth_key_hex, "test").raw
+    address = ServerAddress(node.host, node.port)
+    if not local:
+        return NodeConnection(address, key, 2.0, 5.0)
+    return NodeConnection(address, key, 2.0, 5.0, connect=local_connect(status_of(node)["local_socket"]))
+
+
+@pytest.mark.parametrize(("copy_loop", "integrity"), [("compiled", "xxh3"), ("python", "xxh3"), ("python", "blake3")])
+def test_values_are_copied_from_the_nodes_memory_byte_exact(start_node, make_client, monkeypatch, copy_loop, integrity):
+    if copy_loop == "python":
+        monkeypatch.setattr(shared, "COMPILED_COPY", False)
+    elif not shared.COMPILED_COPY:
+        pytest.skip("the compiled copy loop is not built here")
+    node = start_node(capacity="256MiB")
+    client = make_client([node], shared_memory=True, integrity=integrity)
+    values = {f"k{i}": os.urandom(size) for i, size in enumerate([1, 4096, 1 * MiB, 3 * MiB + 5, 16 * MiB])}
+    assert client.batch_put_views(list(values.items())) == [True] * len(values)
+    gets_before = requests_of(node, "get")
+    targets = [(key, bytearray(len(value))) for key, value in values.items()]
+    assert client.batch_get_into(targets) == [True] * len(values)
+    assert all(buf == values[key] for key, buf in targets)
+    assert requests_of(node, "shm_get") >= 1 and requests_of(node, "shm_attach") >= 1
+    assert requests_of(node, "get") > gets_before, "the small values came over the socket (NOT_SHARED)"
+    assert status_of(node)["shared_memory"]["arenas"] >= 1
+    assert [n.shared for n in client._nodes] == [True]
+
+
+def test_off_by_default_on_the_client_and_off_on_the_node(start_node, make_client):
+    node = start_node(capacity="128MiB")
+    plain = make_client([node])  # the default
+    value = os.urandom(2 * MiB)
+    assert plain.batch_put_views([("v", value)]) == [True]
+    buf = bytearray(len(value))
+    assert plain.batch_get_into([("v", buf)]) == [True] and buf == value
+    assert requests_of(node, "shm_get") == 0
+    assert plain.local_servers() and not any(n.shared for n in plain._nodes)
+
+    private = start_node(capacity="128MiB", extra_args=["--no-shared-memory"])
+    assert status_of(private)["shared_memory"] is None
+    client = make_client([private], shared_memory=True)
+    assert client.batch_put_views([("v", value)]) == [True]
+    buf = bytearray(len(value))
+    assert client.batch_get_into([("v", buf)]) == [True] and buf == value
+    assert requests_of(private, "shm_get") == 0 and not any(n.shared for n in client._nodes)
+    assert client.local_servers(), "the same-host socket stays on"
+
+
+def _place(conn: NodeConnection, key: bytes, length: int) -> tuple[p.GetReplyItem, int, int]:
+    reply = conn.request(p.ShmGetRequest((key,), (length,)))
+    assert isinstance(reply, p.ShmGetReply)
+    (item,), (arena,), (offset,) = reply.items, reply.arenas, reply.offsets
+    assert item.status == p.ItemStatus.OK
+    return item, arena, offset
+
+
+def test_a_pinned_value_stays_whole_and_a_reused_buffer_is_a_miss(start_node, make_client, auth_key_hex):
+    node = start_node(capacity="256MiB")
+    writer = make_client([node])
+    v1, v2, v3 = (os.urandom(4 * MiB) for _ in range(3))
+    assert writer.batch_put_views([("k", v1)]) == [True]
+    conn = raw_connection(node, auth_key_hex)
+    memory = NodeMemory(status_of(node)["local_socket"])
+    checksummer = Checksummer(AuthKey.from_hex(auth_key_hex, "test").raw)
+    try:
+        assert conn.hello.shared_memory
+        item, arena, offset = _place(conn, b"k", len(v1))
+        conn._attach(memory, [arena])
+        # Replaced while pinned: the old value keeps its buffer until the pins end.
+        assert writer.batch_put_views([("k", v2)]) == [True]
+        target = bytearray(len(v1))
+        source = memory.source(arena, offset, len(v1))
+        assert source is not None
+        assert copy_verified(memoryview(target), *source, item.algo, item.checksum, checksummer)
+        assert target == v1
+        conn.request(p.PingRequest())  # the next frame ends the pins: v1's buffer is free now
+        assert writer.batch_put_views([("other", v3)]) == [True]  # a value of that size takes it
+        target = bytearray(len(v1))
+        assert not copy_verified(
+            memoryview(target), *memory.source(arena, offset, len(v1)), item.algo, item.checksum, checksummer
+        )
+        assert writer.get("k") == v2 and writer.get("other") == v3
+    finally:
+        conn.close()
+        memory.retire()
+
+
+def test_a_silent_client_holds_its_pins_no_longer_than_the_bound(start_node, make_client, auth_key_hex, wait_until):
+    node = start_node(capacity="8MiB", extra_args=["--max-value-size", "4MiB"])
+    writer = make_client([node])
+    assert writer.batch_put_views([("a", os.urandom(4 * MiB)), ("b", os.urandom(4 * MiB))]) == [True, True]
+    conn = raw_connection(node, auth_key_hex)
+    try:
+        reply = conn.request(p.ShmGetRequest((b"a", b"b"), (4 * MiB, 4 * MiB)))
+        assert [it.status for it in reply.items] == [p.ItemStatus.OK, p.ItemStatus.OK]
+        pinned_at = time.monotonic()
+        # Both values are pinned by a client that says nothing more: nothing can be evicted.
+        assert writer.batch_put_views([("c", os.urandom(4 * MiB))]) == [False]
+        wait_until(
+            lambda: writer.batch_put_views([("c", b"c" * (4 * MiB))]) == [True],
+            p.SHM_PIN_S + 5.0,
+            what="the pins to end",
+        )
+        assert time.monotonic() - pinned_at >= p.SHM_PIN_S * 0.9
+        assert writer.get("c") == b"c" * (4 * MiB)
+    finally:
+        conn.close()
+
+
+def test_a_node_restarted_on_the_same_port_is_mapped_anew(start_node, make_client, wait_until):
+    node = start_node(capacity="128MiB")
+    client = make_client([node], shared_memory=True, down_for_s=0.05)
+    value = os.urandom(2 * MiB)
+    assert client.batch_put_views([("v", value)]) == [True]
+    buf = bytearray(len(value))
+    assert client.batch_get_into([("v", buf)]) == [True] and buf == value
+    (node_client,) = client._nodes
+    old = node_client._memory
+    assert old is not None and old.arenas >= 1
+    node_id = status_of(node)["node_id"]
+    fresh = restart_empty(node, capacity="128MiB")
+    start_node.nodes.append(fresh)
+    assert status_of(fresh)["node_id"] == node_id, "same port, same node_id: only the socket name tells"
+    other = os.urandom(2 * MiB)
+    wait_until(lambda: client.batch_put_views([("w", other)]) == [True], 10.0, what="a store after the restart")
+    buf = bytearray(len(other))
+    assert client.batch_get_into([("w", buf)]) == [True] and buf == other
+    assert node_client._memory is not old and node_client.shared
+    assert old.arenas == 0, "the dead process's memory is no longer mapped here"
+
+
+def test_shm_requests_are_refused_off_the_same_host_socket(start_node, auth_key_hex):
+    node = start_node(capacity="64MiB")
+    conn = raw_connection(node, auth_key_hex, local=False)
+    try:
+        assert not conn.hello.shared_memory
+        with pytest.raises(ServerError, match="same-host socket"):
+            conn.request(p.ShmGetRequest((b"k",), (MiB,)))
+    finally:
+        conn.close()
+
+
+def test_an_arena_that_is_none_comes_without_a_descriptor(start_node, auth_key_hex):
+    node = start_node(capacity="64MiB")
+    conn = raw_connection(node, auth_key_hex)
+    memory = NodeMemory("test")
+    try:
+        with pytest.raises(RemoteProtocolError, match="does not give the arenas asked for"):
+            conn._attach(memory, [999])
+        assert memory.arenas == 0
+    finally:
+        conn.close()
