@@ -91,8 +91,15 @@ class LocalNode:
         return self.proc.pid
 
     def signal(self, sig: int) -> None:
+        """Send `sig`. SIGSTOP returns once the process is stopped (at most 2 s): kill() only
+        queues the signal, and a node thread running on another core can still answer a
+        request sent right after it."""
         if self.proc.poll() is None:
             os.kill(self.proc.pid, sig)
+            if sig == signal.SIGSTOP:
+                deadline = time.monotonic() + 2.0
+                while _process_state(self.proc.pid) not in ("T", "t", None) and time.monotonic() < deadline:
+                    time.sleep(0.001)
 
     def stop(self, timeout_s: float = 10.0) -> int | None:
         """SIGTERM, then SIGKILL after `timeout_s`. Returns the exit code."""
@@ -121,3 +128,12 @@ class LocalNode:
 
 def new_key_hex() -> str:
     return secrets.token_hex(32)
+
+
+def _process_state(pid: int) -> str | None:
+    """The state letter of /proc/<pid>/stat (Linux), or None where there is none."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return None

@@ -671,9 +671,12 @@ def _encode_delete(msg: DeleteRequest) -> _Encoded:
     return Opcode.DELETE, 0, _pack_keys(msg.keys)
 
 
+def _pack_get(msg: GetRequest | ShmGetRequest) -> bytes:
+    return _pack_keys(msg.keys) + struct.pack(f">{len(msg.keys)}I", *msg.expected_lengths)
+
+
 def _encode_get(msg: GetRequest) -> _Encoded:
-    n = len(msg.keys)
-    return Opcode.GET, 0, _pack_keys(msg.keys) + struct.pack(f">{n}I", *msg.expected_lengths)
+    return Opcode.GET, 0, _pack_get(msg)
 
 
 def _encode_put(msg: PutRequest) -> _Encoded:
@@ -777,8 +780,7 @@ def _encode_shm_attach_reply(msg: ShmAttachReply) -> _Encoded:
 
 
 def _encode_shm_get(msg: ShmGetRequest) -> _Encoded:
-    n = len(msg.keys)
-    return Opcode.SHM_GET, 0, _pack_keys(msg.keys) + struct.pack(f">{n}I", *msg.expected_lengths)
+    return Opcode.SHM_GET, 0, _pack_get(msg)
 
 
 def _encode_shm_get_reply(msg: ShmGetReply) -> _Encoded:
@@ -911,11 +913,16 @@ def _decode_delete(status: int, meta: memoryview, limits: Limits) -> _Decoded:
     return DeleteRequest(keys), off
 
 
-def _decode_get(status: int, meta: memoryview, limits: Limits) -> _Decoded:
+def _read_get(meta: memoryview, limits: Limits) -> tuple[tuple[bytes, ...], tuple[int, ...], int]:
+    """A GET-shaped meta (GET, SHM_GET): key block, expected_length u32 per key."""
     keys, off = _read_keys(meta, limits)
     n = len(keys)
-    lengths = struct.unpack_from(f">{n}I", meta, off)
-    return GetRequest(keys, lengths), off + 4 * n
+    return keys, struct.unpack_from(f">{n}I", meta, off), off + 4 * n
+
+
+def _decode_get(status: int, meta: memoryview, limits: Limits) -> _Decoded:
+    keys, lengths, off = _read_get(meta, limits)
+    return GetRequest(keys, lengths), off
 
 
 def _decode_put(status: int, meta: memoryview, limits: Limits) -> _Decoded:
@@ -1060,10 +1067,8 @@ def _decode_shm_attach_reply(status: int, meta: memoryview, limits: Limits) -> _
 
 
 def _decode_shm_get(status: int, meta: memoryview, limits: Limits) -> _Decoded:
-    keys, off = _read_keys(meta, limits)
-    n = len(keys)
-    lengths = struct.unpack_from(f">{n}I", meta, off)
-    return ShmGetRequest(keys, lengths), off + 4 * n
+    keys, lengths, off = _read_get(meta, limits)
+    return ShmGetRequest(keys, lengths), off
 
 
 def _decode_shm_get_reply(status: int, meta: memoryview, limits: Limits) -> _Decoded:
