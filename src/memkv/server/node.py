@@ -430,7 +430,6 @@ class Connection:
         self._scratch: memoryview | None = None
         self._deadline = 0.0  # when the frame being received must be complete (monotonic)
         self._shm_pins: list[Entry] = []  # values of the last SHM_GET the client may be copying
-        self._shm_sent: set[int] = set()  # arenas whose descriptor this connection was given
 
     def run(self) -> None:
         try:
@@ -584,7 +583,6 @@ class Connection:
             self._shm_get(msg)
         elif isinstance(msg, p.ShmAttachRequest):
             self._shm_attach(msg)
-
         seconds.observe(time.perf_counter() - started)
 
     def _put(self, msg: p.PutRequest) -> None:
@@ -712,7 +710,6 @@ class Connection:
             sizes.append(0 if found is None else found[1])
             if found is not None:
                 fds.append(found[0])
-                self._shm_sent.add(arena_id)
         assert self.codec is not None
         frame = self.codec.encode(p.ShmAttachReply(msg.arenas, tuple(sizes)), validate=False)
         deadline = time.monotonic() + self.node.config.io_timeout_s
