@@ -500,8 +500,9 @@ def cmd_probe(args: argparse.Namespace) -> int:
                         "node_id": node.node_id,
                         "rtt_ms": round(rtt * 1000, 3),
                         "max_value_bytes": node.limits.max_value_bytes if node.limits else None,
-                        # the node's same-host socket (docs/operations.md "Same-host clients") or TCP
-                        "via": "local" if node.local else "tcp",
+                        # the node's same-host socket (docs/operations.md "Same-host clients"), with
+                        # its shared memory (MEMKV_SHARED_MEMORY=on and the node offers it), or TCP
+                        "via": "shm" if node.shared else "local" if node.local else "tcp",
                     }
                 )
             except MemKVError as exc:

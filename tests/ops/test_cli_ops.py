@@ -74,6 +74,8 @@ def test_probe_exits_0_on_a_healthy_cluster_and_1_naming_a_dead_server(memkv_cli
     assert [s["via"] for s in doc["servers"]] == ["local"] * len(cluster), "nodes on this host: their Unix socket"
     tcp_only = as_json(memkv_cli("probe", "--json", env={**env, "MEMKV_LOCAL_SOCKET": "off"}))
     assert [s["via"] for s in tcp_only["servers"]] == ["tcp"] * len(cluster)
+    shared = as_json(memkv_cli("probe", "--json", env={**env, "MEMKV_SHARED_MEMORY": "on"}))
+    assert [s["via"] for s in shared["servers"]] == ["shm"] * len(cluster), "the nodes offer shared memory"
 
     dead = dead_address()
     failed = memkv_cli("probe", "--json", env={**env, "MEMKV_SERVERS": f"{env['MEMKV_SERVERS']},{dead}"})
