@@ -22,7 +22,6 @@ from __future__ import annotations
 import ctypes
 import errno
 import hmac
-import logging
 import mmap
 import os
 import stat
@@ -37,8 +36,6 @@ except ImportError:
     _compiled_copy = None  # type: ignore[assignment]
 # MEMKV_PURE_PYTHON=1 turns the compiled loop off, as for receives (memkv/sockio.py).
 COMPILED_COPY = _compiled_copy is not None and os.environ.get("MEMKV_PURE_PYTHON", "") in ("", "0")
-
-log = logging.getLogger("memkv.client")
 
 _LIBC = ctypes.CDLL(None, use_errno=True)
 _LIBC.mmap.restype = ctypes.c_void_p
