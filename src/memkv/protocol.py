@@ -107,6 +107,7 @@ class Opcode(enum.IntEnum):
     RDMA_GET = 0x21  # client -> node: WRITE these values into these slots of the client's pool
     SHM_ATTACH = 0x30  # same-host socket: the descriptors of these shared arenas (section 13)
     SHM_GET = 0x31  # same-host socket: where these values lie in shared memory; pins them
+    SHM_PLACE = 0x32  # as SHM_GET, for a client to fill its page tables, not to read: counts no read
     ERROR = 0x7F  # server -> client; the connection closes after it
     REPLY = 0x80  # or-ed into the request opcode
 
@@ -401,6 +402,7 @@ class RdmaGetReply:
 # --------------------------------------------------------------------------------------------
 
 SHM_PIN_S = 2.0  # at most this long after an SHM_GET reply (a copy of 8 x 16 MiB takes ~30 ms)
+SHM_MIN_VALUE = 1 << 20  # values this large and larger may lie in shared memory; smaller ones never
 MAX_SHM_ATTACH = 64  # arenas per SHM_ATTACH (the kernel passes at most 253 descriptors a message)
 _ARENA_COUNT = struct.Struct(">I")
 
@@ -421,8 +423,12 @@ class ShmAttachReply:
 
 @dataclasses.dataclass(frozen=True)
 class ShmGetRequest:
+    """SHM_GET, or SHM_PLACE (`opcode`): the same request and reply; a node counts an SHM_PLACE
+    as no read (no hits, no bytes sent): the client asks only to fill its page tables."""
+
     keys: tuple[bytes, ...]
     expected_lengths: tuple[int, ...]  # as GET: exactly this length or a miss (ANY_LENGTH: any)
+    opcode: int = Opcode.SHM_GET
 
 
 @dataclasses.dataclass(frozen=True)
@@ -433,6 +439,7 @@ class ShmGetReply:
     items: tuple[GetReplyItem, ...]
     arenas: tuple[int, ...]
     offsets: tuple[int, ...]
+    opcode: int = Opcode.SHM_GET
 
 
 # Every message a client sends, and every message a node sends (ERROR included).
@@ -779,8 +786,14 @@ def _encode_shm_attach_reply(msg: ShmAttachReply) -> _Encoded:
     )
 
 
+def _shm_get_opcode(opcode: int) -> int:
+    if opcode not in (Opcode.SHM_GET, Opcode.SHM_PLACE):
+        raise LocalProtocolError(f"opcode 0x{opcode:02x} is not SHM_GET or SHM_PLACE", ErrorCode.MALFORMED)
+    return opcode
+
+
 def _encode_shm_get(msg: ShmGetRequest) -> _Encoded:
-    return Opcode.SHM_GET, 0, _pack_get(msg)
+    return _shm_get_opcode(msg.opcode), 0, _pack_get(msg)
 
 
 def _encode_shm_get_reply(msg: ShmGetReply) -> _Encoded:
@@ -788,7 +801,7 @@ def _encode_shm_get_reply(msg: ShmGetReply) -> _Encoded:
     if not len(msg.arenas) == len(msg.offsets) == n:
         raise LocalProtocolError("an SHM_GET reply needs one arena and one offset per item", ErrorCode.MALFORMED)
     return (
-        Opcode.SHM_GET | Opcode.REPLY,
+        _shm_get_opcode(msg.opcode) | Opcode.REPLY,
         0,
         _pack_items(msg.items) + struct.pack(f">{n}I{n}Q", *msg.arenas, *msg.offsets),
     )
@@ -1066,16 +1079,20 @@ def _decode_shm_attach_reply(status: int, meta: memoryview, limits: Limits) -> _
     return ShmAttachReply(fields[:n], fields[n:]), _ARENA_COUNT.size + 12 * n
 
 
-def _decode_shm_get(status: int, meta: memoryview, limits: Limits) -> _Decoded:
-    keys, lengths, off = _read_get(meta, limits)
-    return ShmGetRequest(keys, lengths), off
+def _shm_get_decoders(opcode: Opcode) -> dict[int, Callable[[int, memoryview, Limits], _Decoded]]:
+    """SHM_GET's and SHM_PLACE's request and reply decoders (one layout)."""
 
+    def request(status: int, meta: memoryview, limits: Limits) -> _Decoded:
+        keys, lengths, off = _read_get(meta, limits)
+        return ShmGetRequest(keys, lengths, opcode), off
 
-def _decode_shm_get_reply(status: int, meta: memoryview, limits: Limits) -> _Decoded:
-    items, off = _read_items(meta, limits)
-    n = len(items)
-    fields = struct.unpack_from(f">{n}I{n}Q", meta, off)
-    return ShmGetReply(items, fields[:n], fields[n:]), off + 12 * n
+    def reply(status: int, meta: memoryview, limits: Limits) -> _Decoded:
+        items, off = _read_items(meta, limits)
+        n = len(items)
+        fields = struct.unpack_from(f">{n}I{n}Q", meta, off)
+        return ShmGetReply(items, fields[:n], fields[n:], opcode), off + 12 * n
+
+    return {opcode: request, opcode | Opcode.REPLY: reply}
 
 
 _DECODERS: dict[int, Callable[[int, memoryview, Limits], _Decoded]] = {
@@ -1103,8 +1120,8 @@ _DECODERS: dict[int, Callable[[int, memoryview, Limits], _Decoded]] = {
     Opcode.RDMA_GET | Opcode.REPLY: _decode_rdma_get_reply,
     Opcode.SHM_ATTACH: _decode_shm_attach,
     Opcode.SHM_ATTACH | Opcode.REPLY: _decode_shm_attach_reply,
-    Opcode.SHM_GET: _decode_shm_get,
-    Opcode.SHM_GET | Opcode.REPLY: _decode_shm_get_reply,
+    **_shm_get_decoders(Opcode.SHM_GET),
+    **_shm_get_decoders(Opcode.SHM_PLACE),
 }
 
 

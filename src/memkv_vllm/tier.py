@@ -123,10 +123,11 @@ class MemKVSecondaryTierManager(compat.SecondaryTierManager):
                         "another engine. Set PYTHONHASHSEED (e.g. 0) on every instance that should share KV.", problem)
         s = self.settings
         log.info(
-            "MemKV tier ready (servers=%s, rdma=%s, same_host=%d/%d, block_bytes=%d, namespace=%s, n_read_threads=%d, "
-            "n_write_threads=%d, blocks_per_op=%d, lookup_timeout_s=%s, max_store_backlog_mb=%d%s, receive=%s, memkv=%s)",
+            "MemKV tier ready (servers=%s, rdma=%s, same_host=%d/%d, shared_memory=%d/%d, block_bytes=%d, "
+            "namespace=%s, n_read_threads=%d, n_write_threads=%d, blocks_per_op=%d, lookup_timeout_s=%s, max_store_backlog_mb=%d%s, receive=%s, memkv=%s)",
             [a.name for a in self.client.servers()], self.client.has_rdma(), len(self.client.local_servers()),
-            len(self.client.servers()), self.row_bytes, self.namespace.namespace,
+            len(self.client.servers()), len(self.client.shared_memory_servers()), len(self.client.servers()),
+            self.row_bytes, self.namespace.namespace,
             s.n_read_threads, s.n_write_threads, s.blocks_per_op, s.lookup_timeout_s, backlog_mb,
             "" if s.max_store_backlog_mb is not None else " (half the CPU pool)",
             "compiled" if COMPILED_RECEIVE else "python", memkv_version,

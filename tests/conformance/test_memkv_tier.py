@@ -475,10 +475,11 @@ def test_ready_line_says_the_settings_in_force_and_which_receive_loop_runs(memkv
     with PluginLog() as log, h.HeadlessEngine([memkv({"blocks_per_op": 4})], h.Geometry(num_rows=8)) as engine:
         rdma = tier_of(engine).client.has_rdma()  # True in the conformance-rdma session
         servers = len(tier_of(engine).client.servers())
+        shared = len(tier_of(engine).client.shared_memory_servers())
     (line,) = [x for x in log.lines if x.startswith("MemKV tier ready")]
     # The nodes run on this host: by default every one is reached over its same-host socket.
     for field in ("n_read_threads=2", "n_write_threads=2", "blocks_per_op=4", f"rdma={rdma},",
-                  f"same_host={servers}/{servers},",
+                  f"same_host={servers}/{servers},", f"shared_memory={shared}/{servers},",
                   "(half the CPU pool)", f"memkv={memkv_version}"):
         assert field in line, f"{field!r} missing from: {line}"
     assert f"receive={'compiled' if sockio.COMPILED_RECEIVE else 'python'}," in line

@@ -5,6 +5,10 @@ Behaviour under test, against real `memkv serve` processes on 127.0.0.1:
   from the node's memory (SHM_GET, SHM_ATTACH counted by the node) byte-exact, with the compiled
   copy loop and with the pure-Python one, xxh3 and blake3 alike; smaller values in the same
   batch come over the socket (NOT_SHARED);
+* a client copies from there only the values it stored itself (it fills its page tables for
+  them right after the PUT: SHM_PLACE, counted by the node as no read); another client's values,
+  and its own once replaced by another client, come over the socket; every byte is counted as
+  sent once;
 * it is off by default on the client; `memkv serve --no-shared-memory` offers none: values then
   all come over the socket;
 * a value the client was told about stays whole while pinned, even when its key is replaced;
@@ -46,11 +50,15 @@ def status_of(node) -> dict:
         return json.loads(resp.read())
 
 
-def requests_of(node, op: str) -> float:
+def metric(node, series: str) -> float:
     with urllib.request.urlopen(node.admin_url + "/v1/metrics", timeout=5) as resp:
         text = resp.read().decode()
-    found = [x for x in text.splitlines() if x.startswith(f'memkv_node_requests_total{{op="{op}"}} ')]
+    found = [x for x in text.splitlines() if x.startswith(series + " ")]
     return float(found[0].split()[1]) if found else 0.0
+
+
+def requests_of(node, op: str) -> float:
+    return metric(node, f'memkv_node_requests_total{{op="{op}"}}')
 
 
 def raw_connection(node, auth_key_hex: str, local: bool = True) -> NodeConnection:
@@ -79,6 +87,37 @@ def test_values_are_copied_from_the_nodes_memory_byte_exact(start_node, make_cli
     assert requests_of(node, "get") > gets_before, "the small values came over the socket (NOT_SHARED)"
     assert status_of(node)["shared_memory"]["arenas"] >= 1
     assert [n.shared for n in client._nodes] == [True]
+
+
+def test_a_client_copies_what_it_stored_and_receives_the_rest(start_node, make_client):
+    node = start_node(capacity="256MiB")
+    own, other = (make_client([node], shared_memory=True) for _ in range(2))  # two mappings
+    mine, theirs = os.urandom(4 * MiB), os.urandom(4 * MiB)
+    sent = metric(node, "memkv_node_sent_bytes_total")
+    assert own.batch_put_views([("mine", mine)]) == [True]
+    assert other.batch_put_views([("theirs", theirs)]) == [True]
+    assert requests_of(node, "shm_place") == 2, "each writer filled its page tables for its value"
+    assert metric(node, "memkv_node_sent_bytes_total") == sent, "a warm-up reads nothing"
+
+    def load(client, keys):
+        before = {op: requests_of(node, op) for op in ("get", "shm_get")}
+        targets = [bytearray(4 * MiB) for _ in keys]
+        assert client.batch_get_into(list(zip(keys, targets))) == [True] * len(keys)
+        return [bytes(t) for t in targets], {op: requests_of(node, op) - n for op, n in before.items()}
+
+    got, ops = load(own, ["mine", "theirs"])
+    assert got == [mine, theirs]
+    assert ops == {"shm_get": 1, "get": 1}, "its own value copied, the other one received"
+    got, ops = load(other, ["mine", "theirs"])
+    assert got == [mine, theirs] and ops == {"shm_get": 1, "get": 1}
+    assert metric(node, "memkv_node_sent_bytes_total") == sent + 16 * MiB, "each byte counted once"
+
+    replaced = os.urandom(4 * MiB)
+    assert other.batch_put_views([("mine", replaced)]) == [True]  # another slot, which `own` never filled
+    got, ops = load(own, ["mine"])
+    assert got == [replaced] and ops == {"shm_get": 1, "get": 1}, "placed, found cold, received"
+    got, ops = load(other, ["mine"])
+    assert got == [replaced] and ops == {"shm_get": 1, "get": 0}
 
 
 def test_off_by_default_on_the_client_and_off_on_the_node(start_node, make_client):
@@ -124,16 +163,15 @@ def test_a_pinned_value_stays_whole_and_a_reused_buffer_is_a_miss(start_node, ma
         # Replaced while pinned: the old value keeps its buffer until the pins end.
         assert writer.batch_put_views([("k", v2)]) == [True]
         target = bytearray(len(v1))
-        source = memory.source(arena, offset, len(v1))
-        assert source is not None
-        assert copy_verified(memoryview(target), *source, item.algo, item.checksum, checksummer)
+        assert memory.warm(b"k", arena, offset, len(v1), item.checksum)
+        address, warm = memory.source(arena, offset, len(v1), item.checksum)
+        assert warm
+        assert copy_verified(memoryview(target), address, item.algo, item.checksum, checksummer)
         assert target == v1
         conn.request(p.PingRequest())  # the next frame ends the pins: v1's buffer is free now
         assert writer.batch_put_views([("other", v3)]) == [True]  # a value of that size takes it
         target = bytearray(len(v1))
-        assert not copy_verified(
-            memoryview(target), *memory.source(arena, offset, len(v1)), item.algo, item.checksum, checksummer
-        )
+        assert not copy_verified(memoryview(target), address, item.algo, item.checksum, checksummer)
         assert writer.get("k") == v2 and writer.get("other") == v3
     finally:
         conn.close()

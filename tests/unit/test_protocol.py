@@ -235,6 +235,18 @@ MESSAGES = [
         ),
         b"",  # values are copied from the node's memory, never sent
     ),
+    ("shm-place", "c2s", p.ShmGetRequest((b"a",), (16 << 20,), p.Opcode.SHM_PLACE), b""),
+    (
+        "shm-place-reply",
+        "s2c",
+        p.ShmGetReply(
+            (p.GetReplyItem(p.ItemStatus.OK, 16 << 20, p.ChecksumAlgo.XXH3_128, _SUMS.compute(b"x")),),
+            (1,),
+            (16 << 20,),
+            p.Opcode.SHM_PLACE,
+        ),
+        b"",
+    ),
 ]
 
 
@@ -271,6 +283,15 @@ def test_reply_opcode_is_request_opcode_with_high_bit() -> None:
     assert server.encode(p.PingReply())[3] == 0x81
     assert server.encode(p.GetReply(()))[3] == 0x91
     assert server.encode(p.ListReply((), (), False))[3] == p.Opcode.LIST | 0x80 == 0x94
+    assert server.encode(p.ShmGetReply((), (), (), p.Opcode.SHM_PLACE))[3] == 0xB2
+
+
+def test_an_shm_get_shaped_message_is_shm_get_or_shm_place_only() -> None:
+    client, server = session()
+    with pytest.raises(LocalProtocolError, match="opcode 0x11 is not SHM_GET or SHM_PLACE"):
+        client.encode(p.ShmGetRequest((b"k",), (1,), p.Opcode.GET))
+    with pytest.raises(LocalProtocolError, match="opcode 0x10 is not SHM_GET or SHM_PLACE"):
+        server.encode(p.ShmGetReply((), (), (), p.Opcode.PUT))
 
 
 # --------------------------------------------------------------------------------------------

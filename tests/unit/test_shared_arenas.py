@@ -94,21 +94,56 @@ def test_copy_verified_copies_out_of_a_read_only_mapping(monkeypatch, compiled: 
     arena.view[offset : offset + len(value)] = value
     memory = NodeMemory("test")
     memory.add(arena.id, os.dup(arena.fd), arena.size)
+    checksum = checksummer.compute(value, algo)
     try:
-        first = memory.source(arena.id, offset, len(value))
-        assert first is not None and first[1] is True
+        source = memory.source(arena.id, offset, len(value), checksum)
+        assert source is not None and source[1] is False, "cold until warmed"
+        assert memory.warmed([b"k", b"other"]) == [False, False]
+        assert memory.warm(b"k", arena.id, offset, len(value), checksum)
+        assert memory.warmed([b"k", b"other"]) == [True, False]
+        address, warm = memory.source(arena.id, offset, len(value), checksum)
+        assert warm and address == source[0]
         target = bytearray(len(value))
-        assert copy_verified(memoryview(target), *first, algo, checksummer.compute(value, algo), checksummer)
+        assert copy_verified(memoryview(target), address, algo, checksum, checksummer)
         assert target == value
-        again = memory.source(arena.id, offset, len(value))
-        assert again is not None and again[1] is False, "page tables are filled once per place"
         other = checksummer.compute(value[::-1], algo)
-        assert not copy_verified(memoryview(bytearray(len(value))), *again, algo, other, checksummer)
-        assert memory.source(arena.id, arena.size - 10, 20) is None, "a range past the arena is refused"
-        assert memory.source(arena.id + 1, 0, 10) is None
+        assert memory.source(arena.id, offset, len(value), other) == (address, False), "warm for one value only"
+        assert not copy_verified(memoryview(bytearray(len(value))), address, algo, other, checksummer)
+        assert memory.source(arena.id, arena.size - 10, 20, checksum) is None, "a range past the arena is refused"
+        assert memory.source(arena.id + 1, 0, 10, checksum) is None
+        assert not memory.warm(b"k", arena.id, arena.size - 10, 20, checksum)
     finally:
         memory.retire()
     assert memory.arenas == 0
+
+
+def mapped_bytes(address: int) -> int:
+    """Bytes of the mapping at `address` that have page table entries in this process (smaps Rss)."""
+    with open("/proc/self/smaps") as f:
+        lines = f.read().splitlines()
+    for i, line in enumerate(lines):
+        if line.split("-", 1)[0] == f"{address:x}":
+            rss = next(x for x in lines[i + 1 :] if x.startswith("Rss:"))
+            return int(rss.split()[1]) * 1024
+    raise AssertionError(f"no mapping at {address:#x}")
+
+
+def test_warming_fills_the_page_tables_and_a_freed_slot_empties_them() -> None:
+    """Why a warmed slot stays warm for one value only: the node's hole punch of a freed slot
+    (SharedArenas.give) also drops every client's page table entries for it."""
+    arenas = SharedArenas(arena_bytes=8 * MiB)
+    arena, offset = arenas.take(4 * MiB)
+    memory = NodeMemory("test")
+    memory.add(arena.id, os.dup(arena.fd), arena.size)
+    try:
+        address = memory._maps[arena.id][0]
+        assert mapped_bytes(address) == 0, "mapping faults nothing in"
+        assert memory.warm(b"k", arena.id, offset, 4 * MiB, b"c" * 16)
+        assert mapped_bytes(address) == 4 * MiB
+        arenas.give(arena, offset)
+        assert mapped_bytes(address) == 0
+    finally:
+        memory.retire()
 
 
 def test_a_descriptor_that_is_not_the_announced_arena_is_refused() -> None:

@@ -246,6 +246,12 @@ class Client:
         self._use()
         return [node.name for node in self._nodes if node.local]
 
+    def shared_memory_servers(self) -> list[str]:
+        """The servers whose values this client copies from their shared memory (docs/protocol.md
+        section 13): same-host ones that offer it, with `shared_memory` on here."""
+        self._use()
+        return [node.name for node in self._nodes if node.shared]
+
     def has_rdma(self) -> bool:
         """True while loads into the registered pool move by RDMA (MEMKV_TRANSPORT, docs/rdma.md):
         False before `register_pool`, with the TCP transport, and after `auto` latched to TCP."""
@@ -544,9 +550,7 @@ class Client:
                     p.PutItem(k, len(v), algo, self.checksummer.compute(v)) for k, v in zip(keys[lo:hi], views[lo:hi])
                 )
                 part = views[lo:hi]
-                statuses += self._nodeset.timed(
-                    node, "put", functools.partial(node.statuses, p.PutRequest(items), part)
-                )
+                statuses += self._nodeset.timed(node, "put", functools.partial(node.put, p.PutRequest(items), part))
                 m.BYTES.labels("out").inc(sum(len(v) for v in part))
         except MemKVError as exc:
             self._nodeset.count_failure(node, "put", exc)

@@ -368,47 +368,89 @@ class NodeConnection:
     def _get_shared(
         self, memory: NodeMemory, keys: Sequence[bytes], views: Sequence[memoryview], checksummer: Checksummer
     ) -> tuple[list[bool], int]:
-        """SHM_GET: each value copied from the node's shared memory and verified here; values the
-        node holds in private memory (NOT_SHARED) then come by GET (docs/protocol.md section 13)."""
+        """SHM_GET for the values this process warmed (`warm`): each copied from the node's shared
+        memory and verified here. The others (cold here, or NOT_SHARED: in the node's private
+        memory) come by GET (docs/protocol.md section 13)."""
+        warmed = [i for i, w in enumerate(memory.warmed(keys)) if w]
+        if not warmed:
+            return self._get_received(keys, views, checksummer)
         if not memory.use():  # the node process it maps is gone (see NodeClient._memory_for)
             self.memory = None
             return self._get_received(keys, views, checksummer)
         results = [False] * len(keys)
         bad_sums = 0
-        private: list[int] = []
+        by_socket = sorted(set(range(len(keys))) - set(warmed))
         try:
-            reply = self.request(p.ShmGetRequest(tuple(keys), tuple(len(v) for v in views)))
-            if not isinstance(reply, p.ShmGetReply) or len(reply.items) != len(keys):
-                raise RemoteProtocolError(f"{self.name}: SHM_GET reply does not match the request")
-            places = list(zip(reply.items, reply.arenas, reply.offsets))
-            missing = memory.missing({arena for item, arena, _ in places if item.status == p.ItemStatus.OK})
-            if missing:
-                self._attach(memory, missing)
-            for i, ((item, arena, offset), view) in enumerate(zip(places, views)):
+            places = self._places(memory, [keys[i] for i in warmed], [len(views[i]) for i in warmed], p.Opcode.SHM_GET)
+            for i, (item, arena, offset) in zip(warmed, places):
                 if item.status == p.ItemStatus.NOT_SHARED:
-                    private.append(i)
+                    by_socket.append(i)
                 if item.status != p.ItemStatus.OK:
                     continue
-                if item.length != len(view):
-                    raise RemoteProtocolError(f"{self.name}: placed {item.length} bytes for a {len(view)}-byte GET")
-                source = memory.source(arena, offset, item.length)
+                source = memory.source(arena, offset, item.length, item.checksum)
                 if source is None:
                     raise RemoteProtocolError(
                         f"{self.name}: SHM_GET placed a value outside its arenas (arena {arena}, offset {offset})"
                     )
-                ok = copy_verified(view, *source, item.algo, item.checksum, checksummer)
+                address, warm = source
+                if not warm:  # replaced since (by another client): a first copy is slower than the socket
+                    by_socket.append(i)
+                    continue
+                ok = copy_verified(views[i], address, item.algo, item.checksum, checksummer)
                 bad_sums += not ok
                 results[i] = ok
             # No message says the copies are done: the node unpins them at this connection's next
             # frame (or after a bound); a round trip per batch cost a busy engine GIL re-acquires.
         finally:
             memory.unuse()
-        if private:
-            got, bad = self._get_received([keys[i] for i in private], [views[i] for i in private], checksummer)
-            for i, ok in zip(private, got):
+        if by_socket:
+            by_socket.sort()
+            got, bad = self._get_received([keys[i] for i in by_socket], [views[i] for i in by_socket], checksummer)
+            for i, ok in zip(by_socket, got):
                 results[i] = ok
             bad_sums += bad
         return results, bad_sums
+
+    def _places(
+        self, memory: NodeMemory, keys: Sequence[bytes], lengths: Sequence[int], opcode: p.Opcode
+    ) -> list[tuple[p.GetReplyItem, int, int]]:
+        """SHM_GET or SHM_PLACE `keys`: (item, arena, offset) per key, their arenas mapped here."""
+        op = opcode.name
+        reply = self.request(p.ShmGetRequest(tuple(keys), tuple(lengths), opcode))
+        if not isinstance(reply, p.ShmGetReply) or reply.opcode != opcode or len(reply.items) != len(keys):
+            raise RemoteProtocolError(f"{self.name}: {op} reply does not match the request")
+        places = list(zip(reply.items, reply.arenas, reply.offsets))
+        for (item, _, _), length in zip(places, lengths):
+            if item.status == p.ItemStatus.OK and item.length != length:
+                raise RemoteProtocolError(f"{self.name}: placed {item.length} bytes for a {length}-byte {op}")
+        missing = memory.missing({arena for item, arena, _ in places if item.status == p.ItemStatus.OK})
+        if missing:
+            self._attach(memory, missing)
+        return places
+
+    def warm(self, memory: NodeMemory, keys: Sequence[bytes], lengths: Sequence[int]) -> int:
+        """After a PUT of these values: fill this process's page tables for the ones the node keeps
+        in shared memory, so that loading them later copies from there at full speed (the fill costs
+        about 0.02 s per GiB; here it runs on the store's thread). Ends the pins with a PING: an
+        idle pooled connection would hold them for SHM_PIN_S. Returns how many were warmed."""
+        if not memory.use():
+            self.memory = None
+            return 0
+        warmed = 0
+        try:
+            for key, (item, arena, offset) in zip(keys, self._places(memory, keys, lengths, p.Opcode.SHM_PLACE)):
+                if item.status != p.ItemStatus.OK:
+                    continue
+                if not memory.warm(key, arena, offset, item.length, item.checksum):
+                    raise RemoteProtocolError(
+                        f"{self.name}: SHM_PLACE placed a value outside its arenas (arena {arena}, offset {offset})"
+                    )
+                warmed += 1
+        finally:
+            memory.unuse()
+        if not isinstance(self.request(p.PingRequest()), p.PingReply):
+            raise RemoteProtocolError(f"{self.name}: unexpected reply to PING")
+        return warmed
 
     def _attach(self, memory: NodeMemory, arenas: list[int]) -> None:
         """Map the node's arenas `arenas`: their descriptors come with the SHM_ATTACH reply."""
@@ -781,10 +823,40 @@ class NodeClient:
 
     def statuses(self, msg: p.Request, payload: Sequence[memoryview] = ()) -> bytes:
         with self.connection() as conn:
-            reply = conn.request(msg, payload)
-        if not isinstance(reply, (p.StatusReply, p.LeaseReply)) or len(reply.statuses) != _count(msg):
-            raise RemoteProtocolError(f"{self.name}: reply does not match the request")
-        return reply.statuses
+            return _statuses(conn, msg, payload)
+
+    def put(self, msg: p.PutRequest, payload: Sequence[memoryview]) -> bytes:
+        """PUT; on a connection that copies from the node's shared memory, then warm the values
+        stored (`NodeConnection.warm`). A failed warm-up costs speed only: the statuses stand."""
+        conn = self.borrow()
+        try:
+            statuses = _statuses(conn, msg, payload)
+        except BaseException as exc:
+            self.give_back(conn, exc)
+            raise
+        error: BaseException | None = None
+        memory = conn.memory
+        if memory is not None:
+            stored = [
+                (item.key, item.length)
+                for item, status in zip(msg.items, statuses)
+                if status == p.ItemStatus.OK and item.length >= p.SHM_MIN_VALUE
+            ]
+            if stored:
+                try:
+                    conn.warm(memory, [k for k, _ in stored], [n for _, n in stored])
+                except MemKVError as exc:
+                    log.info("%s: warming stored values failed: %s", self.name, exc)
+                    error = exc  # the connection is closed (and the node marked down, as for any request)
+        self.give_back(conn, error)
+        return statuses
+
+
+def _statuses(conn: NodeConnection, msg: p.Request, payload: Sequence[memoryview] = ()) -> bytes:
+    reply = conn.request(msg, payload)
+    if not isinstance(reply, (p.StatusReply, p.LeaseReply)) or len(reply.statuses) != _count(msg):
+        raise RemoteProtocolError(f"{conn.name}: reply does not match the request")
+    return reply.statuses
 
 
 def _count(msg: p.Request) -> int:

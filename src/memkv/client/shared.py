@@ -12,9 +12,14 @@ restarted on the same port keeps its node_id): a node that restarted has new are
 old mappings, which keep the dead process's memory alive, are unmapped once no copy uses them.
 
 Pages: a mapping is made without faulting anything in (most of an arena may be holes, and a read
-fault on a hole would allocate memory in the node). Before its first copy from a value's pages
-the client fills their page tables with one madvise(MADV_POPULATE_READ) (Linux 5.14+; without it
-the copy takes the faults one by one).
+fault on a hole would allocate memory in the node). Filling the page tables of a value's pages
+costs about 0.02 s per GiB (madvise(MADV_POPULATE_READ), Linux 5.14+), enough to make a first
+copy slower than the socket (docs/performance.md, runs 49-52). So a value is copied from shared
+memory only where this process filled them already, off the load path: right after it stored
+the value itself (`NodeConnection.warm`, on the store thread). Every other value comes over the
+socket. `warm` remembers each slot with the checksum of the value it was filled for: the node
+punches a freed slot's pages out (which empties every process's page tables of it), so a slot
+holding another value since is not warm any more.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ import mmap
 import os
 import stat
 import threading
+from collections.abc import Sequence
 
 from memkv.integrity import Checksummer
 from memkv.protocol import ChecksumAlgo
@@ -60,7 +66,10 @@ class NodeMemory:
         self.process = process  # the node process's same-host socket name
         self._lock = threading.Lock()
         self._maps: dict[int, tuple[int, int]] = {}  # arena id -> (address, size)
-        self._populated: set[tuple[int, int]] = set()  # (arena, offset) whose page tables are filled
+        # Slots whose page tables this process filled (`warm`), each with the key and checksum of
+        # the value it was filled for, and the other way round; both at most one entry per slot.
+        self._warm: dict[tuple[int, int], tuple[bytes, bytes]] = {}
+        self._warm_keys: dict[bytes, tuple[int, int]] = {}
         self._users = 0
         self._retired = False
 
@@ -87,18 +96,51 @@ class NodeMemory:
         finally:
             os.close(fd)
 
-    def source(self, arena: int, offset: int, length: int) -> tuple[int, bool] | None:
-        """(address of `length` bytes at `offset` of `arena`, whether this is the first copy from
-        there: its page tables must be filled); None when the arena is not mapped or the range
-        does not lie inside it (a node not to be trusted)."""
+    def _address(self, arena: int, offset: int, length: int) -> int | None:
+        """Lock held."""
+        found = self._maps.get(arena)
+        if found is None or offset < 0 or length <= 0 or offset + length > found[1]:
+            return None
+        return found[0] + offset
+
+    def warm(self, key: bytes, arena: int, offset: int, length: int, checksum: bytes) -> bool:
+        """Fill this process's page tables for the `length` bytes at `offset` of `arena`, which hold
+        `key`'s value, whose checksum is `checksum` (the caller holds `use`). False when the range
+        is not inside a mapped arena (a node not to be trusted). Costs about 0.02 s per GiB: call
+        it off the load path. A kernel without MADV_POPULATE_READ (before 5.14) leaves it cold."""
         with self._lock:
-            found = self._maps.get(arena)
-            if found is None or offset < 0 or length <= 0 or offset + length > found[1]:
+            addr = self._address(arena, offset, length)
+            if addr is None:
+                return False
+        start = addr - addr % PAGE
+        if _LIBC.madvise(start, addr + length - start, MADV_POPULATE_READ) == 0:
+            with self._lock:
+                slot = (arena, offset)
+                before = self._warm.get(slot)
+                if before is not None:
+                    self._warm_keys.pop(before[0], None)
+                moved = self._warm_keys.get(key)
+                if moved is not None:
+                    del self._warm[moved]  # the key's value was replaced: its old slot was freed
+                self._warm[slot] = (key, checksum)
+                self._warm_keys[key] = slot
+        return True
+
+    def warmed(self, keys: Sequence[bytes]) -> list[bool]:
+        """Per key: whether this process warmed a slot for its value (which may since be gone)."""
+        with self._lock:
+            return [k in self._warm_keys for k in keys]
+
+    def source(self, arena: int, offset: int, length: int, checksum: bytes) -> tuple[int, bool] | None:
+        """(address of `length` bytes at `offset` of `arena`, whether this process warmed that slot
+        for the value of `checksum`: only then is a copy from it faster than the socket); None when
+        the arena is not mapped or the range does not lie inside it (a node not to be trusted)."""
+        with self._lock:
+            addr = self._address(arena, offset, length)
+            if addr is None:
                 return None
-            first = (arena, offset) not in self._populated
-            if first:
-                self._populated.add((arena, offset))
-        return found[0] + offset, first
+            found = self._warm.get((arena, offset))
+            return addr, found is not None and found[1] == checksum
 
     def use(self) -> bool:
         """Count a copy in progress; False once retired (its mappings go)."""
@@ -128,7 +170,8 @@ class NodeMemory:
     def _unmap(self) -> None:
         with self._lock:
             maps, self._maps = self._maps, {}
-            self._populated.clear()
+            self._warm.clear()
+            self._warm_keys.clear()
         for addr, size in maps.values():
             _LIBC.munmap(addr, size)
 
@@ -137,27 +180,21 @@ class NodeMemory:
         return len(self._maps)
 
 
-def copy_verified(
-    target: memoryview, source_addr: int, populate: bool, algo: int, checksum: bytes, checksummer: Checksummer
-) -> bool:
+def copy_verified(target: memoryview, source_addr: int, algo: int, checksum: bytes, checksummer: Checksummer) -> bool:
     """Copy len(target) bytes from `source_addr` into `target`, hashing the copy; True when it
-    matches `checksum`. `populate`: fill the source's page tables first (its first copy here).
-    The compiled loop does all of it in one GIL release (a busy engine makes every re-acquire
-    cost up to its switch interval); the Python one copies each piece with ctypes.memmove (no
-    GIL) and hashes it right after (python-xxhash or blake3)."""
+    matches `checksum`. The compiled loop does all of it in one GIL release (a busy engine makes
+    every re-acquire cost up to its switch interval); the Python one copies each piece with
+    ctypes.memmove (no GIL) and hashes it right after (python-xxhash or blake3)."""
     length = len(target)
     source = memoryview((ctypes.c_char * length).from_address(source_addr)).cast("B")
     if algo == ChecksumAlgo.XXH3_128 and COMPILED_COPY:
         assert _compiled_copy is not None
-        digest = _compiled_copy(target, source, COPY_PIECE, populate)
+        digest = _compiled_copy(target, source, COPY_PIECE, False)
         return hmac.compare_digest(Checksummer.padded(digest), checksum)
     try:
         hasher = checksummer.hasher(algo)
     except ValueError:
         return False  # an algorithm we do not know: a miss
-    if populate:
-        start = source_addr - source_addr % PAGE
-        _LIBC.madvise(start, source_addr + length - start, MADV_POPULATE_READ)  # an error: faults instead
     target_addr = ctypes.addressof(ctypes.c_char.from_buffer(target))
     for off in range(0, length, COPY_PIECE):
         n = min(COPY_PIECE, length - off)

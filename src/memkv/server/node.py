@@ -80,6 +80,7 @@ _OP_NAMES: dict[int, str] = {
     p.Opcode.RDMA_GET: "rdma_get",
     p.Opcode.SHM_ATTACH: "shm_attach",  # shared memory: memkv/server/shared.py
     p.Opcode.SHM_GET: "shm_get",
+    p.Opcode.SHM_PLACE: "shm_place",  # a client filling its page tables: counted as no read
 }
 
 
@@ -674,8 +675,10 @@ class Connection:
 
     def _shm_get(self, msg: p.ShmGetRequest) -> None:
         """Where each value lies, pinned until the client's next frame (see _serve_one). A value
-        in private memory (no arena could be made for it) answers NOT_SHARED: GET it."""
-        self._shared("SHM_GET")
+        in private memory (no arena could be made for it) answers NOT_SHARED: GET it. An
+        SHM_PLACE is answered the same and counted as no read (the client fills its page tables)."""
+        reading = msg.opcode == p.Opcode.SHM_GET
+        self._shared("SHM_GET" if reading else "SHM_PLACE")
         store = self.node.store
         found = store.acquire(msg.keys, msg.expected_lengths, p.ANY_LENGTH)
         items, arenas, offsets, private = [], [], [], []
@@ -696,10 +699,11 @@ class Connection:
                 arenas.append(e.buf.arena.id)
                 offsets.append(e.buf.offset)
         store.release(private)
-        statuses = bytes(it.status for it in items)
-        self._count_keys("get", statuses.replace(bytes([p.ItemStatus.NOT_SHARED]), b""))
-        self._reply(p.ShmGetReply(tuple(items), tuple(arenas), tuple(offsets)))
-        self.metrics.bytes_out.inc(sum(e.length for e in self._shm_pins))
+        self._reply(p.ShmGetReply(tuple(items), tuple(arenas), tuple(offsets), msg.opcode))
+        if reading:
+            statuses = bytes(it.status for it in items)
+            self._count_keys("get", statuses.replace(bytes([p.ItemStatus.NOT_SHARED]), b""))
+            self.metrics.bytes_out.inc(sum(e.length for e in self._shm_pins))
 
     def _shm_attach(self, msg: p.ShmAttachRequest) -> None:
         """The arenas' descriptors, passed with the reply frame (SCM_RIGHTS)."""

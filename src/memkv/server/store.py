@@ -52,7 +52,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from memkv.config import LaneSpec
-from memkv.protocol import ItemStatus
+from memkv.protocol import SHM_MIN_VALUE, ItemStatus
 from memkv.server.shared import Arena, SharedArenas
 
 PAGE = mmap.PAGESIZE
@@ -80,7 +80,7 @@ class ValueBuffer:
         self.arena: Arena | None = None
         self.offset = 0
         self._shared = shared
-        slot = shared.take(size) if shared is not None and size >= MMAP_THRESHOLD else None
+        slot = shared.take(size) if shared is not None and size >= SHM_MIN_VALUE else None
         if slot is not None:
             self.arena, self.offset = slot
             self._mem: mmap.mmap | bytearray = self.arena.mem
