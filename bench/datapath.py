@@ -14,7 +14,8 @@ slow state, so only same-repetition ratios mean anything):
     same-host clients take by default (docs/protocol.md section 2.6). "memkv" is the client as
     configured by default (over the node's Unix socket), "memkv-tcp" the same client with
     local_socket off (loopback TCP), "memkv-shm" the same client with shared_memory on (its GETs copy
-    from the node's memory: docs/protocol.md section 13; its PUTs are memkv's). Same-family pairs (memkv/raw-unix, memkv-tcp/raw) price what
+    from the node's memory: docs/protocol.md section 13; its PUTs are memkv's plus the warm-up of
+    the values stored). Each MemKV client reads back its own keys. Same-family pairs (memkv/raw-unix, memkv-tcp/raw) price what
     MemKV adds; memkv/raw is what a user gets against the raw TCP design.
   * redis: a real `redis-server` started by the bench (skipped if not installed; `apt-get
     install redis-server`), driven by redis-py with SET/GET of the same values.
@@ -273,7 +274,9 @@ def measure(value_bytes: int, n: int, threads: int, n_nodes: int, reps: int, bpo
             block_values: int = 1) -> dict:
     raw, raw_port, raw_unix = start_raw(value_bytes, n)
     key = new_key_hex()
-    capacity = str(int(value_bytes * n * 1.3 / n_nodes) + (64 << 20))
+    # Three sets of values: each MemKV client reads back what it stored itself (a shared-memory
+    # client copies only values it stored; memkv/client/shared.py).
+    capacity = str(int(3 * value_bytes * n * 1.3 / n_nodes) + (64 << 20))
     nodes = [LocalNode(key, capacity=capacity, env=NODE_ENV) for _ in range(n_nodes)]
     redis_proc, rclient, redis_note = start_redis(value_bytes) if with_redis else (None, None, "not run")
     rawc, rawu = RawClient(raw_port), RawClient(raw_port, unix_name=raw_unix)
@@ -287,7 +290,8 @@ def measure(value_bytes: int, n: int, threads: int, n_nodes: int, reps: int, bpo
         dst = memoryview(prefaulted_pool(value_bytes * n))
         for i in range(n):
             fill_pattern(src[i * value_bytes : (i + 1) * value_bytes], i)
-        keys = [f"bench/{i}".encode() for i in range(n)]
+        keys = [f"bench/{i}".encode() for i in range(n)]  # redis
+        keys_of = {who: [f"bench/{who}/{i}".encode() for i in range(n)] for who in ("memkv", "memkv-tcp", "memkv-shm")}
 
         def slot(v, i):
             return v[i * value_bytes : (i + 1) * value_bytes]
@@ -302,24 +306,24 @@ def measure(value_bytes: int, n: int, threads: int, n_nodes: int, reps: int, bpo
                 v = rclient.get(keys[i])
                 assert v is not None and len(v) == value_bytes
 
-        def memkv_put(c):
+        def memkv_put(c, keys):
             return lambda idx: [c.batch_put_views([(keys[i], slot(src, i)) for i in b]) for b in batches(idx)]
 
-        def memkv_get(c):
+        def memkv_get(c, keys):
             return lambda idx: [c.batch_get_into([(keys[i], slot(dst, i)) for i in b]) for b in batches(idx)]
 
         # "raw"/"memkv-tcp": loopback TCP; "raw-unix"/"memkv": the Unix socket (memkv's default).
         ops = {
             "raw put": lambda idx: [rawc.put(i, slot(src, i)) for i in idx],
             "raw-unix put": lambda idx: [rawu.put(i, slot(src, i)) for i in idx],
-            "memkv put": memkv_put(client),
-            "memkv-tcp put": memkv_put(client_tcp),
-            "memkv-shm put": memkv_put(client_shm),
+            "memkv put": memkv_put(client, keys_of["memkv"]),
+            "memkv-tcp put": memkv_put(client_tcp, keys_of["memkv-tcp"]),
+            "memkv-shm put": memkv_put(client_shm, keys_of["memkv-shm"]),
             "raw get": lambda idx: [rawc.get(i, slot(dst, i)) for i in idx],
             "raw-unix get": lambda idx: [rawu.get(i, slot(dst, i)) for i in idx],
-            "memkv get": memkv_get(client),
-            "memkv-tcp get": memkv_get(client_tcp),
-            "memkv-shm get": memkv_get(client_shm),
+            "memkv get": memkv_get(client, keys_of["memkv"]),
+            "memkv-tcp get": memkv_get(client_tcp, keys_of["memkv-tcp"]),
+            "memkv-shm get": memkv_get(client_shm, keys_of["memkv-shm"]),
         }
         if rclient is not None:
             ops["redis put"] = lambda idx: [rclient.set(keys[i], slot(src, i)) for i in idx]
@@ -457,7 +461,8 @@ def measure_tls(value_bytes: int, n: int, threads: int, reps: int, ktls: bool, b
         dst = memoryview(prefaulted_pool(value_bytes * n))
         for i in range(n):
             fill_pattern(src[i * value_bytes : (i + 1) * value_bytes], i)
-        keys = [f"bench/{i}".encode() for i in range(n)]
+        keys = [f"bench/{i}".encode() for i in range(n)]  # redis
+        keys_of = {who: [f"bench/{who}/{i}".encode() for i in range(n)] for who in ("memkv", "memkv-tcp", "memkv-shm")}
 
         def slot(v, i):
             return v[i * value_bytes : (i + 1) * value_bytes]

@@ -243,3 +243,32 @@ def test_an_arena_that_is_none_comes_without_a_descriptor(start_node, auth_key_h
         assert memory.arenas == 0
     finally:
         conn.close()
+
+
+def test_arenas_that_cannot_be_mapped_turn_shared_memory_off_for_that_node_process(
+    start_node, make_client, monkeypatch, caplog
+):
+    """mmap refused here (vm.max_map_count, address space; or a bad descriptor): the node is not
+    marked down, no value is lost, and its values come over the socket from then on."""
+    node = start_node(capacity="128MiB")
+    client = make_client([node], shared_memory=True)
+
+    def refuse(self, arena, fd, size):
+        os.close(fd)
+        raise shared.ArenaError(12, f"arena {arena}: mmap failed: Cannot allocate memory")
+
+    monkeypatch.setattr(NodeMemory, "add", refuse)
+    values = [(f"k{i}", os.urandom(2 * MiB)) for i in range(3)]
+    with caplog.at_level("WARNING", logger="memkv.client"):
+        assert client.batch_put_views(values[:1]) == [True]  # its warm-up meets the refusal
+    assert "shared memory off for this node process: arena 0: mmap failed" in caplog.text
+    assert client.batch_put_views(values[1:]) == [True, True]
+    places = requests_of(node, "shm_place")
+    gets = requests_of(node, "get")
+    targets = [(key, bytearray(len(value))) for key, value in values]
+    assert client.batch_get_into(targets) == [True] * 3
+    assert [bytes(buf) for _, buf in targets] == [value for _, value in values]
+    assert requests_of(node, "get") == gets + 1 and requests_of(node, "shm_get") == 0
+    assert requests_of(node, "shm_place") == places == 1, "no more warm-ups for that process"
+    assert client.shared_memory_servers() == [] and client.local_servers(), "still the same-host socket"
+    assert not any(n.is_down for n in client._nodes)

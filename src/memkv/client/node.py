@@ -382,6 +382,9 @@ class NodeConnection:
         by_socket = sorted(set(range(len(keys))) - set(warmed))
         try:
             places = self._places(memory, [keys[i] for i in warmed], [len(views[i]) for i in warmed], p.Opcode.SHM_GET)
+            if memory.refused:  # an arena could not be mapped here (see _attach): all by socket
+                self.memory = None
+                by_socket, places = list(range(len(keys))), []
             for i, (item, arena, offset) in zip(warmed, places):
                 if item.status == p.ItemStatus.NOT_SHARED:
                     by_socket.append(i)
@@ -438,7 +441,10 @@ class NodeConnection:
             return 0
         warmed = 0
         try:
-            for key, (item, arena, offset) in zip(keys, self._places(memory, keys, lengths, p.Opcode.SHM_PLACE)):
+            places = self._places(memory, keys, lengths, p.Opcode.SHM_PLACE)
+            if memory.refused:
+                self.memory, places = None, []
+            for key, (item, arena, offset) in zip(keys, places):
                 if item.status != p.ItemStatus.OK:
                     continue
                 if not memory.warm(key, arena, offset, item.length, item.checksum):
@@ -493,7 +499,10 @@ class NodeConnection:
                 except ArenaError as exc:
                     for rest in fds[fds.index(fd) + 1 :]:
                         os.close(rest)
-                    raise RemoteProtocolError(f"{self.name}: {exc.strerror}") from None
+                    # The reply was read whole: the connection stays usable, its values come by GET.
+                    log.warning("MemKV: %s: shared memory off for this node process: %s", self.name, exc.strerror)
+                    memory.refuse(str(exc.strerror))
+                    return
 
     def _recv_verified(
         self, view: memoryview, algo: int, checksum: bytes, checksummer: Checksummer, deadline: float
@@ -711,14 +720,15 @@ class NodeClient:
             conn.memory = self._memory_for(name)
         return conn
 
-    def _memory_for(self, process: str) -> NodeMemory:
+    def _memory_for(self, process: str) -> NodeMemory | None:
         """The mappings of one node process, named by its same-host socket (random per process:
         a node restarted on the same port keeps its node_id, not its arenas); those of the
-        process it replaced go once no copy uses them (they keep that memory alive)."""
+        process it replaced go once no copy uses them (they keep that memory alive). None for a
+        process whose arenas could not be mapped here (NodeMemory.refuse)."""
         with self._lock:
             old = self._memory
             if old is not None and old.process == process:
-                return old
+                return None if old.refused else old
             self._memory = NodeMemory(process)
             new = self._memory
         if old is not None:
@@ -728,7 +738,10 @@ class NodeClient:
     @property
     def shared(self) -> bool:
         """True while this node's values are copied from its shared memory."""
-        return self._local is not None and self._memory is not None and self._memory.process == self._local[0]
+        memory = self._memory
+        return (
+            self._local is not None and memory is not None and memory.process == self._local[0] and not memory.refused
+        )
 
     def _refuse_local(self, name: str) -> None:
         self._local_refused.add(name)

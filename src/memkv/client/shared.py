@@ -72,6 +72,7 @@ class NodeMemory:
         self._warm_keys: dict[bytes, tuple[int, int]] = {}
         self._users = 0
         self._retired = False
+        self.refused: str | None = None  # why this process's arenas cannot be mapped here (then: socket)
 
     def missing(self, arenas: set[int]) -> list[int]:
         with self._lock:
@@ -166,6 +167,12 @@ class NodeMemory:
             done = self._users == 0
         if done:
             self._unmap()
+
+    def refuse(self, reason: str) -> None:
+        """An arena of this node process cannot be mapped here (a bad descriptor, mmap refused):
+        its values come over the socket from now on."""
+        self.refused = reason
+        self.retire()
 
     def _unmap(self) -> None:
         with self._lock:
