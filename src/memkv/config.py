@@ -350,9 +350,10 @@ class ClientConfig:
     # never with TLS (TLS was asked for). MEMKV_LOCAL_SOCKET=off keeps every connection on TCP.
     local_socket: bool = True
     # On the same-host socket, copy values straight from the node's shared memory when it offers
-    # it (memkv/client/shared.py). Off by default: a client process's first copy of each value
-    # pays for its page tables, which made cold promotions slower (docs/performance.md).
-    shared_memory: bool = False
+    # it (memkv/client/shared.py): one copy per byte instead of two. Only values this client
+    # stored itself (their page tables are filled right after the PUT); the rest come over the
+    # socket, so a cold promotion pays no page faults (docs/performance.md, run 53).
+    shared_memory: bool = True
 
     def __post_init__(self) -> None:
         if not isinstance(self.local_socket, bool):

@@ -9,8 +9,8 @@ Behaviour under test, against real `memkv serve` processes on 127.0.0.1:
   them right after the PUT: SHM_PLACE, counted by the node as no read); another client's values,
   and its own once replaced by another client, come over the socket; every byte is counted as
   sent once;
-* it is off by default on the client; `memkv serve --no-shared-memory` offers none: values then
-  all come over the socket;
+* it is on by default on the client; `shared_memory` off there, or `memkv serve
+  --no-shared-memory`, sends no SHM request: values then all come over the socket;
 * a value the client was told about stays whole while pinned, even when its key is replaced;
   once the pins ended and the buffer holds another value, a copy from the old place fails its
   checksum: a miss, never wrong bytes;
@@ -120,24 +120,31 @@ def test_a_client_copies_what_it_stored_and_receives_the_rest(start_node, make_c
     assert got == [replaced] and ops == {"shm_get": 1, "get": 0}
 
 
-def test_off_by_default_on_the_client_and_off_on_the_node(start_node, make_client):
+def test_on_by_default_off_with_the_client_switch_or_on_a_private_node(start_node, make_client):
     node = start_node(capacity="128MiB")
-    plain = make_client([node])  # the default
     value = os.urandom(2 * MiB)
+    plain = make_client([node])  # the default
     assert plain.batch_put_views([("v", value)]) == [True]
     buf = bytearray(len(value))
     assert plain.batch_get_into([("v", buf)]) == [True] and buf == value
-    assert requests_of(node, "shm_get") == 0
-    assert plain.local_servers() and not any(n.shared for n in plain._nodes)
+    assert requests_of(node, "shm_place") == 1 and requests_of(node, "shm_get") == 1
+    assert plain.shared_memory_servers() == plain.local_servers() == [a.name for a in plain.servers()]
+
+    switched_off = make_client([node], shared_memory=False)
+    assert switched_off.batch_put_views([("w", value)]) == [True]
+    buf = bytearray(len(value))
+    assert switched_off.batch_get_into([("w", buf)]) == [True] and buf == value
+    assert requests_of(node, "shm_place") == 1 and requests_of(node, "shm_get") == 1, "no SHM request of its own"
+    assert switched_off.shared_memory_servers() == [] and switched_off.local_servers()
 
     private = start_node(capacity="128MiB", extra_args=["--no-shared-memory"])
     assert status_of(private)["shared_memory"] is None
-    client = make_client([private], shared_memory=True)
+    client = make_client([private])
     assert client.batch_put_views([("v", value)]) == [True]
     buf = bytearray(len(value))
     assert client.batch_get_into([("v", buf)]) == [True] and buf == value
-    assert requests_of(private, "shm_get") == 0 and not any(n.shared for n in client._nodes)
-    assert client.local_servers(), "the same-host socket stays on"
+    assert requests_of(private, "shm_get") == 0 and requests_of(private, "shm_place") == 0
+    assert client.shared_memory_servers() == [] and client.local_servers(), "the same-host socket stays on"
 
 
 def _place(conn: NodeConnection, key: bytes, length: int) -> tuple[p.GetReplyItem, int, int]:

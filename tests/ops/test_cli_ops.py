@@ -71,11 +71,11 @@ def test_probe_exits_0_on_a_healthy_cluster_and_1_naming_a_dead_server(memkv_cli
     assert ok.returncode == 0 and doc["ok"] is True
     assert [s["server"] for s in doc["servers"]] == [n.address for n in cluster]
     assert all(s["ok"] and s["rtt_ms"] > 0 and s["max_value_bytes"] == 64 << 20 for s in doc["servers"])
-    assert [s["via"] for s in doc["servers"]] == ["local"] * len(cluster), "nodes on this host: their Unix socket"
+    assert [s["via"] for s in doc["servers"]] == ["shm"] * len(cluster), "nodes on this host offer shared memory"
+    socket_only = as_json(memkv_cli("probe", "--json", env={**env, "MEMKV_SHARED_MEMORY": "off"}))
+    assert [s["via"] for s in socket_only["servers"]] == ["local"] * len(cluster), "their Unix socket"
     tcp_only = as_json(memkv_cli("probe", "--json", env={**env, "MEMKV_LOCAL_SOCKET": "off"}))
     assert [s["via"] for s in tcp_only["servers"]] == ["tcp"] * len(cluster)
-    shared = as_json(memkv_cli("probe", "--json", env={**env, "MEMKV_SHARED_MEMORY": "on"}))
-    assert [s["via"] for s in shared["servers"]] == ["shm"] * len(cluster), "the nodes offer shared memory"
 
     dead = dead_address()
     failed = memkv_cli("probe", "--json", env={**env, "MEMKV_SERVERS": f"{env['MEMKV_SERVERS']},{dead}"})

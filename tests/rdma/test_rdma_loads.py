@@ -35,6 +35,9 @@ KiB, MiB = 1 << 10, 1 << 20
 
 
 def rdma_client(make_client, nodes, **kwargs):
+    # Shared memory off: these nodes share the host, and a value this client stored would be
+    # copied from the node's memory, hiding which path (RDMA or the socket) served it.
+    kwargs.setdefault("shared_memory", False)
     return make_client(nodes, transport="rdma", io_timeout_s=kwargs.pop("io_timeout_s", 10.0), **kwargs)
 
 

@@ -123,7 +123,7 @@ def warnings_about_tcp(caplog) -> list[str]:
 def test_auto_latches_to_tcp_when_a_node_refuses_rdma(ucx, start_node, make_client, pool, monkeypatch, caplog):
     monkeypatch.setattr(nixl_adapter, "rdma_devices", lambda configured=(): (["fake_nic0"], []))  # "a NIC is here"
     node = start_node(env={"MEMKV_TRANSPORT": "tcp"})
-    client = make_client([node], transport="auto")
+    client = make_client([node], transport="auto", shared_memory=False)  # so every load is a node GET
     caplog.set_level(logging.INFO, logger="memkv.client")
     assert client.register_pool(pool) is False and not client.has_rdma()
     value = os.urandom(MiB)
