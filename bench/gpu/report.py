@@ -244,6 +244,8 @@ def main() -> int:
                     help="run 39: TCP, RDMA and RDMA with pipelined RDMA_GETs side by side (one call)")
     ap.add_argument("--local", action="store_true",
                     help="runs 43-47: loopback TCP vs the same-host socket, two machines")
+    ap.add_argument("--shm", action="store_true",
+                    help="runs 54-56: shared memory on by default vs off, one machine")
     ap.add_argument("--direct", action="store_true",
                     help="direct mode (runs 21, 26, 27): revisit TTFT per mode, pinned host memory, vs recompute")
     ap.add_argument("--img", default=None)
@@ -251,6 +253,9 @@ def main() -> int:
     if args.direct:
         args.img = args.img or os.path.join(REPO, "docs", "img", "gpu-direct.png")
         return direct_plot(args)
+    if args.shm:
+        args.img = args.img or os.path.join(REPO, "docs", "img", "gpu-breakdown-shm.png")
+        return shm_plot(args)
     if args.local:
         args.img = args.img or os.path.join(REPO, "docs", "img", "gpu-breakdown-local.png")
         return local_plot(args)
@@ -654,6 +659,11 @@ PIPELINE = {"run39-tcp-main.json": "TCP", "run39-rdma0-main.json": "RDMA",
 # machines, each pair one call after the other on the same machine (runs 43-44 and 46-47).
 LOCAL = {"run44-tcp-main.json": "host A, TCP", "run43-local-main-restart.json": "host A, same-host socket",
          "run47-tcp-main.json": "host B, TCP", "run46-local-main-notier.json": "host B, same-host socket"}
+# 2026-12-04: shared memory on by default (runs 54 and 56, commit 3684015) and MEMKV_SHARED_MEMORY=off
+# (run 55) on one machine, in the order 54, 55, 56 (calls back to back).
+SHM_DEFAULT = {"run54-defaults-main-restart-notier.json": "run 54, default",
+               "run55-shm-off-main-restart.json": "run 55, shared memory off",
+               "run56-defaults-main-restart.json": "run 56, default"}
 
 
 def breakdown_plot(args) -> int:
@@ -677,6 +687,13 @@ def local_plot(args) -> int:
     return stages_plot(args, LOCAL,
                        "A promotion's stages: loopback TCP vs the nodes' same-host (Unix) socket, README's tier config\n"
                        "(runs 43-47: 1x H200, 16 vCPUs, vLLM 0.25.0, 32B shape, 4 MemKV nodes; two machines, A and B)")
+
+
+def shm_plot(args) -> int:
+    """Runs 54-56: shared memory on by default vs off, one machine: docs/img/gpu-breakdown-shm.png."""
+    return stages_plot(args, SHM_DEFAULT,
+                       "A promotion's stages with the defaults (shared memory on) and with it off, README's tier config\n"
+                       "(runs 54-56: 1x H200, 16 vCPUs, vLLM 0.25.0, 32B shape, 4 MemKV nodes on loopback, one machine)")
 
 
 def pipeline_plot(args) -> int:
