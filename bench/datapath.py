@@ -11,11 +11,11 @@ slow state, so only same-repetition ratios mean anything):
     server's pre-faulted pool, one ack byte per value. No framing, authentication, checksums or
     store: what MemKV adds costs the difference.
   * raw-unix: the same raw design over an abstract Unix socket: the kernel path MemKV's
-    same-host clients take by default (docs/protocol.md section 2.6). "memkv" is the client as
-    configured by default (over the node's Unix socket), "memkv-tcp" the same client with
-    local_socket off (loopback TCP), "memkv-shm" the same client with shared_memory on (its GETs copy
-    from the node's memory: docs/protocol.md section 13; its PUTs are memkv's plus the warm-up of
-    the values stored). Each MemKV client reads back its own keys. Same-family pairs (memkv/raw-unix, memkv-tcp/raw) price what
+    same-host clients take by default (docs/protocol.md section 2.6). "memkv" is the client over
+    the node's Unix socket with shared_memory off, "memkv-tcp" the same client with
+    local_socket off (loopback TCP), "memkv-shm" the client as configured by default, shared_memory
+    on (its GETs copy from the node's memory: docs/protocol.md section 13; its PUTs are memkv's
+    plus the warm-up of the values stored). Each MemKV client reads back its own keys. Same-family pairs (memkv/raw-unix, memkv-tcp/raw) price what
     MemKV adds; memkv/raw is what a user gets against the raw TCP design.
   * redis: a real `redis-server` started by the bench (skipped if not installed; `apt-get
     install redis-server`), driven by redis-py with SET/GET of the same values.
@@ -283,9 +283,11 @@ def measure(value_bytes: int, n: int, threads: int, n_nodes: int, reps: int, bpo
     try:
         config = ClientConfig(servers=parse_servers(",".join(x.address for x in nodes), "bench"),
                               auth_key=AuthKey.from_hex(key, "bench"), pool_size=max(8, threads))
-        client = Client(config)  # the default: same-host nodes over their Unix socket
+        # Since 3684015 shared memory is on by default: "memkv" turns it off to keep measuring the
+        # same-host socket; "memkv-shm" is the default client.
+        client = Client(dataclasses.replace(config, shared_memory=False))  # same-host nodes over their Unix socket
         client_tcp = Client(dataclasses.replace(config, local_socket=False))  # loopback TCP, as before it
-        client_shm = Client(dataclasses.replace(config, shared_memory=True))  # GETs copy from the node's memory
+        client_shm = Client(dataclasses.replace(config, shared_memory=True))  # the default: GETs copy from the node's memory
         src = memoryview(prefaulted_pool(value_bytes * n))
         dst = memoryview(prefaulted_pool(value_bytes * n))
         for i in range(n):
