@@ -14,8 +14,8 @@ slow state, so only same-repetition ratios mean anything):
     same-host clients take by default (docs/protocol.md section 2.6). "memkv" is the client over
     the node's Unix socket with shared_memory off, "memkv-tcp" the same client with
     local_socket off (loopback TCP), "memkv-shm" the client as configured by default, shared_memory
-    on (its GETs copy from the node's memory: docs/protocol.md section 13; its PUTs are memkv's
-    plus the warm-up of the values stored). Each MemKV client reads back its own keys. Same-family pairs (memkv/raw-unix, memkv-tcp/raw) price what
+    on (docs/protocol.md section 13: its GETs copy from the node's memory, its PUTs of values of
+    1 MiB and more write into it, SHM_PUT/SHM_COMMIT). Each MemKV client reads back its own keys. Same-family pairs (memkv/raw-unix, memkv-tcp/raw) price what
     MemKV adds; memkv/raw is what a user gets against the raw TCP design.
   * redis: a real `redis-server` started by the bench (skipped if not installed; `apt-get
     install redis-server`), driven by redis-py with SET/GET of the same values.

@@ -108,6 +108,8 @@ class Opcode(enum.IntEnum):
     SHM_ATTACH = 0x30  # same-host socket: the descriptors of these shared arenas (section 13)
     SHM_GET = 0x31  # same-host socket: where these values lie in shared memory; pins them
     SHM_PLACE = 0x32  # as SHM_GET, for a client to fill its page tables, not to read: counts no read
+    SHM_PUT = 0x33  # same-host socket: reserve slots for these values; the client writes them itself
+    SHM_COMMIT = 0x34  # the next frame after an SHM_PUT: make the values written visible
     ERROR = 0x7F  # server -> client; the connection closes after it
     REPLY = 0x80  # or-ed into the request opcode
 
@@ -142,7 +144,7 @@ class ItemStatus(enum.IntEnum):
     NO_SPACE = 3  # PUT: cannot fit even after eviction (value larger than its lane, all pinned)
     TRANSFER_FAILED = 4  # RDMA_GET: the node's WRITE failed or did not complete within the window
     LEASED = 5  # PUT / DELETE of a leased key: the leased value stays (DELETE: removed when its leases end)
-    NOT_SHARED = 6  # SHM_GET: the value is in the node's private memory: GET it over the socket
+    NOT_SHARED = 6  # SHM_GET / SHM_PUT: not in shared memory (private memory, in-flight bound): use the socket
 
 
 class ChecksumAlgo(enum.IntEnum):
@@ -432,9 +434,33 @@ class ShmGetRequest:
 
 
 @dataclasses.dataclass(frozen=True)
+class ShmPutRequest:
+    """SHM_PUT: a PUT's items without their values. The node reserves a slot per item and says
+    where (ShmGetReply, opcode SHM_PUT); the client writes each value there, then sends SHM_COMMIT
+    as the connection's very next frame. The items' checksum fields are not used (a client
+    hashes each value as it writes it: SHM_COMMIT brings the checksums); MemKV's client sends
+    zeros."""
+
+    items: tuple[PutItem, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class ShmCommitRequest:
+    """SHM_COMMIT: one flag per slot the preceding SHM_PUT placed (its OK items, in order): 1 the
+    client wrote the value (make it visible), 0 it did not (drop the slot); and per flag the
+    checksum of the bytes written (by the SHM_PUT item's algo; zeros for flag 0). Reply:
+    StatusReply, one status per flag: OK stored, LEASED (leased meanwhile: the leased value
+    stays), MISS (0)."""
+
+    written: bytes
+    checksums: tuple[bytes, ...]
+
+
+@dataclasses.dataclass(frozen=True)
 class ShmGetReply:
-    """As a GET reply's items, no payload; an OK value lies at `offsets[i]` of arena `arenas[i]`
-    (both 0 for other statuses)."""
+    """SHM_GET, SHM_PLACE and SHM_PUT replies: as a GET reply's items, no payload; an OK value
+    lies (SHM_PUT: is to be written) at `offsets[i]` of arena `arenas[i]` (both 0 for other
+    statuses)."""
 
     items: tuple[GetReplyItem, ...]
     arenas: tuple[int, ...]
@@ -456,6 +482,8 @@ Request = (
     | RdmaGetRequest
     | ShmAttachRequest
     | ShmGetRequest
+    | ShmPutRequest
+    | ShmCommitRequest
 )
 Reply = (
     PingReply
@@ -557,7 +585,7 @@ def _check_rdma_window(window_ms: int, err: _ErrorClass) -> None:
 # Checks of outgoing messages beyond their keys (`validate_outgoing`), by message type.
 
 
-def _validate_put(msg: PutRequest, limits: Limits) -> None:
+def _validate_put(msg: PutRequest | ShmPutRequest, limits: Limits) -> None:
     for it in msg.items:
         _check_value_length(it.length, limits, LocalProtocolError)
         if len(it.checksum) != CHECKSUM_BYTES:
@@ -605,6 +633,8 @@ _VALIDATORS: dict[type, Callable[[Any, Limits], None]] = {
     DeleteRequest: _validate_keys,
     RdmaGetRequest: _validate_keys,
     ShmGetRequest: _validate_keys,
+    ShmPutRequest: _validate_put,
+    ShmCommitRequest: lambda msg, limits: _check_batch(len(msg.written), limits, LocalProtocolError),
     ShmAttachRequest: lambda msg, limits: _check_shm_attach(len(msg.arenas), LocalProtocolError),
     ListRequest: _validate_list,
     ListReply: _validate_list_reply,
@@ -686,8 +716,7 @@ def _encode_get(msg: GetRequest) -> _Encoded:
     return Opcode.GET, 0, _pack_get(msg)
 
 
-def _encode_put(msg: PutRequest) -> _Encoded:
-    items = msg.items
+def _pack_put(items: Sequence[PutItem]) -> bytes:
     n = len(items)
     parts = [
         _pack_keys([it.key for it in items]),
@@ -695,7 +724,11 @@ def _encode_put(msg: PutRequest) -> _Encoded:
         bytes(it.algo for it in items),
         b"".join(it.checksum for it in items),
     ]
-    return Opcode.PUT, 0, b"".join(parts)
+    return b"".join(parts)
+
+
+def _encode_put(msg: PutRequest) -> _Encoded:
+    return Opcode.PUT, 0, _pack_put(msg.items)
 
 
 def _encode_status_reply(msg: StatusReply) -> _Encoded:
@@ -786,9 +819,10 @@ def _encode_shm_attach_reply(msg: ShmAttachReply) -> _Encoded:
     )
 
 
-def _shm_get_opcode(opcode: int) -> int:
-    if opcode not in (Opcode.SHM_GET, Opcode.SHM_PLACE):
-        raise LocalProtocolError(f"opcode 0x{opcode:02x} is not SHM_GET or SHM_PLACE", ErrorCode.MALFORMED)
+def _shm_get_opcode(opcode: int, replies: tuple[int, ...] = (Opcode.SHM_GET, Opcode.SHM_PLACE)) -> int:
+    if opcode not in replies:
+        names = " or ".join(Opcode(o).name for o in replies)
+        raise LocalProtocolError(f"opcode 0x{opcode:02x} is not {names}", ErrorCode.MALFORMED)
     return opcode
 
 
@@ -801,10 +835,22 @@ def _encode_shm_get_reply(msg: ShmGetReply) -> _Encoded:
     if not len(msg.arenas) == len(msg.offsets) == n:
         raise LocalProtocolError("an SHM_GET reply needs one arena and one offset per item", ErrorCode.MALFORMED)
     return (
-        _shm_get_opcode(msg.opcode) | Opcode.REPLY,
+        _shm_get_opcode(msg.opcode, (Opcode.SHM_GET, Opcode.SHM_PLACE, Opcode.SHM_PUT)) | Opcode.REPLY,
         0,
         _pack_items(msg.items) + struct.pack(f">{n}I{n}Q", *msg.arenas, *msg.offsets),
     )
+
+
+def _encode_shm_put(msg: ShmPutRequest) -> _Encoded:
+    return Opcode.SHM_PUT, 0, _pack_put(msg.items)
+
+
+def _encode_shm_commit(msg: ShmCommitRequest) -> _Encoded:
+    if any(flag > 1 for flag in msg.written):
+        raise LocalProtocolError("SHM_COMMIT flags must be 0 or 1", ErrorCode.MALFORMED)
+    if len(msg.checksums) != len(msg.written) or any(len(c) != CHECKSUM_BYTES for c in msg.checksums):
+        raise LocalProtocolError(f"SHM_COMMIT needs one {CHECKSUM_BYTES}-byte checksum per flag", ErrorCode.MALFORMED)
+    return Opcode.SHM_COMMIT, 0, _COUNT.pack(len(msg.written)) + bytes(msg.written) + b"".join(msg.checksums)
 
 
 _ENCODERS: dict[type, Callable[[Any], _Encoded]] = {
@@ -831,6 +877,8 @@ _ENCODERS: dict[type, Callable[[Any], _Encoded]] = {
     ShmAttachReply: _encode_shm_attach_reply,
     ShmGetRequest: _encode_shm_get,
     ShmGetReply: _encode_shm_get_reply,
+    ShmPutRequest: _encode_shm_put,
+    ShmCommitRequest: _encode_shm_commit,
 }
 
 
@@ -938,7 +986,8 @@ def _decode_get(status: int, meta: memoryview, limits: Limits) -> _Decoded:
     return GetRequest(keys, lengths), off
 
 
-def _decode_put(status: int, meta: memoryview, limits: Limits) -> _Decoded:
+def _read_put_items(meta: memoryview, limits: Limits) -> tuple[tuple[PutItem, ...], int]:
+    """A PUT-shaped meta (PUT, SHM_PUT): key block, length u32, algo u8, checksum per key."""
     keys, off = _read_keys(meta, limits)
     n = len(keys)
     lengths = struct.unpack_from(f">{n}I", meta, off)
@@ -955,7 +1004,30 @@ def _decode_put(status: int, meta: memoryview, limits: Limits) -> _Decoded:
         PutItem(k, ln, a, sums[i * CHECKSUM_BYTES : (i + 1) * CHECKSUM_BYTES])
         for i, (k, ln, a) in enumerate(zip(keys, lengths, algos))
     )
+    return items, off
+
+
+def _decode_put(status: int, meta: memoryview, limits: Limits) -> _Decoded:
+    items, off = _read_put_items(meta, limits)
     return PutRequest(items), off
+
+
+def _decode_shm_put(status: int, meta: memoryview, limits: Limits) -> _Decoded:
+    items, off = _read_put_items(meta, limits)
+    return ShmPutRequest(items), off
+
+
+def _decode_shm_commit(status: int, meta: memoryview, limits: Limits) -> _Decoded:
+    n = _read_count(meta, limits)
+    off = _COUNT.size
+    written = bytes(meta[off : off + n])
+    sums = bytes(meta[off + n : off + n + n * CHECKSUM_BYTES])
+    if len(written) != n or len(sums) != n * CHECKSUM_BYTES:
+        raise RemoteProtocolError("meta truncated in SHM_COMMIT flags or checksums", ErrorCode.MALFORMED)
+    if any(flag > 1 for flag in written):
+        raise RemoteProtocolError("SHM_COMMIT flags must be 0 or 1", ErrorCode.MALFORMED)
+    checksums = tuple(sums[i * CHECKSUM_BYTES : (i + 1) * CHECKSUM_BYTES] for i in range(n))
+    return ShmCommitRequest(written, checksums), off + n + n * CHECKSUM_BYTES
 
 
 def _status_reply_decoder(request_opcode: Opcode) -> Callable[[int, memoryview, Limits], _Decoded]:
@@ -1080,7 +1152,7 @@ def _decode_shm_attach_reply(status: int, meta: memoryview, limits: Limits) -> _
 
 
 def _shm_get_decoders(opcode: Opcode) -> dict[int, Callable[[int, memoryview, Limits], _Decoded]]:
-    """SHM_GET's and SHM_PLACE's request and reply decoders (one layout)."""
+    """SHM_GET's and SHM_PLACE's request and reply decoders (one layout; SHM_PUT's reply too)."""
 
     def request(status: int, meta: memoryview, limits: Limits) -> _Decoded:
         keys, lengths, off = _read_get(meta, limits)
@@ -1122,6 +1194,10 @@ _DECODERS: dict[int, Callable[[int, memoryview, Limits], _Decoded]] = {
     Opcode.SHM_ATTACH | Opcode.REPLY: _decode_shm_attach_reply,
     **_shm_get_decoders(Opcode.SHM_GET),
     **_shm_get_decoders(Opcode.SHM_PLACE),
+    Opcode.SHM_PUT: _decode_shm_put,
+    Opcode.SHM_PUT | Opcode.REPLY: _shm_get_decoders(Opcode.SHM_PUT)[Opcode.SHM_PUT | Opcode.REPLY],
+    Opcode.SHM_COMMIT: _decode_shm_commit,
+    Opcode.SHM_COMMIT | Opcode.REPLY: _status_reply_decoder(Opcode.SHM_COMMIT),
 }
 
 

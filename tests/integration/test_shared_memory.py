@@ -36,7 +36,7 @@ from memkv.client import shared
 from memkv.client.node import NodeConnection, local_connect
 from memkv.client.shared import NodeMemory, copy_verified
 from memkv.config import AuthKey, ServerAddress
-from memkv.errors import RemoteProtocolError, ServerError
+from memkv.errors import LocalProtocolError, MemKVError, RemoteProtocolError, ServerError
 from memkv.integrity import Checksummer
 from tests.faults.nodeops import restart_empty
 
@@ -96,8 +96,8 @@ def test_a_client_copies_what_it_stored_and_receives_the_rest(start_node, make_c
     sent = metric(node, "memkv_node_sent_bytes_total")
     assert own.batch_put_views([("mine", mine)]) == [True]
     assert other.batch_put_views([("theirs", theirs)]) == [True]
-    assert requests_of(node, "shm_place") == 2, "each writer filled its page tables for its value"
-    assert metric(node, "memkv_node_sent_bytes_total") == sent, "a warm-up reads nothing"
+    assert requests_of(node, "shm_put") == 2, "each writer wrote its value into the node's memory itself"
+    assert metric(node, "memkv_node_sent_bytes_total") == sent, "a store reads nothing"
 
     def load(client, keys):
         before = {op: requests_of(node, op) for op in ("get", "shm_get")}
@@ -127,14 +127,14 @@ def test_on_by_default_off_with_the_client_switch_or_on_a_private_node(start_nod
     assert plain.batch_put_views([("v", value)]) == [True]
     buf = bytearray(len(value))
     assert plain.batch_get_into([("v", buf)]) == [True] and buf == value
-    assert requests_of(node, "shm_place") == 1 and requests_of(node, "shm_get") == 1
+    assert requests_of(node, "shm_put") == 1 and requests_of(node, "shm_get") == 1
     assert plain.shared_memory_servers() == plain.local_servers() == [a.name for a in plain.servers()]
 
     switched_off = make_client([node], shared_memory=False)
     assert switched_off.batch_put_views([("w", value)]) == [True]
     buf = bytearray(len(value))
     assert switched_off.batch_get_into([("w", buf)]) == [True] and buf == value
-    assert requests_of(node, "shm_place") == 1 and requests_of(node, "shm_get") == 1, "no SHM request of its own"
+    assert requests_of(node, "shm_put") == 1 and requests_of(node, "shm_get") == 1, "no SHM request of its own"
     assert switched_off.shared_memory_servers() == [] and switched_off.local_servers()
 
     private = start_node(capacity="128MiB", extra_args=["--no-shared-memory"])
@@ -143,7 +143,7 @@ def test_on_by_default_off_with_the_client_switch_or_on_a_private_node(start_nod
     assert client.batch_put_views([("v", value)]) == [True]
     buf = bytearray(len(value))
     assert client.batch_get_into([("v", buf)]) == [True] and buf == value
-    assert requests_of(private, "shm_get") == 0 and requests_of(private, "shm_place") == 0
+    assert requests_of(private, "shm_get") == 0 and requests_of(private, "shm_put") == 0
     assert client.shared_memory_servers() == [] and client.local_servers(), "the same-host socket stays on"
 
 
@@ -238,6 +238,12 @@ def test_shm_requests_are_refused_off_the_same_host_socket(start_node, auth_key_
             conn.request(p.ShmGetRequest((b"k",), (MiB,)))
     finally:
         conn.close()
+    conn = raw_connection(node, auth_key_hex, local=False)
+    try:
+        with pytest.raises(ServerError, match="SHM_PUT: this connection was not offered shared memory"):
+            conn.request(p.ShmPutRequest((_item(b"k", bytes(MiB)),)))
+    finally:
+        conn.close()
 
 
 def test_an_arena_that_is_none_comes_without_a_descriptor(start_node, auth_key_hex):
@@ -267,15 +273,157 @@ def test_arenas_that_cannot_be_mapped_turn_shared_memory_off_for_that_node_proce
     monkeypatch.setattr(NodeMemory, "add", refuse)
     values = [(f"k{i}", os.urandom(2 * MiB)) for i in range(3)]
     with caplog.at_level("WARNING", logger="memkv.client"):
-        assert client.batch_put_views(values[:1]) == [True]  # its warm-up meets the refusal
+        assert client.batch_put_views(values[:1]) == [True]  # SHM_PUT meets the refusal: sent by socket
     assert "shared memory off for this node process: arena 0: mmap failed" in caplog.text
+    assert requests_of(node, "put") == 1 and metric(node, "memkv_node_shm_slots_quarantined_total") == 0
     assert client.batch_put_views(values[1:]) == [True, True]
-    places = requests_of(node, "shm_place")
+    places = requests_of(node, "shm_put")
     gets = requests_of(node, "get")
     targets = [(key, bytearray(len(value))) for key, value in values]
     assert client.batch_get_into(targets) == [True] * 3
     assert [bytes(buf) for _, buf in targets] == [value for _, value in values]
     assert requests_of(node, "get") == gets + 1 and requests_of(node, "shm_get") == 0
-    assert requests_of(node, "shm_place") == places == 1, "no more warm-ups for that process"
+    assert requests_of(node, "shm_put") == places == 1, "no more SHM requests for that process"
+    assert requests_of(node, "shm_place") == 0
     assert client.shared_memory_servers() == [] and client.local_servers(), "still the same-host socket"
     assert not any(n.is_down for n in client._nodes)
+
+
+# -- stores: SHM_PUT and SHM_COMMIT --------------------------------------------------------------
+
+
+def _item(key: bytes, value: bytes) -> p.PutItem:
+    checksummer = Checksummer(bytes(32))
+    return p.PutItem(key, len(value), checksummer.algo, checksummer.compute(memoryview(value)))
+
+
+def test_a_store_writes_large_values_into_the_nodes_memory_and_sends_the_rest(start_node, make_client):
+    """The default client writes values of 1 MiB and more into the node's memory itself (one
+    copy, no socket); smaller ones go by PUT. Byte-exact for a client that reads over the
+    socket, and the writer's own loads copy them with no warm-up of their own."""
+    node = start_node(capacity="256MiB")
+    writer = make_client([node])
+    reader = make_client([node], shared_memory=False)
+    values = {f"k{i}": os.urandom(size) for i, size in enumerate([1000, MiB, 3 * MiB + 5, 16 * MiB])}
+    view_values = [(key, memoryview(bytearray(value))) for key, value in values.items()]  # vLLM's pool is writable
+    assert writer.batch_put_views(view_values) == [True] * len(values)
+    assert writer.batch_put_views([("bytes", values["k2"])]) == [True]  # read-only values too
+    assert requests_of(node, "shm_put") == 2 and requests_of(node, "shm_commit") == 2
+    assert requests_of(node, "put") == 1, "only the 1000-byte value went over the socket"
+    assert requests_of(node, "shm_place") == 0, "a value the client wrote itself needs no warm-up"
+    assert metric(node, "memkv_node_received_bytes_total") == sum(map(len, values.values())) + len(values["k2"])
+    for client in (reader, writer):
+        targets = [(key, bytearray(len(value))) for key, value in values.items()]
+        assert client.batch_get_into(targets) == [True] * len(values)
+        assert all(buf == values[key] for key, buf in targets)
+    gets = requests_of(node, "get")
+    targets = [(key, bytearray(len(values[key]))) for key in ("k1", "k2", "k3")]
+    assert writer.batch_get_into(targets) == [True] * 3 and all(buf == values[key] for key, buf in targets)
+    assert requests_of(node, "get") == gets, "the writer copied its own values from shared memory"
+
+
+def _reserve(conn: NodeConnection, key: bytes, value: bytes) -> p.ShmGetReply:
+    reply = conn.request(p.ShmPutRequest((_item(key, value),)))
+    assert isinstance(reply, p.ShmGetReply) and reply.opcode == p.Opcode.SHM_PUT
+    assert [it.status for it in reply.items] == [p.ItemStatus.OK]
+    return reply
+
+
+def test_an_shm_put_never_committed_is_quarantined_and_never_stored(start_node, make_client, auth_key_hex, wait_until):
+    """A client that reserved a slot and then says nothing (stalled, or gone mid-copy): after
+    io_timeout_s the node ends the connection, the value is a miss, and the slot never serves
+    again (a late write lands in no value)."""
+    node = start_node(capacity="64MiB", extra_args=["--io-timeout", "1"])
+    client = make_client([node], shared_memory=False)
+    value = os.urandom(2 * MiB)
+    conn = raw_connection(node, auth_key_hex)
+    try:
+        _reserve(conn, b"k", value)
+        reserved = metric(node, "memkv_node_inflight_bytes")
+        assert reserved >= len(value), "the slot is reserved while the client writes"
+        wait_until(lambda: metric(node, "memkv_node_shm_slots_quarantined_total") == 1, 10.0, what="the quarantine")
+        with pytest.raises(MemKVError):
+            conn.request(p.PingRequest())  # the node ended the connection
+    finally:
+        conn.close()
+    assert metric(node, "memkv_node_inflight_bytes") == 0
+    assert client.get("k") is None
+    assert client.batch_put_views([("k", value)]) == [True] and client.get("k") == value
+
+
+def test_a_frame_other_than_the_commit_ends_the_connection_and_stores_nothing(start_node, make_client, auth_key_hex):
+    node = start_node(capacity="64MiB")
+    client = make_client([node], shared_memory=False)
+    value = os.urandom(2 * MiB)
+    conn = raw_connection(node, auth_key_hex)
+    try:
+        _reserve(conn, b"k", value)
+        with pytest.raises(ServerError, match="PingRequest after an SHM_PUT: the next frame must be its SHM_COMMIT"):
+            conn.request(p.PingRequest())
+    finally:
+        conn.close()
+    assert metric(node, "memkv_node_shm_slots_quarantined_total") == 1
+    assert client.get("k") is None
+
+
+def test_a_commit_stores_what_was_written_and_drops_what_was_not(start_node, make_client, auth_key_hex):
+    node = start_node(capacity="64MiB")
+    client = make_client([node], shared_memory=False)
+    written, skipped = os.urandom(2 * MiB), os.urandom(2 * MiB)
+    conn = raw_connection(node, auth_key_hex)
+    memory = NodeMemory(status_of(node)["local_socket"])
+    try:
+        reply = conn.request(p.ShmPutRequest((_item(b"w", written), _item(b"s", skipped))))
+        assert [it.status for it in reply.items] == [p.ItemStatus.OK, p.ItemStatus.OK]
+        conn._attach(memory, sorted(set(reply.arenas)))
+        assert memory.use()
+        checksummer = Checksummer(bytes(32))
+        algo = checksummer.algo
+        checksum = memory.write_value(reply.arenas[0], reply.offsets[0], memoryview(bytearray(written)), algo, checksummer)
+        assert checksum == checksummer.compute(memoryview(written)), "the checksum of the bytes written"
+        with pytest.raises(ValueError, match="not inside a mapped arena"):
+            memory.write_value(reply.arenas[0], 1 << 40, memoryview(written), algo, checksummer)
+        memory.unuse()
+        with pytest.raises(LocalProtocolError, match="flags must be 0 or 1"):
+            conn.codec.encode(p.ShmCommitRequest(b"\x02\x01", (checksum, bytes(32))))
+        done = conn.request(p.ShmCommitRequest(b"\x01\x00", (checksum, bytes(32))))
+        assert done.statuses == bytes([p.ItemStatus.OK, p.ItemStatus.MISS])
+        assert isinstance(conn.request(p.PingRequest()), p.PingReply), "the connection goes on"
+        with pytest.raises(ServerError, match="SHM_COMMIT of 1 flags for the 0 slots"):
+            conn.request(p.ShmCommitRequest(b"\x01", (checksum,)))  # no SHM_PUT before it
+    finally:
+        conn.close()
+        memory.retire()
+    assert client.get("w") == written and client.get("s") is None
+    assert metric(node, "memkv_node_shm_slots_quarantined_total") == 0
+    assert metric(node, "memkv_node_inflight_bytes") == 0
+
+
+def test_a_commit_whose_checksum_is_not_of_the_bytes_written_is_a_miss_for_every_reader(
+    start_node, make_client, auth_key_hex
+):
+    """The node stores the checksum SHM_COMMIT declares and never looks at the bytes: a client
+    that declares the wrong one (a bug, or bytes changed after hashing) stores a value no reader
+    accepts (a client with shared memory off, and one with the defaults): a miss, never wrong
+    bytes."""
+    node = start_node(capacity="64MiB")
+    socket_reader = make_client([node], shared_memory=False)
+    value = os.urandom(2 * MiB)
+    conn = raw_connection(node, auth_key_hex)
+    memory = NodeMemory(status_of(node)["local_socket"])
+    checksummer = Checksummer(bytes(32))
+    try:
+        reply = _reserve(conn, b"k", value)
+        conn._attach(memory, sorted(set(reply.arenas)))
+        assert memory.use()
+        memory.write_value(reply.arenas[0], reply.offsets[0], memoryview(value), checksummer.algo, checksummer)
+        memory.unuse()
+        wrong = checksummer.compute(memoryview(value[:-1] + bytes([value[-1] ^ 1])))
+        done = conn.request(p.ShmCommitRequest(b"\x01", (wrong,)))
+        assert done.statuses == bytes([p.ItemStatus.OK])
+    finally:
+        conn.close()
+        memory.retire()
+    assert socket_reader.get("k") is None
+    shm_reader = make_client([node])
+    assert shm_reader.batch_get_into([("k", bytearray(len(value)))]) == [False]

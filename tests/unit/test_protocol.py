@@ -247,6 +247,35 @@ MESSAGES = [
         ),
         b"",
     ),
+    (
+        "shm-put",
+        "c2s",
+        p.ShmPutRequest(
+            (
+                p.PutItem(b"k", 16 << 20, p.ChecksumAlgo.XXH3_128, _SUMS.compute(b"x")),
+                p.PutItem(b"\x00\xff" * 240, 0, p.ChecksumAlgo.BLAKE3_KEYED, _SUMS.compute(b"", p.ChecksumAlgo.BLAKE3_KEYED)),
+            )
+        ),
+        b"",  # the client writes the values into the node's memory, never sends them
+    ),
+    ("shm-put-empty-batch", "c2s", p.ShmPutRequest(()), b""),
+    (
+        "shm-put-reply",
+        "s2c",
+        p.ShmGetReply(
+            (
+                p.GetReplyItem(p.ItemStatus.OK, 16 << 20, p.ChecksumAlgo.XXH3_128, _SUMS.compute(b"x")),
+                p.GetReplyItem(p.ItemStatus.NOT_SHARED, 0, 0, bytes(32)),
+            ),
+            (2, 0),
+            (1 << 20, 0),
+            p.Opcode.SHM_PUT,
+        ),
+        b"",
+    ),
+    ("shm-commit", "c2s", p.ShmCommitRequest(b"\x01\x00\x01", (_SUMS.compute(b"x"), bytes(32), b"\xff" * 32)), b""),
+    ("shm-commit-empty", "c2s", p.ShmCommitRequest(b"", ()), b""),
+    ("shm-commit-reply", "s2c", p.StatusReply(p.Opcode.SHM_COMMIT, bytes([p.ItemStatus.OK, p.ItemStatus.MISS])), b""),
 ]
 
 
@@ -292,6 +321,24 @@ def test_an_shm_get_shaped_message_is_shm_get_or_shm_place_only() -> None:
         client.encode(p.ShmGetRequest((b"k",), (1,), p.Opcode.GET))
     with pytest.raises(LocalProtocolError, match="opcode 0x10 is not SHM_GET or SHM_PLACE"):
         server.encode(p.ShmGetReply((), (), (), p.Opcode.PUT))
+
+
+def test_an_shm_commit_flag_other_than_0_or_1_is_refused_on_both_sides() -> None:
+    client, server = session()
+    with pytest.raises(LocalProtocolError, match="SHM_COMMIT flags must be 0 or 1"):
+        client.encode(p.ShmCommitRequest(b"\x01\x02", (bytes(32), bytes(32))))
+    with pytest.raises(LocalProtocolError, match="one 32-byte checksum per flag"):
+        client.encode(p.ShmCommitRequest(b"\x01\x01", (bytes(32),)))
+    with pytest.raises(LocalProtocolError, match="one 32-byte checksum per flag"):
+        client.encode(p.ShmCommitRequest(b"\x01", (bytes(16),)))
+    with pytest.raises(RemoteProtocolError, match="SHM_COMMIT flags must be 0 or 1") as info:
+        decode_one(server, raw_frame(p.Opcode.SHM_COMMIT, struct.pack(">I", 2) + b"\x00\x07" + bytes(64)))
+    assert info.value.code == p.ErrorCode.MALFORMED
+    for short in (b"\x01", b"\x01\x00\x01" + bytes(95)):  # flags, then checksums, cut short
+        _, server = session()
+        with pytest.raises(RemoteProtocolError, match="truncated in SHM_COMMIT") as info:
+            decode_one(server, raw_frame(p.Opcode.SHM_COMMIT, struct.pack(">I", 3) + short))
+        assert info.value.code == p.ErrorCode.MALFORMED
 
 
 # --------------------------------------------------------------------------------------------

@@ -542,15 +542,12 @@ class Client:
         return out
 
     def _put_on(self, node: NodeClient, keys: list[bytes], views: list[memoryview], raise_errors: bool) -> bytes:
-        algo = self.checksummer.algo
         statuses = bytearray()
         try:
             for lo, hi in byte_chunks(node, views):
-                items = tuple(
-                    p.PutItem(k, len(v), algo, self.checksummer.compute(v)) for k, v in zip(keys[lo:hi], views[lo:hi])
-                )
                 part = views[lo:hi]
-                statuses += self._nodeset.timed(node, "put", functools.partial(node.put, p.PutRequest(items), part))
+                put = functools.partial(node.put, keys[lo:hi], part, self.checksummer)  # it hashes them
+                statuses += self._nodeset.timed(node, "put", put)
                 m.BYTES.labels("out").inc(sum(len(v) for v in part))
         except MemKVError as exc:
             self._nodeset.count_failure(node, "put", exc)

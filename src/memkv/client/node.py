@@ -458,6 +458,64 @@ class NodeConnection:
             raise RemoteProtocolError(f"{self.name}: unexpected reply to PING")
         return warmed
 
+    def put_shared(
+        self, memory: NodeMemory, keys: Sequence[bytes], values: Sequence[memoryview], checksummer: Checksummer
+    ) -> tuple[bytes, list[int]]:
+        """SHM_PUT `keys` (values of SHM_MIN_VALUE and more), write each value into the slot the
+        node reserved for it, hashing it as it is written (`NodeMemory.write_value`: one pass
+        over the bytes), SHM_COMMIT them with those checksums: (one status per key, the indexes
+        answered NOT_SHARED, which the caller PUTs over the socket). A value stored so is warm
+        here."""
+        if not memory.use():
+            self.memory = None
+            return bytes([p.ItemStatus.NOT_SHARED]) * len(keys), list(range(len(keys)))
+        algo = checksummer.algo
+        no_sum = bytes(p.CHECKSUM_BYTES)
+        items = [p.PutItem(k, len(v), algo, no_sum) for k, v in zip(keys, values)]
+        try:
+            reply = self.request(p.ShmPutRequest(tuple(items)))
+            if (
+                not isinstance(reply, p.ShmGetReply)
+                or reply.opcode != p.Opcode.SHM_PUT
+                or len(reply.items) != len(items)
+            ):
+                raise RemoteProtocolError(f"{self.name}: SHM_PUT reply does not match the request")
+            places = [i for i, item in enumerate(reply.items) if item.status == p.ItemStatus.OK]
+            missing = memory.missing({reply.arenas[i] for i in places})
+            if missing:
+                self._attach(memory, missing)
+            # Once the node has placed them, the next frame must be their SHM_COMMIT: a value not
+            # written (an arena this process cannot map) is committed as not written.
+            written = bytearray()
+            checksums = []
+            for i in places:
+                if reply.items[i].length != items[i].length:
+                    raise RemoteProtocolError(
+                        f"{self.name}: SHM_PUT placed {reply.items[i].length} bytes for {items[i].length}"
+                    )
+                checksum = no_sum
+                if not memory.refused:
+                    try:
+                        checksum = memory.write_value(reply.arenas[i], reply.offsets[i], values[i], algo, checksummer)
+                    except ValueError as exc:
+                        raise RemoteProtocolError(f"{self.name}: SHM_PUT placed a value badly: {exc}") from None
+                written.append(not memory.refused)
+                checksums.append(checksum)
+            statuses = bytearray(item.status for item in reply.items)
+            if places:
+                done = self.request(p.ShmCommitRequest(bytes(written), tuple(checksums)))
+                if not isinstance(done, p.StatusReply) or len(done.statuses) != len(places):
+                    raise RemoteProtocolError(f"{self.name}: SHM_COMMIT reply does not match the request")
+                for i, ok, checksum, status in zip(places, written, checksums, done.statuses):
+                    statuses[i] = status if ok else p.ItemStatus.NOT_SHARED
+                    if ok and status == p.ItemStatus.OK:
+                        memory.committed(keys[i], reply.arenas[i], reply.offsets[i], checksum)
+            if memory.refused:
+                self.memory = None
+        finally:
+            memory.unuse()
+        return bytes(statuses), [i for i, s in enumerate(statuses) if s == p.ItemStatus.NOT_SHARED]
+
     def _attach(self, memory: NodeMemory, arenas: list[int]) -> None:
         """Map the node's arenas `arenas`: their descriptors come with the SHM_ATTACH reply."""
         for start in range(0, len(arenas), p.MAX_SHM_ATTACH):
@@ -838,31 +896,46 @@ class NodeClient:
         with self.connection() as conn:
             return _statuses(conn, msg, payload)
 
-    def put(self, msg: p.PutRequest, payload: Sequence[memoryview]) -> bytes:
-        """PUT; on a connection that copies from the node's shared memory, then warm the values
-        stored (`NodeConnection.warm`). A failed warm-up costs speed only: the statuses stand."""
+    def put(self, keys: Sequence[bytes], views: Sequence[memoryview], checksummer: Checksummer) -> bytes:
+        """PUT `views` under `keys` (one request's worth: `byte_chunks`); one status per key. On
+        a connection that shares the node's memory, values of SHM_MIN_VALUE and more are written
+        into it (SHM_PUT, `NodeConnection.put_shared`, hashed as they are copied) and the rest go
+        over the socket (hashed first); values of that size that went over the socket are warmed
+        after (`NodeConnection.warm`): a failed warm-up costs speed only, the statuses stand."""
         conn = self.borrow()
+        statuses = bytearray(len(keys))
+        by_socket = list(range(len(keys)))
         try:
-            statuses = _statuses(conn, msg, payload)
+            memory = conn.memory
+            big = [i for i, v in enumerate(views) if len(v) >= p.SHM_MIN_VALUE]
+            if memory is not None and big:
+                shared, not_shared = conn.put_shared(
+                    memory, [keys[i] for i in big], [views[i] for i in big], checksummer
+                )
+                for i, status in zip(big, shared):
+                    statuses[i] = status
+                by_socket = sorted({*(big[j] for j in not_shared), *(set(range(len(keys))) - set(big))})
+            if by_socket:
+                algo = checksummer.algo
+                items = tuple(p.PutItem(keys[i], len(views[i]), algo, checksummer.compute(views[i])) for i in by_socket)
+                sent = _statuses(conn, p.PutRequest(items), [views[i] for i in by_socket])
+                for i, status in zip(by_socket, sent):
+                    statuses[i] = status
         except BaseException as exc:
             self.give_back(conn, exc)
             raise
         error: BaseException | None = None
         memory = conn.memory
         if memory is not None:
-            stored = [
-                (item.key, item.length)
-                for item, status in zip(msg.items, statuses)
-                if status == p.ItemStatus.OK and item.length >= p.SHM_MIN_VALUE
-            ]
+            stored = [i for i in by_socket if statuses[i] == p.ItemStatus.OK and len(views[i]) >= p.SHM_MIN_VALUE]
             if stored:
                 try:
-                    conn.warm(memory, [k for k, _ in stored], [n for _, n in stored])
+                    conn.warm(memory, [keys[i] for i in stored], [len(views[i]) for i in stored])
                 except MemKVError as exc:
                     log.info("%s: warming stored values failed: %s", self.name, exc)
                     error = exc  # the connection is closed (and the node marked down, as for any request)
         self.give_back(conn, error)
-        return statuses
+        return bytes(statuses)
 
 
 def _statuses(conn: NodeConnection, msg: p.Request, payload: Sequence[memoryview] = ()) -> bytes:

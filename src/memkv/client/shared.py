@@ -1,4 +1,4 @@
-"""A same-host node's value memory, mapped read-only into this process (docs/protocol.md section 13).
+"""A same-host node's value memory, mapped into this process (docs/protocol.md section 13).
 
 A node that offers shared memory on its same-host socket keeps values of 1 MiB and more in memfd
 arenas (memkv/server/shared.py). An SHM_GET tells where each value lies; the client copies it
@@ -20,6 +20,10 @@ the value itself (`NodeConnection.warm`, on the store thread). Every other value
 socket. `warm` remembers each slot with the checksum of the value it was filled for: the node
 punches a freed slot's pages out (which empties every process's page tables of it), so a slot
 holding another value since is not warm any more.
+
+Stores: an SHM_PUT reserves a slot per value and says where; the client writes the value there
+itself (`write_value`: one copy, no socket, no work in the node) and commits it with SHM_COMMIT.
+The write fills this process's page tables for the slot, so a value stored that way is warm.
 """
 
 from __future__ import annotations
@@ -50,6 +54,7 @@ _LIBC.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
 _LIBC.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
 _MAP_FAILED = ctypes.c_void_p(-1).value
 MADV_POPULATE_READ = 22
+MADV_POPULATE_WRITE = 23
 PAGE = mmap.PAGESIZE
 # Copied and hashed in pieces this large: each piece is hashed while the copy left it in cache.
 COPY_PIECE = 256 << 10
@@ -79,7 +84,8 @@ class NodeMemory:
             return sorted(a for a in arenas if a not in self._maps)
 
     def add(self, arena: int, fd: int, size: int) -> None:
-        """Map `fd` (closed here in every case) as arena `arena` of `size` bytes, read-only."""
+        """Map `fd` (closed here in every case) as arena `arena` of `size` bytes (writable: SHM_PUT
+        writes values into it; a load copies only from slots it asked for)."""
         try:
             info = os.fstat(fd)
             if not stat.S_ISREG(info.st_mode) or info.st_size != size or size <= 0:
@@ -89,7 +95,7 @@ class NodeMemory:
             with self._lock:
                 if arena in self._maps or self._retired:
                     return
-                addr = _LIBC.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+                addr = _LIBC.mmap(None, size, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_SHARED, fd, 0)
                 if addr is None or addr == _MAP_FAILED:
                     err = ctypes.get_errno()
                     raise ArenaError(err, f"arena {arena}: mmap failed: {os.strerror(err)}")
@@ -115,17 +121,43 @@ class NodeMemory:
                 return False
         start = addr - addr % PAGE
         if _LIBC.madvise(start, addr + length - start, MADV_POPULATE_READ) == 0:
-            with self._lock:
-                slot = (arena, offset)
-                before = self._warm.get(slot)
-                if before is not None:
-                    self._warm_keys.pop(before[0], None)
-                moved = self._warm_keys.get(key)
-                if moved is not None:
-                    del self._warm[moved]  # the key's value was replaced: its old slot was freed
-                self._warm[slot] = (key, checksum)
-                self._warm_keys[key] = slot
+            self._mark_warm(key, (arena, offset), checksum)
         return True
+
+    def _mark_warm(self, key: bytes, slot: tuple[int, int], checksum: bytes) -> None:
+        with self._lock:
+            before = self._warm.get(slot)
+            if before is not None:
+                self._warm_keys.pop(before[0], None)
+            moved = self._warm_keys.get(key)
+            if moved is not None:
+                del self._warm[moved]  # the key's value was replaced: its old slot was freed
+            self._warm[slot] = (key, checksum)
+            self._warm_keys[key] = slot
+
+    def write_value(self, arena: int, offset: int, value: memoryview, algo: int, checksummer: Checksummer) -> bytes:
+        """Copy `value` into the slot an SHM_PUT reserved at `offset` of `arena` (the caller holds
+        `use`), hashing the copy as it goes (`copy_hashed`): returns the checksum of the bytes
+        now in the slot, what SHM_COMMIT declares. Raises ValueError when that range is not
+        inside a mapped arena (a node not to be trusted) or `algo` is unknown. The slot's page
+        tables are filled first in one call (MADV_POPULATE_WRITE, Linux 5.14+; else the copy
+        faults them in page by page). `committed` marks the slot warm once the node stored it."""
+        length = len(value)
+        with self._lock:
+            addr = self._address(arena, offset, length)
+        if addr is None:
+            raise ValueError(f"arena {arena}, offset {offset}, {length} bytes: not inside a mapped arena")
+        start = addr - addr % PAGE
+        _LIBC.madvise(start, addr + length - start, MADV_POPULATE_WRITE)  # an error: the copy faults
+        target = memoryview((ctypes.c_char * length).from_address(addr)).cast("B")
+        checksum = copy_hashed(target, value.cast("B"), algo, checksummer)
+        if checksum is None:
+            raise ValueError(f"unknown checksum algorithm {algo}")
+        return checksum
+
+    def committed(self, key: bytes, arena: int, offset: int, checksum: bytes) -> None:
+        """The node stored `key`'s value (of `checksum`) in the slot this process wrote: warm."""
+        self._mark_warm(key, (arena, offset), checksum)
 
     def warmed(self, keys: Sequence[bytes]) -> list[bool]:
         """Per key: whether this process warmed a slot for its value (which may since be gone)."""
@@ -189,22 +221,35 @@ class NodeMemory:
 
 def copy_verified(target: memoryview, source_addr: int, algo: int, checksum: bytes, checksummer: Checksummer) -> bool:
     """Copy len(target) bytes from `source_addr` into `target`, hashing the copy; True when it
-    matches `checksum`. The compiled loop does all of it in one GIL release (a busy engine makes
-    every re-acquire cost up to its switch interval); the Python one copies each piece with
-    ctypes.memmove (no GIL) and hashes it right after (python-xxhash or blake3)."""
+    matches `checksum` (an unknown algo: False, a miss)."""
+    source = memoryview((ctypes.c_char * len(target)).from_address(source_addr)).cast("B")
+    got = copy_hashed(target, source, algo, checksummer)
+    return got is not None and hmac.compare_digest(got, checksum)
+
+
+def copy_hashed(target: memoryview, source: memoryview, algo: int, checksummer: Checksummer) -> bytes | None:
+    """Copy `source` into `target` (same length, bytes), hashing each piece of the copy right
+    after it is written, while it is in cache: the checksum of the bytes in `target` (None for an
+    unknown algo), whatever `source` does meanwhile. The compiled loop does all of it in one GIL
+    release (a busy engine makes every re-acquire cost up to its switch interval); the Python one
+    copies each piece with ctypes.memmove (no GIL; a read-only source by slice assignment) and
+    hashes it with python-xxhash or blake3. Loads (`copy_verified`) and SHM_PUT stores
+    (`NodeMemory.write_value`) both copy so."""
     length = len(target)
-    source = memoryview((ctypes.c_char * length).from_address(source_addr)).cast("B")
     if algo == ChecksumAlgo.XXH3_128 and COMPILED_COPY:
         assert _compiled_copy is not None
-        digest = _compiled_copy(target, source, COPY_PIECE, False)
-        return hmac.compare_digest(Checksummer.padded(digest), checksum)
+        return Checksummer.padded(_compiled_copy(target, source, COPY_PIECE, False))
     try:
         hasher = checksummer.hasher(algo)
     except ValueError:
-        return False  # an algorithm we do not know: a miss
+        return None
     target_addr = ctypes.addressof(ctypes.c_char.from_buffer(target))
+    source_addr = None if source.readonly else ctypes.addressof(ctypes.c_char.from_buffer(source))
     for off in range(0, length, COPY_PIECE):
         n = min(COPY_PIECE, length - off)
-        ctypes.memmove(target_addr + off, source_addr + off, n)
+        if source_addr is None:
+            target[off : off + n] = source[off : off + n]
+        else:
+            ctypes.memmove(target_addr + off, source_addr + off, n)
         hasher.update(target[off : off + n])
-    return hmac.compare_digest(checksummer.finish(hasher), checksum)
+    return checksummer.finish(hasher)

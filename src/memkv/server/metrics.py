@@ -128,6 +128,13 @@ class NodeMetrics:
             registry=r,
         )
 
+        self.shm_quarantined = Counter(
+            "memkv_node_shm_slots_quarantined",
+            "Shared-memory slots taken out of service: SHM_PUT reservations never committed (the client "
+            "stalled past io_timeout_s, sent another frame, or went away mid-copy)",
+            registry=r,
+        )
+
     def count_registration(self, when: str, seconds: float) -> None:
         """One store buffer registered with NIXL (memkv/server/rdma.py): when is "alloc" or "read"."""
         self.rdma_registrations.labels(when).inc()

@@ -61,7 +61,7 @@ from memkv.errors import AuthError, LocalProtocolError, RemoteProtocolError
 from memkv.server.metrics import NodeMetrics
 from memkv.server.rdma import RdmaResponder, RequestContext
 from memkv.server.shared import SharedArenas
-from memkv.server.store import Entry, Leased, NoSpace, Store
+from memkv.server.store import Entry, Leased, NoSpace, PutTicket, Store
 from memkv.sockio import PeerClosed, discard, recv_exactly, recv_exactly_into, send_all, set_recv_timeout, set_timeouts
 from memkv.tls import TLS_HANDSHAKE_BYTE, ServerTls
 
@@ -81,6 +81,8 @@ _OP_NAMES: dict[int, str] = {
     p.Opcode.SHM_ATTACH: "shm_attach",  # shared memory: memkv/server/shared.py
     p.Opcode.SHM_GET: "shm_get",
     p.Opcode.SHM_PLACE: "shm_place",  # a client filling its page tables: counted as no read
+    p.Opcode.SHM_PUT: "shm_put",  # a client writing values into shared memory itself
+    p.Opcode.SHM_COMMIT: "shm_commit",
 }
 
 
@@ -431,12 +433,15 @@ class Connection:
         self._scratch: memoryview | None = None
         self._deadline = 0.0  # when the frame being received must be complete (monotonic)
         self._shm_pins: list[Entry] = []  # values of the last SHM_GET the client may be copying
+        self._shm_writes: list[PutTicket] = []  # slots of the last SHM_PUT the client may be writing
+        self._shm_writes_due = 0.0  # when their SHM_COMMIT must have arrived (monotonic)
 
     def run(self) -> None:
         try:
             self._run()
         finally:
             self._end_shm_pins()
+            self._quarantine_shm_writes()  # the client may still be writing into them
 
     def _run(self) -> None:
         if not self._handshake():
@@ -526,6 +531,14 @@ class Connection:
             poller.register(self.sock, select.POLLIN)
             poller.poll(int(min(p.SHM_PIN_S, cfg.io_timeout_s) * 1000))
             self._end_shm_pins()
+        if self._shm_writes:
+            # The client is writing the values of its SHM_PUT: their SHM_COMMIT (after at most
+            # the SHM_ATTACHes of arenas it lacked) must come within io_timeout_s of the reply,
+            # as a PUT's values must arrive, or the slots are quarantined and the connection ends.
+            poller = select.poll()
+            poller.register(self.sock, select.POLLIN)
+            if not poller.poll(max(0, int((self._shm_writes_due - time.monotonic()) * 1000))):
+                raise TimeoutError("SHM_PUT not committed within io_timeout_s")
         set_recv_timeout(self.sock, cfg.idle_timeout_s)
         try:
             n = self.sock.recv_into(view)
@@ -541,6 +554,10 @@ class Connection:
         header = codec.parse_header(prefix)
         meta = recv_exactly(self.sock, header.meta_len, self._deadline)
         msg = codec.open(header, prefix, meta)
+        if self._shm_writes and not isinstance(msg, (p.ShmCommitRequest, p.ShmAttachRequest)):
+            raise RemoteProtocolError(
+                f"{type(msg).__name__} after an SHM_PUT: the next frame must be its SHM_COMMIT", p.ErrorCode.MALFORMED
+            )
         op = header.opcode
         name = _OP_NAMES.get(op)
         if name is None:
@@ -584,6 +601,10 @@ class Connection:
             self._shm_get(msg)
         elif isinstance(msg, p.ShmAttachRequest):
             self._shm_attach(msg)
+        elif isinstance(msg, p.ShmPutRequest):
+            self._shm_put(msg)
+        elif isinstance(msg, p.ShmCommitRequest):
+            self._shm_commit(msg)
         seconds.observe(time.perf_counter() - started)
 
     def _put(self, msg: p.PutRequest) -> None:
@@ -704,6 +725,94 @@ class Connection:
             statuses = bytes(it.status for it in items)
             self._count_keys("get", statuses.replace(bytes([p.ItemStatus.NOT_SHARED]), b""))
             self.metrics.bytes_out.inc(sum(e.length for e in self._shm_pins))
+
+    def _shm_put(self, msg: p.ShmPutRequest) -> None:
+        """Reserve a shared slot per item (as a PUT reserves a buffer, evicting if need be) and say
+        where; the client writes the values itself and commits them with its next frame. An item
+        that cannot have one (below SHM_MIN_VALUE, private memory, the in-flight bound reached)
+        answers NOT_SHARED: the client PUTs it over the socket."""
+        self._shared("SHM_PUT")
+        store = self.node.store
+        items, arenas, offsets = [], [], []
+        no_sum = bytes(p.CHECKSUM_BYTES)
+        deadline = time.monotonic() + min(INFLIGHT_WAIT_S, self.node.config.io_timeout_s)
+        try:
+            for item in msg.items:
+                status = p.ItemStatus.NOT_SHARED
+                ticket = None
+                if item.length >= p.SHM_MIN_VALUE:
+                    try:
+                        # Only the first item waits for the in-flight bound: later ones would wait
+                        # for this very request's reservations.
+                        wait_s = max(0.0, deadline - time.monotonic()) if not self._shm_writes else 0.0
+                        ticket = store.begin_put(item.key, item.length, item.algo, item.checksum, wait_s=wait_s)
+                    except NoSpace as exc:
+                        if exc.reason != "inflight_limit":
+                            self.metrics.puts_refused.labels(exc.reason).inc()
+                            status = p.ItemStatus.NO_SPACE
+                    except Leased:
+                        self.metrics.puts_refused.labels("leased").inc()
+                        status = p.ItemStatus.LEASED
+                if ticket is not None and ticket.buf.arena is None:
+                    store.abort(ticket)  # private memory: the socket fills it
+                    ticket = None
+                if ticket is None:
+                    items.append(p.GetReplyItem(status, 0, 0, no_sum))
+                    arenas.append(0)
+                    offsets.append(0)
+                    continue
+                self._shm_writes.append(ticket)
+                items.append(p.GetReplyItem(p.ItemStatus.OK, item.length, item.algo, item.checksum))
+                assert ticket.buf.arena is not None
+                arenas.append(ticket.buf.arena.id)
+                offsets.append(ticket.buf.offset)
+        except BaseException:
+            for ticket in self._shm_writes:  # nothing was said about them: nobody writes there
+                store.abort(ticket)
+            self._shm_writes = []
+            raise
+        self._shm_writes_due = time.monotonic() + self.node.config.io_timeout_s
+        self._reply(p.ShmGetReply(tuple(items), tuple(arenas), tuple(offsets), p.Opcode.SHM_PUT))
+
+    def _shm_commit(self, msg: p.ShmCommitRequest) -> None:
+        """Make the values the client wrote visible (flag 1), under the checksum it computed as it
+        wrote them; drop the slots it did not write (0)."""
+        self._shared("SHM_COMMIT")
+        writes, self._shm_writes = self._shm_writes, []
+        if len(msg.written) != len(writes):
+            self._shm_writes = writes  # quarantined as the connection ends
+            raise RemoteProtocolError(
+                f"SHM_COMMIT of {len(msg.written)} flags for the {len(writes)} slots the SHM_PUT before it placed",
+                p.ErrorCode.MALFORMED,
+            )
+        store = self.node.store
+        statuses = bytearray()
+        for ticket, written, checksum in zip(writes, msg.written, msg.checksums):
+            if not written:
+                store.abort(ticket)
+                statuses.append(p.ItemStatus.MISS)
+                continue
+            ticket.checksum = checksum  # every reader verifies it against the bytes it copies
+            if not store.commit(ticket):  # leased while it was being written
+                self.metrics.puts_refused.labels("leased").inc()
+                statuses.append(p.ItemStatus.LEASED)
+            else:
+                statuses.append(p.ItemStatus.OK)
+                self.metrics.bytes_in.inc(ticket.length)
+        self._count_keys("put", statuses)
+        self._reply(p.StatusReply(p.Opcode.SHM_COMMIT, bytes(statuses)))
+
+    def _quarantine_shm_writes(self) -> None:
+        if self._shm_writes:
+            writes, self._shm_writes = self._shm_writes, []
+            for ticket in writes:
+                self.node.store.quarantine(ticket)
+            self.metrics.shm_quarantined.inc(len(writes))
+            log.warning(
+                "%s: %d SHM_PUT slot(s) never committed: quarantined (the client may still write there)",
+                self.peer,
+                len(writes),
+            )
 
     def _shm_attach(self, msg: p.ShmAttachRequest) -> None:
         """The arenas' descriptors, passed with the reply frame (SCM_RIGHTS)."""

@@ -6,7 +6,7 @@ node, out of it by the client). A client on the same host that maps the node's v
 copies each value once, straight into its destination (vLLM's CPU pool), and hashes the copy
 while it is still in cache: the node does no per-byte work at all.
 
-Layout. An arena is one memfd (Linux), mapped shared by the node and, read-only, by clients that
+Layout. An arena is one memfd (Linux), mapped shared by the node and by clients that
 received its descriptor over the same-host socket (SCM_RIGHTS, SHM_ATTACH). Every slot of an
 arena has the same size, the size of the store buffers it serves (store.buffer_size_for: values
 of one model are one size), so an arena needs no allocator beyond a free list. Slots are
@@ -82,6 +82,7 @@ class SharedArenas:
         self._open: dict[int, list[Arena]] = {}  # slot size -> arenas with a free slot
         self._populate = True  # MADV_POPULATE_WRITE until the kernel says it has none
         self.refused = 0  # buffers that came from private memory: no arena could be made
+        self.quarantined = 0  # slots taken out of service (`quarantine`)
 
     def take(self, size: int) -> tuple[Arena, int] | None:
         """A slot of `size` bytes (a page multiple) with its pages faulted in, or None when no
@@ -119,6 +120,17 @@ class SharedArenas:
             if was_full:
                 self._open.setdefault(arena.slot_size, []).append(arena)
 
+    def quarantine(self, arena: Arena, offset: int) -> None:
+        """A slot a client may still write into (an SHM_PUT reservation never committed: the
+        client stalled or vanished mid-copy): its pages go back to the kernel, the slot itself
+        never serves again, so a late write lands in no value. Costs a slot of address space."""
+        try:
+            arena.mem.madvise(mmap.MADV_REMOVE, offset, arena.slot_size)
+        except OSError as exc:
+            log.warning("MADV_REMOVE on arena %d failed: %s", arena.id, exc)
+        with self._lock:
+            self.quarantined += 1
+
     def descriptor(self, arena_id: int) -> tuple[int, int] | None:
         """(fd, size) of an arena, for SHM_ATTACH; None for an id that is not one."""
         arena = self._arenas.get(arena_id)
@@ -131,6 +143,7 @@ class SharedArenas:
                 "max_arenas": self.max_arenas,
                 "virtual_bytes": sum(a.size for a in self._arenas.values()),
                 "refused_buffers": self.refused,
+                "quarantined_slots": self.quarantined,
             }
 
     def _new_arena(self, size: int) -> Arena | None:

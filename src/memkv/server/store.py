@@ -100,6 +100,12 @@ class ValueBuffer:
             self._shared.give(self.arena, self.offset)
             self.arena = None
 
+    def quarantine(self) -> None:
+        """As `free`, but a slot never serves again (a client may still write into it)."""
+        if self.arena is not None and self._shared is not None:
+            self._shared.quarantine(self.arena, self.offset)
+            self.arena = None
+
 
 @dataclasses.dataclass(eq=False)
 class Entry:
@@ -313,6 +319,16 @@ class Store:
         with self._lock:
             self._end_inflight(ticket.reserved)
             self._give_back(ticket.buf)
+
+    def quarantine(self, ticket: PutTicket) -> None:
+        """Abort a reservation whose buffer a client may still be writing (an SHM_PUT never
+        committed): the buffer is dropped, never reused (SharedArenas.quarantine)."""
+        with self._lock:
+            self._end_inflight(ticket.reserved)
+            self.allocated_bytes -= ticket.buf.size
+            if self.on_drop is not None:
+                self.on_drop(ticket.buf)
+            ticket.buf.quarantine()
 
     # -- reads --------------------------------------------------------------------------------
 
