@@ -318,9 +318,14 @@ def _server_key(args: argparse.Namespace) -> AuthKey:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    import faulthandler
+
     from memkv.server.admin import AdminServer
     from memkv.server.node import Node
 
+    # A crash in native code (NIXL/UCX, the compiled receive loop) then leaves every thread's
+    # Python stack on stderr, where `kubectl logs` finds it, instead of a bare exit code -11.
+    faulthandler.enable()
     host, port = parse_address(args.listen, "--listen", DEFAULT_PORT)
     capacity = parse_size(args.capacity, "--capacity") if args.capacity else default_capacity_bytes()
     if warning := capacity_warning(capacity):

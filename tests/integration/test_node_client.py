@@ -613,6 +613,26 @@ def test_sigterm_exits_zero_promptly_and_clients_then_see_misses(start_node, mak
     assert time.monotonic() - started < 1.0 + 0.5 + MARGIN_S
 
 
+def test_a_node_crashing_in_native_code_leaves_every_threads_python_stack_in_its_log(auth_key_hex) -> None:
+    """`memkv serve` enables faulthandler: a segfault (NIXL/UCX and the compiled loop are native
+    code) ends the process as before (-11) but first writes where each thread was, so the log
+    says more than an exit code. No core file is left behind (RLIMIT_CORE 0 in the child)."""
+    import resource
+
+    def no_core() -> None:
+        resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+
+    node = LocalNode(auth_key_hex, capacity="64MiB", preexec_fn=no_core)
+    try:
+        node.signal(signal.SIGSEGV)
+        assert node.proc.wait(timeout=10) == -signal.SIGSEGV
+    finally:
+        node.stop()
+    log = "".join(node.output)
+    assert "Fatal Python error: Segmentation fault" in log
+    assert "in serve_forever" in log and "in cmd_serve" in log, log[-2000:]
+
+
 # --------------------------------------------------------------------------------------------
 # Capacity
 # --------------------------------------------------------------------------------------------
