@@ -143,6 +143,55 @@ def test_descriptor_outside_the_registered_region_writes_nothing(ucx, start_node
     assert client.batch_load_into([("rdma/target", pool[:MiB])]).ok == [True]
 
 
+def test_a_node_writes_nothing_for_a_request_whose_client_hung_up_before_it_was_read(
+    ucx, start_node, make_client, pool, auth_key_hex
+):
+    """A node that was stalled (SIGSTOP) reads an RDMA_GET late, after its client gave up and
+    closed the connection: it must not WRITE into that client's memory (the client may be
+    dropping its NIXL agent: docs/rdma.md, "Known crash"). The same request on a live
+    connection lands, so the slot staying zero is the node's choice, not a bad request."""
+    import signal
+    import socket
+
+    from tests.faults.nodeops import all_threads_stopped
+
+    (node,) = start_node.many(1)
+    client = rdma_client(make_client, [node])
+    client.register_pool(pool)
+    value = os.urandom(MiB)
+    client.put("rdma/late", value)
+    metadata = client._transport._metadata
+    slot = pool[:MiB]
+    address = buffer_address(pool)
+
+    def connect() -> NodeConnection:
+        conn = NodeConnection(ServerAddress(node.host, node.port), bytes.fromhex(auth_key_hex), 2.0, 5.0)
+        assert conn.request(p.RdmaAttachRequest(p.RdmaBackend.NIXL_UCX, metadata)).status == p.RdmaAttachStatus.OK
+        return conn
+
+    slot[:] = bytes(MiB)
+    conn = connect()
+    try:
+        node.signal(signal.SIGSTOP)
+        assert wait_for(lambda: all_threads_stopped(node.pid), 5.0)
+        conn.send(p.RdmaGetRequest((b"rdma/late",), (MiB,), (address,), 2000, 7))
+        conn.sock.shutdown(socket.SHUT_WR)  # the client gives up: its FIN follows the request
+        node.signal(signal.SIGCONT)
+        reply = conn.read_reply()  # the node still answers a half-closed connection
+        assert [it.status for it in reply.items] == [p.ItemStatus.TRANSFER_FAILED]
+    finally:
+        node.signal(signal.SIGCONT)
+        conn.close()
+    assert bytes(slot) == bytes(MiB), "the node wrote into the memory of a client that had hung up"
+    conn = connect()
+    try:
+        reply = conn.request(p.RdmaGetRequest((b"rdma/late",), (MiB,), (address,), 2000, 8))
+        assert [it.status for it in reply.items] == [p.ItemStatus.OK]
+    finally:
+        conn.close()
+    assert bytes(slot) == value
+
+
 def test_attach_with_bad_metadata_is_rejected_not_fatal(ucx, start_node, auth_key_hex):
     (node,) = start_node.many(1)
     conn = NodeConnection(ServerAddress(node.host, node.port), bytes.fromhex(auth_key_hex), 2.0, 5.0)

@@ -595,7 +595,7 @@ class Connection:
         elif isinstance(msg, p.GetRequest):
             self._get(msg)
         elif isinstance(msg, (p.RdmaAttachRequest, p.RdmaGetRequest)):  # memkv/server/rdma.py
-            ctx = RequestContext(self.sock, self.peer, cfg.io_timeout_s, self._count_rdma_get)
+            ctx = RequestContext(self.sock, self.peer, cfg.io_timeout_s, self._count_rdma_get, self._hung_up)
             self._reply(self.node.rdma.handle(ctx, msg))
         elif isinstance(msg, p.ShmGetRequest):
             self._shm_get(msg)
@@ -725,6 +725,12 @@ class Connection:
             statuses = bytes(it.status for it in items)
             self._count_keys("get", statuses.replace(bytes([p.ItemStatus.NOT_SHARED]), b""))
             self.metrics.bytes_out.inc(sum(e.length for e in self._shm_pins))
+
+    def _hung_up(self) -> bool:
+        """Whether the client has closed its end (FIN or reset received); never blocks."""
+        poller = select.poll()
+        poller.register(self.sock, select.POLLRDHUP | select.POLLHUP | select.POLLERR)
+        return bool(poller.poll(0))
 
     def _shm_put(self, msg: p.ShmPutRequest) -> None:
         """Reserve a shared slot per item (as a PUT reserves a buffer, evicting if need be) and say

@@ -70,6 +70,7 @@ class RequestContext:
     peer: object  # the client's address, for logs
     max_window_s: float  # the node's io_timeout_s: values stay pinned at most that long
     count: Callable[[bytes, int], None]  # (per-key statuses, value bytes written) -> node metrics
+    hung_up: Callable[[], bool] = lambda: False  # the client has closed the connection already
 
 
 class RdmaResponder:
@@ -148,7 +149,13 @@ class RdmaResponder:
         pinned = [e for e in found if not isinstance(e, int)]
         outcome, stuck = "none", None
         try:
-            if pinned:
+            if pinned and ctx.hung_up():
+                # The client closed the connection after sending this (it gave up: a node that
+                # was stalled reads it late) and may be dropping its NIXL agent right now: a
+                # WRITE then races UCX failing that endpoint, which crashed nodes inside
+                # ucp_put_nbx (docs/rdma.md, "Known crash"). Nobody would read the reply.
+                outcome = "the client hung up before the write"
+            elif pinned:
                 outcome, stuck = self._write(
                     peer,
                     pinned,
