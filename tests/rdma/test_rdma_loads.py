@@ -12,13 +12,16 @@ Behaviour under test:
 * the RDMA control messages are guarded like every frame: RDMA_GET on a connection that did not
   RDMA_ATTACH is a protocol error; a descriptor outside the client's registered region is
   refused by NIXL (TRANSFER_FAILED), nothing is written and the node keeps serving;
-* a node drops a client's metadata when the client's connections close.
+* a node drops a client's metadata when the client's connections close;
+* a node that reads an RDMA_GET after its client hung up (it was stalled) writes nothing.
 """
 
 from __future__ import annotations
 
 import os
 import random
+import signal
+import socket
 
 import pytest
 
@@ -27,6 +30,7 @@ from memkv import protocol as p
 from memkv.client.node import NodeConnection
 from memkv.config import ServerAddress
 from memkv.transport.nixl_adapter import buffer_address
+from tests.faults.nodeops import all_threads_stopped
 from tests.rdma.conftest import node_requests, requires_nixl, wait_for
 
 pytestmark = [pytest.mark.integration, requires_nixl]
@@ -150,11 +154,6 @@ def test_a_node_writes_nothing_for_a_request_whose_client_hung_up_before_it_was_
     closed the connection: it must not WRITE into that client's memory (the client may be
     dropping its NIXL agent: docs/rdma.md, "Known crash"). The same request on a live
     connection lands, so the slot staying zero is the node's choice, not a bad request."""
-    import signal
-    import socket
-
-    from tests.faults.nodeops import all_threads_stopped
-
     (node,) = start_node.many(1)
     client = rdma_client(make_client, [node])
     client.register_pool(pool)

@@ -914,7 +914,8 @@ class NodeClient:
                 )
                 for i, status in zip(big, shared):
                     statuses[i] = status
-                by_socket = sorted({*(big[j] for j in not_shared), *(set(range(len(keys))) - set(big))})
+                small = [i for i, v in enumerate(views) if len(v) < p.SHM_MIN_VALUE]
+                by_socket = sorted(small + [big[j] for j in not_shared])
             if by_socket:
                 algo = checksummer.algo
                 items = tuple(p.PutItem(keys[i], len(views[i]), algo, checksummer.compute(views[i])) for i in by_socket)
