@@ -173,9 +173,9 @@ def tests(session: nox.Session) -> None:
 
 @nox.session(name="lint", reuse_venv=True)
 def lint(session: nox.Session) -> None:
-    """ruff (lint and format check) and mypy --strict on src/memkv, at the versions pinned in
-    pyproject.toml's `lint` extra; the per-module exceptions are in pyproject.toml."""
+    """ruff (lint and format check) on src/memkv and bench, and mypy --strict on src/memkv, at the
+    versions pinned in pyproject.toml's `lint` extra; the per-module exceptions are in pyproject.toml."""
     session.install("-e", ".[lint]")
-    session.run("ruff", "check", "src/memkv")
-    session.run("ruff", "format", "--check", "src/memkv")
+    session.run("ruff", "check", "src/memkv", "bench")
+    session.run("ruff", "format", "--check", "src/memkv", "bench")
     session.run("mypy", "--strict", "src/memkv")

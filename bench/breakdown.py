@@ -30,11 +30,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from memkv import protocol as p  # noqa: E402
-from memkv.benchmark import fill_pattern, prefaulted_pool  # noqa: E402
-from memkv.config import format_size, parse_size  # noqa: E402
-from memkv.integrity import Checksummer  # noqa: E402
-from memkv.protocol import ChecksumAlgo  # noqa: E402
+from memkv import protocol as p
+from memkv.benchmark import fill_pattern, prefaulted_pool
+from memkv.config import format_size, parse_size
+from memkv.integrity import Checksummer
+from memkv.protocol import ChecksumAlgo
 
 OUT = Path(__file__).resolve().parent / "out"
 POOL_BYTES = 512 << 20
@@ -130,7 +130,8 @@ def main() -> None:
     args = ap.parse_args()
     rows = [measure(parse_size(s, "--sizes"), args.reps) for s in args.sizes.split(",")]
     result = {
-        "benchmark": "breakdown", "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "benchmark": "breakdown",
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "machine": f"{platform.node()} {platform.machine()} {os.cpu_count()} cpus, Python {platform.python_version()}",
         "rows": rows,
     }
@@ -141,8 +142,11 @@ def main() -> None:
     print(f"{'value':>7} " + " ".join(f"{n:>11}" for n in names) + f" {'xxh3/socket':>12}")
     for r in rows:
         u = r["us"]
-        print(f"{format_size(r['value_bytes']):>7} " + " ".join(f"{u[n]:>11.0f}" for n in names)
-              + f" {u['xxh3'] / u['socket']:>12.2f}")
+        print(
+            f"{format_size(r['value_bytes']):>7} "
+            + " ".join(f"{u[n]:>11.0f}" for n in names)
+            + f" {u['xxh3'] / u['socket']:>12.2f}"
+        )
     try:
         import matplotlib
 

@@ -65,7 +65,6 @@ import time
 from pathlib import Path
 
 
-
 def _src_argument(argv: list[str]) -> Path | None:
     """`--src DIR` (read before the imports below: it picks the memkv they import)."""
     for i, arg in enumerate(argv):
@@ -218,7 +217,9 @@ class RawClient:
 def start_raw(value_bytes: int, slots: int, tls: list[str] | None = None) -> tuple[subprocess.Popen, int, str]:
     port_file = Path(tempfile.mkdtemp()) / "port"
     extra = ["--raw-tls", *tls] if tls else []
-    proc = subprocess.Popen([sys.executable, __file__, "--value-size", str(value_bytes), "--raw-server", str(port_file), str(slots), *extra])
+    proc = subprocess.Popen(
+        [sys.executable, __file__, "--value-size", str(value_bytes), "--raw-server", str(port_file), str(slots), *extra]
+    )
     deadline = time.monotonic() + 60
     while not (port_file.exists() and port_file.read_text()):
         if time.monotonic() > deadline or proc.poll() is not None:
@@ -244,9 +245,25 @@ def start_redis(max_bytes: int):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     workdir = tempfile.mkdtemp(prefix="memkv-bench-redis-")
-    proc = subprocess.Popen([exe, "--bind", "127.0.0.1", "--port", str(port), "--save", "", "--appendonly", "no",
-                             "--proto-max-bulk-len", str(max(512 << 20, max_bytes)), "--dir", workdir],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [
+            exe,
+            "--bind",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--proto-max-bulk-len",
+            str(max(512 << 20, max_bytes)),
+            "--dir",
+            workdir,
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     client = redis.Redis(host="127.0.0.1", port=port, socket_timeout=30)
     deadline = time.monotonic() + 30
     while True:
@@ -270,8 +287,9 @@ def start_redis(max_bytes: int):
 # -- one configuration ---------------------------------------------------------------------------------
 
 
-def measure(value_bytes: int, n: int, threads: int, n_nodes: int, reps: int, bpo: int, with_redis: bool,
-            block_values: int = 1) -> dict:
+def measure(
+    value_bytes: int, n: int, threads: int, n_nodes: int, reps: int, bpo: int, with_redis: bool, block_values: int = 1
+) -> dict:
     raw, raw_port, raw_unix = start_raw(value_bytes, n)
     key = new_key_hex()
     # Three sets of values: each MemKV client reads back what it stored itself (a shared-memory
@@ -281,13 +299,18 @@ def measure(value_bytes: int, n: int, threads: int, n_nodes: int, reps: int, bpo
     redis_proc, rclient, redis_note = start_redis(value_bytes) if with_redis else (None, None, "not run")
     rawc, rawu = RawClient(raw_port), RawClient(raw_port, unix_name=raw_unix)
     try:
-        config = ClientConfig(servers=parse_servers(",".join(x.address for x in nodes), "bench"),
-                              auth_key=AuthKey.from_hex(key, "bench"), pool_size=max(8, threads))
+        config = ClientConfig(
+            servers=parse_servers(",".join(x.address for x in nodes), "bench"),
+            auth_key=AuthKey.from_hex(key, "bench"),
+            pool_size=max(8, threads),
+        )
         # Since 3684015 shared memory is on by default: "memkv" turns it off to keep measuring the
         # same-host socket; "memkv-shm" is the default client.
         client = Client(dataclasses.replace(config, shared_memory=False))  # same-host nodes over their Unix socket
         client_tcp = Client(dataclasses.replace(config, local_socket=False))  # loopback TCP, as before it
-        client_shm = Client(dataclasses.replace(config, shared_memory=True))  # the default: GETs copy from the node's memory
+        client_shm = Client(
+            dataclasses.replace(config, shared_memory=True)
+        )  # the default: GETs copy from the node's memory
         src = memoryview(prefaulted_pool(value_bytes * n))
         dst = memoryview(prefaulted_pool(value_bytes * n))
         for i in range(n):
@@ -331,12 +354,23 @@ def measure(value_bytes: int, n: int, threads: int, n_nodes: int, reps: int, bpo
             ops["redis put"] = lambda idx: [rclient.set(keys[i], slot(src, i)) for i in idx]
             ops["redis get"] = redis_get
         node_pid = nodes[0].pid if n_nodes == 1 else None
-        server_pid = {"raw": raw.pid, "raw-unix": raw.pid, "memkv": node_pid, "memkv-tcp": node_pid, "memkv-shm": node_pid,
-                      "redis": redis_proc.pid if redis_proc is not None else None}
+        server_pid = {
+            "raw": raw.pid,
+            "raw-unix": raw.pid,
+            "memkv": node_pid,
+            "memkv-tcp": node_pid,
+            "memkv-shm": node_pid,
+            "redis": redis_proc.pid if redis_proc is not None else None,
+        }
         rates: dict[str, list[float]] = {name: [] for name in ops}
         cpu: dict[str, list[float]] = {name: [] for name in ops}  # CPU seconds per GB moved
-        pairs = (("memkv", "raw"), ("memkv", "raw-unix"), ("memkv-tcp", "raw"), ("memkv", "memkv-tcp"),
-                 ("memkv-shm", "raw-unix"))
+        pairs = (
+            ("memkv", "raw"),
+            ("memkv", "raw-unix"),
+            ("memkv-tcp", "raw"),
+            ("memkv", "memkv-tcp"),
+            ("memkv-shm", "raw-unix"),
+        )
         block_ratios: dict[str, list[float]] = {f"{a}/{b} {op}": [] for a, b in pairs for op in ("put", "get")}
         # Interleaved: each repetition moves the values in blocks of `block_values` batches per
         # thread, the systems taking turns on every block (order reversed every other block), so
@@ -369,8 +403,9 @@ def measure(value_bytes: int, n: int, threads: int, n_nodes: int, reps: int, bpo
                     # memkv/raw from each block's pair of timings, median over the blocks: a burst
                     # of another process's work spoils a block or two, not the repetition.
                     for a, b in pairs:
-                        block_ratios[f"{a}/{b} {op}"].append(statistics.median(
-                            tb / ta for tb, ta in zip(per_block[f"{b} {op}"], per_block[f"{a} {op}"])))
+                        block_ratios[f"{a}/{b} {op}"].append(
+                            statistics.median(tb / ta for tb, ta in zip(per_block[f"{b} {op}"], per_block[f"{a} {op}"]))
+                        )
                     for name, dt in spent.items():
                         rates[name].append(value_bytes * n / dt / 1e9)
                         cpu[name].append(used[name] / (value_bytes * n / 1e9))
@@ -392,10 +427,21 @@ def measure(value_bytes: int, n: int, threads: int, n_nodes: int, reps: int, bpo
     ratios = {f"{a}/{b} {op}": per_rep(f"{a} {op}", f"{b} {op}") for a, b in pairs for op in ("put", "get")}
     if rclient is not None:
         ratios.update({f"memkv/redis {op}": per_rep(f"memkv {op}", f"redis {op}") for op in ("put", "get")})
-    return {"value_bytes": value_bytes, "values": n, "threads": threads, "nodes": n_nodes, "blocks_per_op": bpo,
-            "reps": reps, "interleaved_block_values": block_values, "gbps": rates, "cpu_s_per_gb": cpu,
-            "block_median_ratios": block_ratios,
-            "ratios": ratios, "redis": redis_note, "src": str(SRC)}
+    return {
+        "value_bytes": value_bytes,
+        "values": n,
+        "threads": threads,
+        "nodes": n_nodes,
+        "blocks_per_op": bpo,
+        "reps": reps,
+        "interleaved_block_values": block_values,
+        "gbps": rates,
+        "cpu_s_per_gb": cpu,
+        "block_median_ratios": block_ratios,
+        "ratios": ratios,
+        "redis": redis_note,
+        "src": str(SRC),
+    }
 
 
 def cpu_seconds(pid: int | None = None) -> float:
@@ -412,16 +458,18 @@ def ktls_available() -> dict:
     """Whether this kernel offers kernel TLS: the `tls` TCP ULP must attach to a socket. Says
     which kernel, and the errno when it does not."""
     out = {"kernel": platform.release(), "available": True, "errno": None, "detail": "yes"}
-    with socket.create_server(("127.0.0.1", 0)) as lsock:
-        with socket.create_connection(lsock.getsockname()) as c:
-            try:
-                c.setsockopt(socket.IPPROTO_TCP, getattr(socket, "TCP_ULP", 31), b"tls")
-            except OSError as exc:
-                name = errno.errorcode.get(exc.errno or 0, str(exc.errno))
-                out.update(available=False, errno=name,
-                           detail=f"no: setsockopt(IPPROTO_TCP, TCP_ULP, \"tls\") failed with {name} ({exc.strerror}) "
-                                  f"on Linux {platform.release()}: the kernel has no tls module loaded or loadable"
-                                  f"{'' if os.path.exists('/proc/net/tls_stat') else ' (no /proc/net/tls_stat)'}")
+    with socket.create_server(("127.0.0.1", 0)) as lsock, socket.create_connection(lsock.getsockname()) as c:
+        try:
+            c.setsockopt(socket.IPPROTO_TCP, getattr(socket, "TCP_ULP", 31), b"tls")
+        except OSError as exc:
+            name = errno.errorcode.get(exc.errno or 0, str(exc.errno))
+            out.update(
+                available=False,
+                errno=name,
+                detail=f'no: setsockopt(IPPROTO_TCP, TCP_ULP, "tls") failed with {name} ({exc.strerror}) '
+                f"on Linux {platform.release()}: the kernel has no tls module loaded or loadable"
+                f"{'' if os.path.exists('/proc/net/tls_stat') else ' (no /proc/net/tls_stat)'}",
+            )
     return out
 
 
@@ -437,8 +485,9 @@ def measure_tls(value_bytes: int, n: int, threads: int, reps: int, ktls: bool, b
     """raw-tls vs memkv-tls vs plain memkv, same values, same run (see the module docstring)."""
     import ssl
 
-    from memkv.config import ClientTls
     from tests.tlscerts import make_pki
+
+    from memkv.config import ClientTls
 
     pki = make_pki(Path(tempfile.mkdtemp(prefix="memkv-bench-pki-")))
     raw, raw_port, _ = start_raw(value_bytes, n, [pki.server.cert, pki.server.key, "1" if ktls else "0"])
@@ -449,22 +498,29 @@ def measure_tls(value_bytes: int, n: int, threads: int, reps: int, ktls: bool, b
         ctx.options |= OP_ENABLE_KTLS
     key = new_key_hex()
     capacity = str(int(value_bytes * n * 1.3) + (64 << 20))
-    tls_node = LocalNode(key, capacity=capacity, extra_args=["--tls-cert", pki.server.cert, "--tls-key", pki.server.key],
-                         env=NODE_ENV)
+    tls_node = LocalNode(
+        key, capacity=capacity, extra_args=["--tls-cert", pki.server.cert, "--tls-key", pki.server.key], env=NODE_ENV
+    )
     plain_node = LocalNode(key, capacity=capacity, env=NODE_ENV)
     rawc = RawClient(raw_port, ctx)
     try:
         auth = AuthKey.from_hex(key, "bench")
-        tls_client = Client(ClientConfig(servers=parse_servers(tls_node.address, "bench"), auth_key=auth,
-                                         pool_size=max(8, threads), tls=ClientTls(ca=pki.ca)))
-        plain_client = Client(ClientConfig(servers=parse_servers(plain_node.address, "bench"), auth_key=auth,
-                                           pool_size=max(8, threads)))
+        tls_client = Client(
+            ClientConfig(
+                servers=parse_servers(tls_node.address, "bench"),
+                auth_key=auth,
+                pool_size=max(8, threads),
+                tls=ClientTls(ca=pki.ca),
+            )
+        )
+        plain_client = Client(
+            ClientConfig(servers=parse_servers(plain_node.address, "bench"), auth_key=auth, pool_size=max(8, threads))
+        )
         src = memoryview(prefaulted_pool(value_bytes * n))
         dst = memoryview(prefaulted_pool(value_bytes * n))
         for i in range(n):
             fill_pattern(src[i * value_bytes : (i + 1) * value_bytes], i)
         keys = [f"bench/{i}".encode() for i in range(n)]  # redis
-        keys_of = {who: [f"bench/{who}/{i}".encode() for i in range(n)] for who in ("memkv", "memkv-tcp", "memkv-shm")}
 
         def slot(v, i):
             return v[i * value_bytes : (i + 1) * value_bytes]
@@ -472,11 +528,23 @@ def measure_tls(value_bytes: int, n: int, threads: int, reps: int, ktls: bool, b
         per_thread = [list(range(t, n, threads)) for t in range(threads)]
         ops = {
             "raw-tls put": (lambda idx: [rawc.put(i, slot(src, i)) for i in idx], raw.pid),
-            "memkv-tls put": (lambda idx: [tls_client.batch_put_views([(keys[i], slot(src, i))]) for i in idx], tls_node.pid),
-            "memkv put": (lambda idx: [plain_client.batch_put_views([(keys[i], slot(src, i))]) for i in idx], plain_node.pid),
+            "memkv-tls put": (
+                lambda idx: [tls_client.batch_put_views([(keys[i], slot(src, i))]) for i in idx],
+                tls_node.pid,
+            ),
+            "memkv put": (
+                lambda idx: [plain_client.batch_put_views([(keys[i], slot(src, i))]) for i in idx],
+                plain_node.pid,
+            ),
             "raw-tls get": (lambda idx: [rawc.get(i, slot(dst, i)) for i in idx], raw.pid),
-            "memkv-tls get": (lambda idx: [tls_client.batch_get_into([(keys[i], slot(dst, i))]) for i in idx], tls_node.pid),
-            "memkv get": (lambda idx: [plain_client.batch_get_into([(keys[i], slot(dst, i))]) for i in idx], plain_node.pid),
+            "memkv-tls get": (
+                lambda idx: [tls_client.batch_get_into([(keys[i], slot(dst, i))]) for i in idx],
+                tls_node.pid,
+            ),
+            "memkv get": (
+                lambda idx: [plain_client.batch_get_into([(keys[i], slot(dst, i))]) for i in idx],
+                plain_node.pid,
+            ),
         }
         rates: dict[str, list[float]] = {name: [] for name in ops}
         cpu: dict[str, list[float]] = {name: [] for name in ops}  # CPU seconds per GB moved
@@ -488,8 +556,10 @@ def measure_tls(value_bytes: int, n: int, threads: int, reps: int, ktls: bool, b
             # Interleaved: each repetition moves the values in blocks of `block_values` per thread,
             # the three systems taking turns on every block (order reversed every other block),
             # so a drift of the host's speed within a repetition hits all three alike.
-            blocks = [[idx[b : b + block_values] for idx in per_thread]
-                      for b in range(0, max(len(idx) for idx in per_thread), block_values)]
+            blocks = [
+                [idx[b : b + block_values] for idx in per_thread]
+                for b in range(0, max(len(idx) for idx in per_thread), block_values)
+            ]
             for _ in range(reps):
                 for op in ("put", "get"):
                     names = [name for name in ops if name.endswith(op)]
@@ -511,8 +581,11 @@ def measure_tls(value_bytes: int, n: int, threads: int, reps: int, ktls: bool, b
                                     dst[i * value_bytes : i * value_bytes + 8] = b"\0" * 8
                     # The same ratio from each block's pair of timings, median over the blocks: a
                     # burst of another process's work spoils a block or two, not the repetition.
-                    block_ratios[f"memkv-tls/raw-tls {op}"].append(statistics.median(
-                        r / m for r, m in zip(per_block[f"raw-tls {op}"], per_block[f"memkv-tls {op}"])))
+                    block_ratios[f"memkv-tls/raw-tls {op}"].append(
+                        statistics.median(
+                            r / m for r, m in zip(per_block[f"raw-tls {op}"], per_block[f"memkv-tls {op}"])
+                        )
+                    )
                     for name, (dt, used) in spent.items():
                         rates[name].append(value_bytes * n / dt / 1e9)
                         cpu[name].append(used / (value_bytes * n / 1e9))
@@ -531,20 +604,38 @@ def measure_tls(value_bytes: int, n: int, threads: int, reps: int, ktls: bool, b
     for op in ("put", "get"):
         ratios[f"memkv-tls/raw-tls {op}"] = per_rep(f"memkv-tls {op}", f"raw-tls {op}")
         ratios[f"memkv-tls/memkv {op}"] = per_rep(f"memkv-tls {op}", f"memkv {op}")
-    return {"value_bytes": value_bytes, "values": n, "threads": threads, "nodes": 1, "blocks_per_op": 1, "reps": reps,
-            "interleaved_block_values": block_values, "gbps": rates, "cpu_s_per_gb": cpu,
-            "block_median_ratios": block_ratios, "ratios": ratios, "openssl": ssl.OPENSSL_VERSION,
-            "ktls_requested": ktls, "ktls_kernel": ktls_available(), "raw_tls_socket_ulp": raw_ulp, "redis": "not run"}
+    return {
+        "value_bytes": value_bytes,
+        "values": n,
+        "threads": threads,
+        "nodes": 1,
+        "blocks_per_op": 1,
+        "reps": reps,
+        "interleaved_block_values": block_values,
+        "gbps": rates,
+        "cpu_s_per_gb": cpu,
+        "block_median_ratios": block_ratios,
+        "ratios": ratios,
+        "openssl": ssl.OPENSSL_VERSION,
+        "ktls_requested": ktls,
+        "ktls_kernel": ktls_available(),
+        "raw_tls_socket_ulp": raw_ulp,
+        "redis": "not run",
+    }
 
 
 def print_tls(r: dict) -> None:
-    print(f"\n{format_size(r['value_bytes'])} values x {r['values']}, {r['threads']} threads, {r['reps']} reps; "
-          f"{r['openssl']}; Linux {r['ktls_kernel']['kernel']}")
+    print(
+        f"\n{format_size(r['value_bytes'])} values x {r['values']}, {r['threads']} threads, {r['reps']} reps; "
+        f"{r['openssl']}; Linux {r['ktls_kernel']['kernel']}"
+    )
     print(f"  kernel TLS: {r['ktls_kernel']['detail']}")
     if r["ktls_requested"]:
         used = r["raw_tls_socket_ulp"] == ["tls"]
-        print(f"  --ktls: OpenSSL asked for kernel TLS; the raw-tls sockets' TCP ULP is {r['raw_tls_socket_ulp']}: "
-              + ("kernel TLS measured" if used else "NOT kernel TLS, these figures are user-space TLS"))
+        print(
+            f"  --ktls: OpenSSL asked for kernel TLS; the raw-tls sockets' TCP ULP is {r['raw_tls_socket_ulp']}: "
+            + ("kernel TLS measured" if used else "NOT kernel TLS, these figures are user-space TLS")
+        )
     print(f"  {'':<11}" + "".join(f"{h:>14}" for h in ("put GB/s", "get GB/s", "put cpu-s/GB", "get cpu-s/GB")))
     for who in ("raw-tls", "memkv-tls", "memkv"):
         med = [statistics.median(r["gbps"][f"{who} {op}"]) for op in ("put", "get")]
@@ -557,8 +648,10 @@ def print_tls(r: dict) -> None:
 
 
 def print_config(r: dict) -> None:
-    print(f"\n{format_size(r['value_bytes'])} values x {r['values']}, {r['threads']} threads, {r['nodes']} node(s), "
-          f"{r['blocks_per_op']} per batch, {r['reps']} reps; redis: {r['redis']}")
+    print(
+        f"\n{format_size(r['value_bytes'])} values x {r['values']}, {r['threads']} threads, {r['nodes']} node(s), "
+        f"{r['blocks_per_op']} per batch, {r['reps']} reps; redis: {r['redis']}"
+    )
     cols = ("put GB/s", "get GB/s", "put cpu-s/GB", "get cpu-s/GB") if "cpu_s_per_gb" in r else ("put GB/s", "get GB/s")
     print(f"  {'':<11}" + "".join(f"{op:>14}" for op in cols))
     for who in ("raw", "raw-unix", "memkv-tcp", "memkv", "memkv-shm", "redis"):
@@ -580,7 +673,9 @@ def plot_sweep(rows: list[dict], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 3, figsize=(13, 3.8))
-    for ax, (axis, label) in zip(axes, (("value_bytes", "value size (MiB)"), ("threads", "client threads"), ("nodes", "nodes"))):
+    for ax, (axis, label) in zip(
+        axes, (("value_bytes", "value size (MiB)"), ("threads", "client threads"), ("nodes", "nodes"))
+    ):
         sel = [r for r in rows if r["sweep"] == axis]
         xs = [r[axis] / 2**20 if axis == "value_bytes" else r[axis] for r in sel]
         for who, style in (("raw", "k--"), ("memkv", "b-o"), ("redis", "r-s")):
@@ -612,10 +707,18 @@ def main() -> None:
     ap.add_argument("--tls", action="store_true", help="raw ssl socket vs MemKV over TLS vs plain MemKV")
     ap.add_argument("--ktls", action="store_true", help="with --tls: ask OpenSSL for kernel TLS on both sides")
     ap.add_argument("--out", default=None, help="the JSON file's name under bench/out/")
-    ap.add_argument("--block-values", type=int, default=1,
-                    help="values (with --tls) or batches per thread in each interleaved block (the systems take turns)")
-    ap.add_argument("--src", default=None, metavar="DIR",
-                    help="measure the memkv under DIR (another revision's src/) instead of this checkout's")
+    ap.add_argument(
+        "--block-values",
+        type=int,
+        default=1,
+        help="values (with --tls) or batches per thread in each interleaved block (the systems take turns)",
+    )
+    ap.add_argument(
+        "--src",
+        default=None,
+        metavar="DIR",
+        help="measure the memkv under DIR (another revision's src/) instead of this checkout's",
+    )
     ap.add_argument("--raw-server", nargs=2, metavar=("PORT_FILE", "SLOTS"), help=argparse.SUPPRESS)
     ap.add_argument("--raw-tls", nargs=3, metavar=("CERT", "KEY", "KTLS"), help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -631,14 +734,26 @@ def main() -> None:
         print(f"datapath --tls -- {machine} -- {stamp}")
         print_tls(r)
         name = args.out or ("datapath_ktls.json" if args.ktls else "datapath_tls.json")
-        (OUT / name).write_text(json.dumps({"benchmark": "datapath-tls", "date": stamp, "machine": machine, **r}, indent=2))
+        (OUT / name).write_text(
+            json.dumps({"benchmark": "datapath-tls", "date": stamp, "machine": machine, **r}, indent=2)
+        )
         return
     if not args.sweep:
-        r = measure(value_bytes, args.values, args.threads, args.nodes, args.reps, args.blocks_per_op, not args.no_redis,
-                    args.block_values)
+        r = measure(
+            value_bytes,
+            args.values,
+            args.threads,
+            args.nodes,
+            args.reps,
+            args.blocks_per_op,
+            not args.no_redis,
+            args.block_values,
+        )
         print(f"datapath -- {machine} -- {stamp} -- memkv from {SRC}")
         print_config(r)
-        (OUT / (args.out or "datapath.json")).write_text(json.dumps({"benchmark": "datapath", "date": stamp, "machine": machine, **r}, indent=2))
+        (OUT / (args.out or "datapath.json")).write_text(
+            json.dumps({"benchmark": "datapath", "date": stamp, "machine": machine, **r}, indent=2)
+        )
         return
     rows = []
     total_bytes = 512 << 20  # per measurement, whatever the value size
@@ -647,12 +762,21 @@ def main() -> None:
     plan += [("nodes", dict(value_bytes=16 << 20, threads=4, n_nodes=k)) for k in (1, 2, 4)]
     for axis, cfg in plan:
         n = max(cfg["threads"], total_bytes // cfg["value_bytes"])
-        r = measure(cfg["value_bytes"], n, cfg["threads"], cfg["n_nodes"], args.reps, args.blocks_per_op,
-                    not args.no_redis and axis == "value_bytes")
+        r = measure(
+            cfg["value_bytes"],
+            n,
+            cfg["threads"],
+            cfg["n_nodes"],
+            args.reps,
+            args.blocks_per_op,
+            not args.no_redis and axis == "value_bytes",
+        )
         r["sweep"] = axis
         print_config(r)
         rows.append(r)
-    (OUT / "scaling.json").write_text(json.dumps({"benchmark": "scaling", "date": stamp, "machine": machine, "rows": rows}, indent=2))
+    (OUT / "scaling.json").write_text(
+        json.dumps({"benchmark": "scaling", "date": stamp, "machine": machine, "rows": rows}, indent=2)
+    )
     try:
         plot_sweep(rows, OUT / "scaling.png")
     except ImportError:

@@ -63,8 +63,13 @@ def main() -> None:
     ap.add_argument("--pages-per-chunk", type=int, default=4)
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
-    ap.add_argument("--scratch-chunks", type=int, nargs="*", default=[4, 16],
-                    help="SectionCopier variants to time: chunks its scratch holds")
+    ap.add_argument(
+        "--scratch-chunks",
+        type=int,
+        nargs="*",
+        default=[4, 16],
+        help="SectionCopier variants to time: chunks its scratch holds",
+    )
     ap.add_argument("--shuffle", action="store_true", help="permute the GPU blocks: one run per page")
     ap.add_argument("--out", default=str(ROOT / "bench" / "out" / "direct_copy.json"))
     args = ap.parse_args()
@@ -82,9 +87,12 @@ def main() -> None:
     if args.shuffle:  # blocks of a long-lived engine: no two consecutive, one run per page
         blocks = blocks[torch.randperm(num_blocks, generator=torch.Generator().manual_seed(1))]
     block_of = [int(b) for b in blocks]
-    rel = [[(t, block_of[c * ppc + j], 1, page, t * ppc * page + j * page) for t in range(n_tensors) for j in range(ppc)]
-           if args.shuffle else [(t, c * ppc, ppc, page, t * ppc * page) for t in range(n_tensors)]
-           for c in range(args.chunks)]
+    rel = [
+        [(t, block_of[c * ppc + j], 1, page, t * ppc * page + j * page) for t in range(n_tensors) for j in range(ppc)]
+        if args.shuffle
+        else [(t, c * ppc, ppc, page, t * ppc * page) for t in range(n_tensors)]
+        for c in range(args.chunks)
+    ]
     runs = [(t, b, n, p, c * section + off) for c in range(args.chunks) for t, b, n, p, off in rel[c]]
     sections = [(c * section, rel[c]) for c in range(args.chunks)]
     stream = torch.cuda.Stream() if cuda else None
@@ -99,6 +107,7 @@ def main() -> None:
                 done = torch.cuda.Event()
                 done.record(stream)
             done.synchronize()
+
         return go
 
     def check(to_staging: bool) -> None:
@@ -111,8 +120,10 @@ def main() -> None:
             if not torch.equal(got, want.view(args.chunks, n_tensors, ppc * page)[:, t]):
                 raise SystemExit(f"load: copy mismatch in tensor {t}")
 
-    impls = {"loop": lambda s: on_stream(lambda nb: copies.copy_runs(tensors, staging, runs, s, nb)),
-             "foreach": lambda s: on_stream(lambda nb: copies.copy_runs_foreach(tensors, staging, runs, s, nb))}
+    impls = {
+        "loop": lambda s: on_stream(lambda nb: copies.copy_runs(tensors, staging, runs, s, nb)),
+        "foreach": lambda s: on_stream(lambda nb: copies.copy_runs_foreach(tensors, staging, runs, s, nb)),
+    }
     for n in args.scratch_chunks:
         copier = copies.SectionCopier(tensors, staging, section, n, pages=[page])
         impls[f"scratch{n}"] = lambda s, copier=copier: on_stream(lambda nb: copier.copy(sections, s, nb))
@@ -144,9 +155,11 @@ def main() -> None:
                 check(to_staging)
                 results[f"{name}/{cond}"].append(took)
     mib = args.chunks * section / 2**20
-    print(f"{args.device}: {args.chunks} chunks x {n_tensors} tensors x {ppc} pages of {args.page_kib} KiB ({mib:.0f} MiB, "
-          f"{len(runs)} runs{', shuffled blocks' if args.shuffle else ''}), {args.reps} reps, torch {torch.__version__}, "
-          f"{os.cpu_count()} CPUs, load {os.getloadavg()[0]:.1f}")
+    print(
+        f"{args.device}: {args.chunks} chunks x {n_tensors} tensors x {ppc} pages of {args.page_kib} KiB ({mib:.0f} MiB, "
+        f"{len(runs)} runs{', shuffled blocks' if args.shuffle else ''}), {args.reps} reps, torch {torch.__version__}, "
+        f"{os.cpu_count()} CPUs, load {os.getloadavg()[0]:.1f}"
+    )
     names = list(impls)
     print("| condition | " + " | ".join(names) + " | " + " | ".join(f"loop / {n}" for n in names[1:]) + " |")
     print("|---|" + "---:|" * (2 * len(names) - 1))
@@ -156,13 +169,30 @@ def main() -> None:
         row = {n: statistics.median(results[f"{n}/{cond}"]) for n in names}
         ratios = {n: statistics.median(a / b for a, b in zip(base, results[f"{n}/{cond}"])) for n in names[1:]}
         summary[cond] = {"median_s": row, "loop_over": ratios}  # ratio: median of per-rep ratios
-        print(f"| {cond} | " + " | ".join(f"{row[n] * 1e3:.1f} ms" for n in names) + " | "
-              + " | ".join(f"{ratios[n]:.2f}x" for n in names[1:]) + " |")
+        print(
+            f"| {cond} | "
+            + " | ".join(f"{row[n] * 1e3:.1f} ms" for n in names)
+            + " | "
+            + " | ".join(f"{ratios[n]:.2f}x" for n in names[1:])
+            + " |"
+        )
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps({
-        "args": vars(args), "device": torch.cuda.get_device_name() if cuda else "cpu", "machine": platform.platform(), "cpus": os.cpu_count(), "torch": torch.__version__,
-        "date_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime()), "load_avg": os.getloadavg(),
-        "times_s": results, "summary": summary}, indent=1))
+    Path(args.out).write_text(
+        json.dumps(
+            {
+                "args": vars(args),
+                "device": torch.cuda.get_device_name() if cuda else "cpu",
+                "machine": platform.platform(),
+                "cpus": os.cpu_count(),
+                "torch": torch.__version__,
+                "date_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime()),
+                "load_avg": os.getloadavg(),
+                "times_s": results,
+                "summary": summary,
+            },
+            indent=1,
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -40,8 +40,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "src"), str(ROOT)]
 
-from memkv.local import LocalNode, new_key_hex  # noqa: E402
 from tests.conformance import direct_harness as dh  # noqa: E402
+
+from memkv.local import LocalNode, new_key_hex  # noqa: E402
 
 OUT = Path(__file__).resolve().parent / "out"
 MIB = 1 << 20
@@ -79,27 +80,49 @@ def one(mode: str, tp: int, chunks: int, chunk_tokens: int, ring_div: int, threa
         restarted.run_until(lambda: req.is_finished(), timeout_s=600)
         matched = req.matched_tokens
         streams = getattr(restarted.workers[0].connector_worker.worker, "_streams", None)
-        ring = None if streams is None else {k: getattr(streams, k, None) for k in
-                                             ("n_fetch", "n_put", "load_batch", "store_batch", "copy_waits")}
+        ring = (
+            None
+            if streams is None
+            else {k: getattr(streams, k, None) for k in ("n_fetch", "n_put", "load_batch", "store_batch", "copy_waits")}
+        )
     nbytes = chunks * tp * g.value_bytes
-    return {"mode": mode, "tp": tp, "chunks": chunks, "value_bytes": g.value_bytes, "prompt_bytes": nbytes,
-            "staging_bytes": region, "store_s": store_s, "load_s": load_s, "lookup_s": lookup_s,
-            "after_lookup_s": load_s - lookup_s, "load_steps": steps, "matched_tokens": matched,
-            "load_gb_s": nbytes / load_s / 1e9, "after_lookup_gb_s": nbytes / (load_s - lookup_s) / 1e9,
-            "rank0_streams": ring}
+    return {
+        "mode": mode,
+        "tp": tp,
+        "chunks": chunks,
+        "value_bytes": g.value_bytes,
+        "prompt_bytes": nbytes,
+        "staging_bytes": region,
+        "store_s": store_s,
+        "load_s": load_s,
+        "lookup_s": lookup_s,
+        "after_lookup_s": load_s - lookup_s,
+        "load_steps": steps,
+        "matched_tokens": matched,
+        "load_gb_s": nbytes / load_s / 1e9,
+        "after_lookup_gb_s": nbytes / (load_s - lookup_s) / 1e9,
+        "rank0_streams": ring,
+    }
 
 
 def _median_row(runs: list[dict]) -> dict:
     loads = [r["load_s"] for r in runs]
     stores = [r["store_s"] for r in runs]
-    return {"staging_mib": runs[0]["staging_bytes"] / MIB, "load_s_median": statistics.median(loads),
-            "lookup_s_median": statistics.median(r["lookup_s"] for r in runs),
-            "after_lookup_s_median": statistics.median(r["after_lookup_s"] for r in runs),
-            "after_lookup_gb_s_median": statistics.median(r["after_lookup_gb_s"] for r in runs),
-            "load_s_min": min(loads), "load_s_max": max(loads), "store_s_median": statistics.median(stores),
-            "store_s_min": min(stores), "store_s_max": max(stores),
-            "load_gb_s_median": statistics.median(r["load_gb_s"] for r in runs),
-            "load_steps": sorted({r["load_steps"] for r in runs}), "rank0_streams": runs[-1]["rank0_streams"]}
+    return {
+        "staging_mib": runs[0]["staging_bytes"] / MIB,
+        "load_s_median": statistics.median(loads),
+        "lookup_s_median": statistics.median(r["lookup_s"] for r in runs),
+        "after_lookup_s_median": statistics.median(r["after_lookup_s"] for r in runs),
+        "after_lookup_gb_s_median": statistics.median(r["after_lookup_gb_s"] for r in runs),
+        "load_s_min": min(loads),
+        "load_s_max": max(loads),
+        "store_s_median": statistics.median(stores),
+        "store_s_min": min(stores),
+        "store_s_max": max(stores),
+        "load_gb_s_median": statistics.median(r["load_gb_s"] for r in runs),
+        "load_steps": sorted({r["load_steps"] for r in runs}),
+        "rank0_streams": runs[-1]["rank0_streams"],
+    }
 
 
 def _git(*args: str) -> str:
@@ -126,8 +149,13 @@ def main() -> int:
             ap.error(f"--modes: unknown mode {mode!r} (staged, leased)")
     key = new_key_hex()
     nodes = [LocalNode(key, capacity="2GiB") for _ in range(2)]
-    os.environ.update({"MEMKV_SERVERS": ",".join(n.address for n in nodes), "MEMKV_AUTH_KEY": key,
-                       "PYTHONHASHSEED": os.environ.get("PYTHONHASHSEED", "0")})
+    os.environ.update(
+        {
+            "MEMKV_SERVERS": ",".join(n.address for n in nodes),
+            "MEMKV_AUTH_KEY": key,
+            "PYTHONHASHSEED": os.environ.get("PYTHONHASHSEED", "0"),
+        }
+    )
     os.environ.pop("MEMKV_CONFIG", None)
     results = []
     try:
@@ -139,27 +167,41 @@ def main() -> int:
                     r = one(mode, tp, args.chunks, args.chunk_tokens, args.ring_div, args.threads)
                     assert r["matched_tokens"] == args.chunks * args.chunk_tokens, r
                     runs[mode].append(r)
-                    print(f"  rep {rep} TP={tp} {mode}: load {r['load_s']:.3f} s ({r['load_gb_s']:.2f} GB/s; lookups "
-                          f"{r['lookup_s']:.3f} s, then {r['after_lookup_s']:.3f} s), store {r['store_s']:.2f} s",
-                          flush=True)
-            row: dict = {"tp": tp, "prompt_mib": runs[modes[0]][0]["prompt_bytes"] / MIB,
-                         "modes": {m: _median_row(rs) for m, rs in runs.items()}, "runs": runs}
+                    print(
+                        f"  rep {rep} TP={tp} {mode}: load {r['load_s']:.3f} s ({r['load_gb_s']:.2f} GB/s; lookups "
+                        f"{r['lookup_s']:.3f} s, then {r['after_lookup_s']:.3f} s), store {r['store_s']:.2f} s",
+                        flush=True,
+                    )
+            row: dict = {
+                "tp": tp,
+                "prompt_mib": runs[modes[0]][0]["prompt_bytes"] / MIB,
+                "modes": {m: _median_row(rs) for m, rs in runs.items()},
+                "runs": runs,
+            }
             if set(modes) == {"staged", "leased"}:
-                row["leased_over_staged_load"] = (row["modes"]["leased"]["load_s_median"]
-                                                  / row["modes"]["staged"]["load_s_median"])
+                row["leased_over_staged_load"] = (
+                    row["modes"]["leased"]["load_s_median"] / row["modes"]["staged"]["load_s_median"]
+                )
                 row["leased_over_staged_load_per_rep_median"] = statistics.median(
-                    a["load_s"] / b["load_s"] for a, b in zip(runs["leased"], runs["staged"]))
+                    a["load_s"] / b["load_s"] for a, b in zip(runs["leased"], runs["staged"])
+                )
             results.append(row)
             for m, s in row["modes"].items():
                 # "staged" copies from staging in the step its lookups HIT: its "then" is ~0
                 stream = f" = {s['after_lookup_gb_s_median']:.2f} GB/s" if m == "leased" else ""
-                print(f"TP={tp} {m}: prompt {row['prompt_mib']:.0f} MiB, staging {s['staging_mib']:.0f} MiB: load "
-                      f"(restarted engine) {s['load_s_median']:.3f} s ({s['load_s_min']:.3f}-{s['load_s_max']:.3f}) "
-                      f"= {s['load_gb_s_median']:.2f} GB/s (lookups {s['lookup_s_median']:.3f} s, then "
-                      f"{s['after_lookup_s_median']:.3f} s{stream}); store {s['store_s_median']:.2f} s", flush=True)
+                print(
+                    f"TP={tp} {m}: prompt {row['prompt_mib']:.0f} MiB, staging {s['staging_mib']:.0f} MiB: load "
+                    f"(restarted engine) {s['load_s_median']:.3f} s ({s['load_s_min']:.3f}-{s['load_s_max']:.3f}) "
+                    f"= {s['load_gb_s_median']:.2f} GB/s (lookups {s['lookup_s_median']:.3f} s, then "
+                    f"{s['after_lookup_s_median']:.3f} s{stream}); store {s['store_s_median']:.2f} s",
+                    flush=True,
+                )
             if "leased_over_staged_load" in row:
-                print(f"TP={tp} leased/staged load: {row['leased_over_staged_load']:.2f} (medians), "
-                      f"{row['leased_over_staged_load_per_rep_median']:.2f} (median of per-rep ratios)", flush=True)
+                print(
+                    f"TP={tp} leased/staged load: {row['leased_over_staged_load']:.2f} (medians), "
+                    f"{row['leased_over_staged_load_per_rep_median']:.2f} (median of per-rep ratios)",
+                    flush=True,
+                )
     finally:
         for n in nodes:
             n.stop()
@@ -168,11 +210,23 @@ def main() -> int:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     with open(out, "w") as f:
-        json.dump({"host": {"cpus": os.cpu_count(), "python": platform.python_version(), "vllm": vllm.__version__,
-                            "date_utc": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-                            "loadavg": os.getloadavg()},
-                   "commit": _git("rev-parse", "--short", "HEAD"), "dirty": bool(_git("status", "--porcelain", "src")),
-                   "args": vars(args), "results": results}, f, indent=1)
+        json.dump(
+            {
+                "host": {
+                    "cpus": os.cpu_count(),
+                    "python": platform.python_version(),
+                    "vllm": vllm.__version__,
+                    "date_utc": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+                    "loadavg": os.getloadavg(),
+                },
+                "commit": _git("rev-parse", "--short", "HEAD"),
+                "dirty": bool(_git("status", "--porcelain", "src")),
+                "args": vars(args),
+                "results": results,
+            },
+            f,
+            indent=1,
+        )
     return 0
 
 

@@ -22,9 +22,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from memkv.client.cluster import Client  # noqa: E402
-from memkv.config import AuthKey, ClientConfig, parse_servers  # noqa: E402
-from memkv.local import LocalNode, new_key_hex  # noqa: E402
+from memkv.client.cluster import Client
+from memkv.config import AuthKey, ClientConfig, parse_servers
+from memkv.local import LocalNode, new_key_hex
 
 OUT = Path(__file__).resolve().parent / "out"
 
@@ -71,8 +71,10 @@ def main() -> None:
     try:
         raw = raw_round_trip_us(args.iters)
         for n_nodes in (1, 3):
-            config = ClientConfig(servers=parse_servers(",".join(x.address for x in nodes[:n_nodes]), "bench"),
-                                  auth_key=AuthKey.from_hex(key, "bench"))
+            config = ClientConfig(
+                servers=parse_servers(",".join(x.address for x in nodes[:n_nodes]), "bench"),
+                auth_key=AuthKey.from_hex(key, "bench"),
+            )
             with Client(config) as client:
                 stored = [f"lk/{i}".encode() for i in range(2048)]
                 client.batch_put_views([(k, b"v") for k in stored])
@@ -85,8 +87,15 @@ def main() -> None:
                         t = time.perf_counter()
                         client.exists(keys)
                         lat.append((time.perf_counter() - t) * 1e6)
-                    rows.append({"nodes": n_nodes, "keys": n_keys, "p50_us": statistics.median(lat),
-                                 "p99_us": pct(lat, 0.99), "p50_over_raw_rtt": statistics.median(lat) / statistics.median(raw)})
+                    rows.append(
+                        {
+                            "nodes": n_nodes,
+                            "keys": n_keys,
+                            "p50_us": statistics.median(lat),
+                            "p99_us": pct(lat, 0.99),
+                            "p50_over_raw_rtt": statistics.median(lat) / statistics.median(raw),
+                        }
+                    )
     finally:
         for x in nodes:
             x.stop()

@@ -59,8 +59,9 @@ print(json.dumps({"pooled_s": pooled, "fresh_s": fresh}), flush=True)
 
 def probe(address: str, key: str, probes: int, during=None) -> dict:
     env = {**os.environ, "PYTHONPATH": f"{SRC}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    proc = subprocess.Popen([sys.executable, "-c", PROBE, address, key, str(probes)], stdout=subprocess.PIPE,
-                            text=True, env=env)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", PROBE, address, key, str(probes)], stdout=subprocess.PIPE, text=True, env=env
+    )
     assert proc.stdout is not None
     assert proc.stdout.readline().strip() == "ready"
     extra = during() if during else None
@@ -73,8 +74,11 @@ def probe(address: str, key: str, probes: int, during=None) -> dict:
 
 def summary(xs: list[float]) -> dict:
     s = sorted(xs)
-    return {"p50_ms": 1e3 * statistics.median(s), "p99_ms": 1e3 * s[min(len(s) - 1, int(0.99 * len(s)))],
-            "max_ms": 1e3 * s[-1]}
+    return {
+        "p50_ms": 1e3 * statistics.median(s),
+        "p99_ms": 1e3 * s[min(len(s) - 1, int(0.99 * len(s)))],
+        "max_ms": 1e3 * s[-1],
+    }
 
 
 def main() -> None:
@@ -86,8 +90,12 @@ def main() -> None:
     key = new_key_hex()
     node = LocalNode(key, capacity=f"{VALUES * VALUE * 3 // 2 >> 20}MiB")
     try:
-        config = ClientConfig(servers=parse_servers(node.address, "bench"), auth_key=AuthKey.from_hex(key, "bench"),
-                              pool_size=args.put_threads, io_timeout_s=30.0)
+        config = ClientConfig(
+            servers=parse_servers(node.address, "bench"),
+            auth_key=AuthKey.from_hex(key, "bench"),
+            pool_size=args.put_threads,
+            io_timeout_s=30.0,
+        )
         buf = mmap.mmap(-1, VALUES * VALUE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | mmap.MAP_POPULATE)
         rows = [memoryview(buf)[i * VALUE : (i + 1) * VALUE] for i in range(VALUES)]
         keys = [f"burst/{i}".encode() for i in range(VALUES)]
@@ -102,8 +110,7 @@ def main() -> None:
                         for ok in ex.map(lambda g: writer.batch_put_views([(keys[i], rows[i]) for i in g]), groups):
                             stored += sum(ok)
                 dt = time.perf_counter() - t
-                return {"seconds": dt, "stored": stored, "of": args.rounds * VALUES,
-                        "gbps": stored * VALUE / dt / 1e9}
+                return {"seconds": dt, "stored": stored, "of": args.rounds * VALUES, "gbps": stored * VALUE / dt / 1e9}
 
             idle = probe(node.address, key, args.probes)
             busy = probe(node.address, key, args.probes, during=burst)
@@ -113,20 +120,26 @@ def main() -> None:
         "benchmark": "lookups_under_puts",
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "machine": f"{platform.node()} {platform.machine()} {os.cpu_count()} cpus, Python {platform.python_version()}",
-        "args": vars(args), "idle": idle, "busy": busy,
+        "args": vars(args),
+        "idle": idle,
+        "busy": busy,
     }
     OUT.mkdir(exist_ok=True)
     (OUT / "lookups_under_puts.json").write_text(json.dumps(result, indent=1))
     b = busy["burst"]
     print(f"lookups on a node absorbing 16 MiB PUTs -- {result['machine']} -- {result['date']}")
-    print(f"burst: {b['stored']}/{b['of']} values stored in {b['seconds']:.2f} s ({b['gbps']:.2f} GB/s), "
-          f"{args.put_threads} threads; {args.probes} probe samples each, idle and while the burst ran")
+    print(
+        f"burst: {b['stored']}/{b['of']} values stored in {b['seconds']:.2f} s ({b['gbps']:.2f} GB/s), "
+        f"{args.put_threads} threads; {args.probes} probe samples each, idle and while the burst ran"
+    )
     print(f"{'':36} {'p50 ms':>8} {'p99 ms':>8} {'max ms':>8}   busy/idle: p50, max")
     for what, name in (("pooled_s", "EXISTS, pooled connection"), ("fresh_s", "connect + handshake + EXISTS")):
         i, u = summary(idle[what]), summary(busy[what])
         print(f"{name + ', idle':36} {i['p50_ms']:8.2f} {i['p99_ms']:8.2f} {i['max_ms']:8.2f}")
-        print(f"{name + ', busy':36} {u['p50_ms']:8.2f} {u['p99_ms']:8.2f} {u['max_ms']:8.2f}"
-              f"   {u['p50_ms'] / i['p50_ms']:.1f}x, {u['max_ms'] / i['max_ms']:.0f}x")
+        print(
+            f"{name + ', busy':36} {u['p50_ms']:8.2f} {u['p99_ms']:8.2f} {u['max_ms']:8.2f}"
+            f"   {u['p50_ms'] / i['p50_ms']:.1f}x, {u['max_ms'] / i['max_ms']:.0f}x"
+        )
 
 
 if __name__ == "__main__":

@@ -21,10 +21,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from memkv.benchmark import fill_pattern, prefaulted_pool  # noqa: E402
-from memkv.client.cluster import Client  # noqa: E402
-from memkv.config import AuthKey, ClientConfig, format_size, parse_servers, parse_size  # noqa: E402
-from memkv.local import LocalNode, new_key_hex  # noqa: E402
+from memkv.benchmark import fill_pattern, prefaulted_pool
+from memkv.client.cluster import Client
+from memkv.config import AuthKey, ClientConfig, format_size, parse_servers, parse_size
+from memkv.local import LocalNode, new_key_hex
 
 OUT = Path(__file__).resolve().parent / "out"
 
@@ -63,22 +63,36 @@ def main() -> None:
             samples = []
             with Client(config) as client:
                 for start in range(0, n_values, batch):
-                    items = [(f"m/{start + j}".encode(), src[j * value_bytes : (j + 1) * value_bytes])
-                             for j in range(min(batch, n_values - start))]
+                    items = [
+                        (f"m/{start + j}".encode(), src[j * value_bytes : (j + 1) * value_bytes])
+                        for j in range(min(batch, n_values - start))
+                    ]
                     client.batch_put_views(items)
                     s = status(node)
-                    samples.append({"stored": s["stored_bytes"], "allocated": s["allocated_bytes"],
-                                    "rss": rss_bytes(node.pid), "evictions": s["evictions"]})
+                    samples.append(
+                        {
+                            "stored": s["stored_bytes"],
+                            "allocated": s["allocated_bytes"],
+                            "rss": rss_bytes(node.pid),
+                            "evictions": s["evictions"],
+                        }
+                    )
             peak = max(samples, key=lambda x: x["rss"])
             worst = max(samples, key=lambda x: (x["rss"] - base_rss) / max(1, x["stored"]))
-            rows.append({
-                "value_bytes": value_bytes, "capacity_bytes": capacity, "baseline_rss": base_rss,
-                "peak_rss": peak["rss"], "stored_at_peak": peak["stored"],
-                "final": samples[-1], "samples": samples,
-                "rss_over_stored_final": (samples[-1]["rss"] - base_rss) / samples[-1]["stored"],
-                "target_ok": all(x["rss"] <= 1.05 * x["stored"] + (64 << 20) + base_rss for x in samples),
-                "worst_ratio": (worst["rss"] - base_rss) / max(1, worst["stored"]),
-            })
+            rows.append(
+                {
+                    "value_bytes": value_bytes,
+                    "capacity_bytes": capacity,
+                    "baseline_rss": base_rss,
+                    "peak_rss": peak["rss"],
+                    "stored_at_peak": peak["stored"],
+                    "final": samples[-1],
+                    "samples": samples,
+                    "rss_over_stored_final": (samples[-1]["rss"] - base_rss) / samples[-1]["stored"],
+                    "target_ok": all(x["rss"] <= 1.05 * x["stored"] + (64 << 20) + base_rss for x in samples),
+                    "worst_ratio": (worst["rss"] - base_rss) / max(1, worst["stored"]),
+                }
+            )
         finally:
             node.stop()
     result = {
@@ -90,11 +104,15 @@ def main() -> None:
     OUT.mkdir(exist_ok=True)
     (OUT / "memory.json").write_text(json.dumps(result, indent=2))
     print(f"node RSS vs stored bytes, capacity {format_size(capacity)} -- {result['machine']}")
-    print(f"{'value':>7} {'base RSS':>9} {'final stored':>13} {'final RSS':>10} {'(RSS-base)/stored':>18} {'<=1.05x+64MiB':>14}")
+    print(
+        f"{'value':>7} {'base RSS':>9} {'final stored':>13} {'final RSS':>10} {'(RSS-base)/stored':>18} {'<=1.05x+64MiB':>14}"
+    )
     for r in rows:
         f = r["final"]
-        print(f"{format_size(r['value_bytes']):>7} {format_size(r['baseline_rss']):>9} {format_size(f['stored']):>13} "
-              f"{format_size(f['rss']):>10} {r['rss_over_stored_final']:>18.3f} {str(r['target_ok']):>14}")
+        print(
+            f"{format_size(r['value_bytes']):>7} {format_size(r['baseline_rss']):>9} {format_size(f['stored']):>13} "
+            f"{format_size(f['rss']):>10} {r['rss_over_stored_final']:>18.3f} {r['target_ok']!s:>14}"
+        )
     try:
         import matplotlib
 
@@ -103,8 +121,12 @@ def main() -> None:
 
         fig, ax = plt.subplots(figsize=(6, 4))
         for r in rows:
-            ax.plot([x["stored"] / 2**30 for x in r["samples"]], [(x["rss"] - r["baseline_rss"]) / 2**30 for x in r["samples"]],
-                    marker=".", label=format_size(r["value_bytes"]))
+            ax.plot(
+                [x["stored"] / 2**30 for x in r["samples"]],
+                [(x["rss"] - r["baseline_rss"]) / 2**30 for x in r["samples"]],
+                marker=".",
+                label=format_size(r["value_bytes"]),
+            )
         lim = capacity / 2**30
         ax.plot([0, lim], [0, lim * 1.05], "k--", label="1.05 x stored")
         ax.set_xlabel("stored GiB")

@@ -41,11 +41,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 # The node (`python -m memkv serve`) runs this tree's code too, not whatever the venv installed.
 os.environ["PYTHONPATH"] = os.pathsep.join([sys.path[0], *filter(None, [os.environ.get("PYTHONPATH")])])
 
-from memkv.benchmark import fill_pattern, prefaulted_pool  # noqa: E402
-from memkv.client.cluster import Client  # noqa: E402
-from memkv.config import AuthKey, ClientConfig, format_size, parse_servers, parse_size  # noqa: E402
-from memkv.local import LocalNode, new_key_hex  # noqa: E402
-from memkv.transport import nixl_adapter  # noqa: E402
+from memkv.benchmark import fill_pattern, prefaulted_pool
+from memkv.client.cluster import Client
+from memkv.config import AuthKey, ClientConfig, format_size, parse_servers, parse_size
+from memkv.local import LocalNode, new_key_hex
+from memkv.transport import nixl_adapter
 
 OUT = Path(__file__).resolve().parent / "out"
 UCX = {"tcp": "tcp", "cma": "cma,tcp,self"}
@@ -75,8 +75,14 @@ def store_target(conn, n_bytes: int) -> None:
 
 
 def run_ucx(name: str, args, value_bytes: int) -> dict:
-    os.environ.update({"UCX_TLS": UCX[name], "UCX_NET_DEVICES": "lo", "MEMKV_NIXL_PROGRESS_DELAY_US": str(args.pthr_delay_us),
-                       "NIXL_LOG_LEVEL": "WARN"})
+    os.environ.update(
+        {
+            "UCX_TLS": UCX[name],
+            "UCX_NET_DEVICES": "lo",
+            "MEMKV_NIXL_PROGRESS_DELAY_US": str(args.pthr_delay_us),
+            "NIXL_LOG_LEVEL": "WARN",
+        }
+    )
     n = args.values
     key = new_key_hex()
     node = LocalNode(key, capacity=str(int(value_bytes * n * 1.3) + (64 << 20)))
@@ -115,8 +121,12 @@ def run_ucx(name: str, args, value_bytes: int) -> dict:
 
         def write_put(idx):
             for b in batches(idx):
-                w = writer.write([(src_addr + i * value_bytes, value_bytes) for i in b],
-                                 [(target + i * value_bytes, value_bytes) for i in b], peer, b"")
+                w = writer.write(
+                    [(src_addr + i * value_bytes, value_bytes) for i in b],
+                    [(target + i * value_bytes, value_bytes) for i in b],
+                    peer,
+                    b"",
+                )
                 while w.state() == "PROC":
                     time.sleep(20e-6)
                 assert w.state() == "DONE"
@@ -127,9 +137,15 @@ def run_ucx(name: str, args, value_bytes: int) -> dict:
                 assert all(r), "a load failed"
 
         ops = {
-            "tcp get": lambda idx: checked(tcp.batch_get_into([(keys[i], slot(dst_tcp, i)) for i in b]) for b in batches(idx)),
-            "rdma get": lambda idx: checked(rdma.batch_get_into([(keys[i], slot(dst_rdma, i)) for i in b]) for b in batches(idx)),
-            "tcp put": lambda idx: checked(tcp.batch_put_views([(keys[i], slot(src, i)) for i in b]) for b in batches(idx)),
+            "tcp get": lambda idx: checked(
+                tcp.batch_get_into([(keys[i], slot(dst_tcp, i)) for i in b]) for b in batches(idx)
+            ),
+            "rdma get": lambda idx: checked(
+                rdma.batch_get_into([(keys[i], slot(dst_rdma, i)) for i in b]) for b in batches(idx)
+            ),
+            "tcp put": lambda idx: checked(
+                tcp.batch_put_views([(keys[i], slot(src, i)) for i in b]) for b in batches(idx)
+            ),
             "write put": write_put,
         }
         ops["tcp put"](list(range(n)))  # the values the loads read
@@ -157,8 +173,14 @@ def run_ucx(name: str, args, value_bytes: int) -> dict:
         helper.join(10)
         node.stop()
     ratio = {op: [a / b for a, b in zip(rates[op], rates[BASELINE[op]])] for op in BASELINE}
-    return {"ucx_tls": UCX[name], "register_ms": register_ms, "register_and_attach_ms": attach_ms, "gbps": rates, "cpu_s_per_gb": cpu,
-            "ratio_vs_tcp": ratio}
+    return {
+        "ucx_tls": UCX[name],
+        "register_ms": register_ms,
+        "register_and_attach_ms": attach_ms,
+        "gbps": rates,
+        "cpu_s_per_gb": cpu,
+        "ratio_vs_tcp": ratio,
+    }
 
 
 def main() -> None:
@@ -169,7 +191,9 @@ def main() -> None:
     ap.add_argument("--blocks-per-op", type=int, default=8, help="values per batch call (the tier's default)")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--ucx", default="tcp,cma", help="UCX transports to run: tcp, cma or both")
-    ap.add_argument("--pthr-delay-us", type=int, default=100, help="NIXL progress-thread delay (MEMKV_NIXL_PROGRESS_DELAY_US)")
+    ap.add_argument(
+        "--pthr-delay-us", type=int, default=100, help="NIXL progress-thread delay (MEMKV_NIXL_PROGRESS_DELAY_US)"
+    )
     args = ap.parse_args()
     ok, why = nixl_adapter.nixl_available()
     if not ok:
@@ -180,22 +204,34 @@ def main() -> None:
         "benchmark": "rdma",
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "machine": f"{platform.node()} {platform.machine()} {os.cpu_count()} cpus, Python {platform.python_version()}, no RDMA NIC",
-        "nixl": why, "value_bytes": value_bytes, "values": args.values, "threads": args.threads,
-        "blocks_per_op": args.blocks_per_op, "reps": args.reps, "pthr_delay_us": args.pthr_delay_us, "runs": runs,
+        "nixl": why,
+        "value_bytes": value_bytes,
+        "values": args.values,
+        "threads": args.threads,
+        "blocks_per_op": args.blocks_per_op,
+        "reps": args.reps,
+        "pthr_delay_us": args.pthr_delay_us,
+        "runs": runs,
     }
     OUT.mkdir(exist_ok=True)
     (OUT / "rdma.json").write_text(json.dumps(result, indent=2))
-    print(f"{format_size(value_bytes)} values x {args.values}, {args.threads} threads, {args.blocks_per_op} per batch, "
-          f"{args.reps} reps, {why}, progress delay {args.pthr_delay_us} us -- {result['machine']}")
+    print(
+        f"{format_size(value_bytes)} values x {args.values}, {args.threads} threads, {args.blocks_per_op} per batch, "
+        f"{args.reps} reps, {why}, progress delay {args.pthr_delay_us} us -- {result['machine']}"
+    )
     print(f"{'UCX_TLS':<14} {'op':<10} {'GB/s':>6} {'vs TCP':>7} {'(min-max)':>12} {'cpu s/GB':>9}   (medians)")
     for run in runs.values():
         for op in OPS:
             r = run["ratio_vs_tcp"].get(op)
             rel = f"{statistics.median(r):>7.2f} {f'({min(r):.2f}-{max(r):.2f})':>12}" if r else f"{'1.00':>7} {'':>12}"
-            print(f"{run['ucx_tls']:<14} {op:<10} {statistics.median(run['gbps'][op]):>6.2f} {rel} "
-                  f"{statistics.median(run['cpu_s_per_gb'][op]):>9.2f}")
-        print(f"{run['ucx_tls']:<14} registering the {format_size(value_bytes * args.values)} pool: {run['register_ms']:.1f} ms; "
-              f"with the first attach (the node starts its agent): {run['register_and_attach_ms']:.0f} ms")
+            print(
+                f"{run['ucx_tls']:<14} {op:<10} {statistics.median(run['gbps'][op]):>6.2f} {rel} "
+                f"{statistics.median(run['cpu_s_per_gb'][op]):>9.2f}"
+            )
+        print(
+            f"{run['ucx_tls']:<14} registering the {format_size(value_bytes * args.values)} pool: {run['register_ms']:.1f} ms; "
+            f"with the first attach (the node starts its agent): {run['register_and_attach_ms']:.0f} ms"
+        )
 
 
 if __name__ == "__main__":

@@ -43,7 +43,6 @@ import os
 import platform
 import socket
 import statistics
-import sys
 import threading
 import time
 
@@ -134,7 +133,9 @@ def _node(listener: socket.socket, fd: int, size: int, ready: int) -> None:
         threading.Thread(target=one, args=(conn,), daemon=True).start()
 
 
-def run(mode: str, conns, shared_addr: int, dst_addr: int, dst: memoryview, values: int, threads: int, verify: str, fd: int):
+def run(
+    mode: str, conns, shared_addr: int, dst_addr: int, dst: memoryview, values: int, threads: int, verify: str, fd: int
+):
     hasher = _hasher() if verify == "python" else None
     compiled = _compiled() if verify == "compiled" else None
     digests: list[bytes] = []
@@ -198,11 +199,17 @@ def _child_cpu(pid: int) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--gib", type=float, default=8.0, help="bytes moved per repetition (a 32k prompt of the 32B shape: 8)")
+    ap.add_argument(
+        "--gib", type=float, default=8.0, help="bytes moved per repetition (a 32k prompt of the 32B shape: 8)"
+    )
     ap.add_argument("--threads", default="8", help="client threads, comma-separated")
     ap.add_argument("--reps", type=int, default=3)
-    ap.add_argument("--verify", choices=("none", "python", "compiled"), default="none",
-                    help="xxh3-128 over every value in 256 KiB pieces: python-xxhash, or memkv's compiled loops")
+    ap.add_argument(
+        "--verify",
+        choices=("none", "python", "compiled"),
+        default="none",
+        help="xxh3-128 over every value in 256 KiB pieces: python-xxhash, or memkv's compiled loops",
+    )
     ap.add_argument("--fresh", action="store_true", help="also shm-fresh: a new, unfaulted mapping per repetition")
     ap.add_argument("--out")
     args = ap.parse_args()
@@ -226,7 +233,7 @@ def main() -> None:
         raise SystemExit("--verify compiled: memkv._recv_verify is not built in this checkout's src/")
     if args.verify == "python" and _hasher() is None:
         raise SystemExit("--verify python: python-xxhash is not installed")
-    keep, dst_addr, dst, kind = _destination(size)
+    _keep, dst_addr, dst, kind = _destination(size)  # _keep: holds the buffer alive
     if os.read(ready_r, 1) != b"1":
         raise SystemExit("the node process did not fill its values")
     # What a client would pay once per node at attach: map the node's memory, page tables filled.
@@ -244,12 +251,20 @@ def main() -> None:
         "populate_mapping_s": map_s,
         "rows": [],
     }
-    print(f"# {result['machine']}, {time.strftime('%H:%M UTC', time.gmtime())}; {size / 2**30:.1f} GiB per rep into {kind}; "
-          f"verify={args.verify}; mapping the node's memory once: {map_s:.2f} s")
+    print(
+        f"# {result['machine']}, {time.strftime('%H:%M UTC', time.gmtime())}; {size / 2**30:.1f} GiB per rep into {kind}; "
+        f"verify={args.verify}; mapping the node's memory once: {map_s:.2f} s"
+    )
     modes = ["socket", "shm"] + (["shm-fresh"] if args.fresh else [])
     shm_modes = modes[1:]
-    print(f"{'threads':>7} {'rep':>3} " + " ".join(f"{m + ' GB/s':>14}" for m in modes) + " "
-          + " ".join(f"{m + '/socket':>16}" for m in shm_modes) + " " + " ".join(f"{m + ' CPU-s/GB':>18}" for m in modes))
+    print(
+        f"{'threads':>7} {'rep':>3} "
+        + " ".join(f"{m + ' GB/s':>14}" for m in modes)
+        + " "
+        + " ".join(f"{m + '/socket':>16}" for m in shm_modes)
+        + " "
+        + " ".join(f"{m + ' CPU-s/GB':>18}" for m in modes)
+    )
     try:
         for threads in [int(t) for t in args.threads.split(",")]:
             conns = []
@@ -261,7 +276,7 @@ def main() -> None:
                 run(mode, conns, shared_addr, dst_addr, dst, values, threads, args.verify, fd)
             for rep in range(args.reps):
                 got = {}
-                for mode in (modes if rep % 2 == 0 else modes[::-1]):
+                for mode in modes if rep % 2 == 0 else modes[::-1]:
                     n0 = _child_cpu(node)
                     elapsed, r0, r1 = run(mode, conns, shared_addr, dst_addr, dst, values, threads, args.verify, fd)
                     cpu = (r1.user - r0.user) + (r1.system - r0.system) + _child_cpu(node) - n0
@@ -270,9 +285,15 @@ def main() -> None:
                 for m in shm_modes:
                     row[f"{m}_over_socket"] = got[m]["gb_s"] / got["socket"]["gb_s"]
                 result["rows"].append(row)
-                print(f"{threads:>7} {rep:>3} " + " ".join(f"{got[m]['gb_s']:>14.2f}" for m in modes) + " "
-                      + " ".join(f"{row[m + '_over_socket']:>16.2f}" for m in shm_modes) + " "
-                      + " ".join(f"{got[m]['cpu_s_per_gb']:>18.3f}" for m in modes), flush=True)
+                print(
+                    f"{threads:>7} {rep:>3} "
+                    + " ".join(f"{got[m]['gb_s']:>14.2f}" for m in modes)
+                    + " "
+                    + " ".join(f"{row[m + '_over_socket']:>16.2f}" for m in shm_modes)
+                    + " "
+                    + " ".join(f"{got[m]['cpu_s_per_gb']:>18.3f}" for m in modes),
+                    flush=True,
+                )
             for c in conns:
                 c.close()
             for m in shm_modes:

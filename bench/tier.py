@@ -27,9 +27,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "src"), str(ROOT)]
 
+from tests.conformance import vllm_harness as h  # noqa: E402
+
 from memkv.config import format_size, parse_size  # noqa: E402
 from memkv.local import LocalNode, new_key_hex  # noqa: E402
-from tests.conformance import vllm_harness as h  # noqa: E402
 
 OUT = Path(__file__).resolve().parent / "out"
 
@@ -42,7 +43,7 @@ class _Payloads(dict):
         self.base = base
 
     def __missing__(self, key: bytes) -> bytes:
-        return key + self.base[len(key):]
+        return key + self.base[len(key) :]
 
 
 class _Forgetful(dict):
@@ -76,8 +77,14 @@ def run_tier(tier: dict, geometry: h.Geometry, rows: int) -> dict:
         with second.lock:
             second.manager.complete_load(list(keys), req)
     nbytes = rows * geometry.row_bytes
-    return {"cascade_s": cascade_s, "promote_s": promote_s, "cascade_gbps": nbytes / cascade_s / 1e9,
-            "promote_gbps": nbytes / promote_s / 1e9, "steps_to_hit": len(trace.steps), "byte_exact": exact}
+    return {
+        "cascade_s": cascade_s,
+        "promote_s": promote_s,
+        "cascade_gbps": nbytes / cascade_s / 1e9,
+        "promote_gbps": nbytes / promote_s / 1e9,
+        "steps_to_hit": len(trace.steps),
+        "byte_exact": exact,
+    }
 
 
 def start_tier_cluster(rows: int, row_bytes: int, fill: float, headroom: int) -> tuple[h.Geometry, list[LocalNode]]:
@@ -85,8 +92,9 @@ def start_tier_cluster(rows: int, row_bytes: int, fill: float, headroom: int) ->
     nodes holding `fill` x the prompt between them (+ `headroom` each), MEMKV_* pointed at them
     and the memkv tier registered with vLLM."""
     # One rank, 64-token chunks of 4 GPU blocks: worker bytes per GPU block = row / 4.
-    geometry = h.Geometry(world_size=1, worker_kv_bytes_per_block=row_bytes // 4, gpu_block_size=16,
-                          block_size=64, num_rows=rows + 8)
+    geometry = h.Geometry(
+        world_size=1, worker_kv_bytes_per_block=row_bytes // 4, gpu_block_size=16, block_size=64, num_rows=rows + 8
+    )
     key = new_key_hex()
     capacity = str(int(rows * geometry.row_bytes * fill / 2) + headroom)
     nodes = [LocalNode(key, capacity=capacity) for _ in range(2)]
@@ -103,8 +111,11 @@ def main() -> None:
     ap.add_argument("--row-size", default="16MiB")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--threads", type=int, default=4, help="n_read_threads = n_write_threads for every tier")
-    ap.add_argument("--tiers", default="memkv,fs (disk),fs (/dev/shm)",
-                    help="comma-separated subset (512 rows: the /dev/shm copy does not fit in 24 GiB next to the rest)")
+    ap.add_argument(
+        "--tiers",
+        default="memkv,fs (disk),fs (/dev/shm)",
+        help="comma-separated subset (512 rows: the /dev/shm copy does not fit in 24 GiB next to the rest)",
+    )
     args = ap.parse_args()
     geometry, nodes = start_tier_cluster(args.rows, parse_size(args.row_size, "--row-size"), 1.2, 256 << 20)
     disk_root = tempfile.mkdtemp(prefix="memkv-bench-fs-", dir=os.environ.get("BENCH_DISK_DIR", "/var/tmp"))
@@ -125,8 +136,11 @@ def main() -> None:
                     os.makedirs(root, exist_ok=True)
                 results[name].append(run_tier(dict(tier), geometry, args.rows))
                 r = results[name][-1]
-                print(f"rep {rep} {name:<14} cascade {r['cascade_gbps']:6.2f} GB/s  promote {r['promote_s']*1000:8.1f} ms "
-                      f"({r['promote_gbps']:.2f} GB/s, {r['steps_to_hit']} steps)  exact={r['byte_exact']}", flush=True)
+                print(
+                    f"rep {rep} {name:<14} cascade {r['cascade_gbps']:6.2f} GB/s  promote {r['promote_s'] * 1000:8.1f} ms "
+                    f"({r['promote_gbps']:.2f} GB/s, {r['steps_to_hit']} steps)  exact={r['byte_exact']}",
+                    flush=True,
+                )
     finally:
         for n in nodes:
             n.stop()
@@ -141,25 +155,41 @@ def main() -> None:
         summary[name]["byte_exact"] = all(r["byte_exact"] for r in rs)
     ratios = {
         other: {
-            "promote_speedup": statistics.median(o["promote_s"] / m["promote_s"] for o, m in zip(results[other], results["memkv"])),
-            "cascade_ratio": statistics.median(m["cascade_gbps"] / o["cascade_gbps"] for o, m in zip(results[other], results["memkv"])),
+            "promote_speedup": statistics.median(
+                o["promote_s"] / m["promote_s"] for o, m in zip(results[other], results["memkv"])
+            ),
+            "cascade_ratio": statistics.median(
+                m["cascade_gbps"] / o["cascade_gbps"] for o, m in zip(results[other], results["memkv"])
+            ),
         }
-        for other in tiers if other != "memkv"
+        for other in tiers
+        if other != "memkv"
     }
     result = {
-        "benchmark": "tier", "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "benchmark": "tier",
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "machine": f"{platform.node()} {platform.machine()} {os.cpu_count()} cpus, Python {platform.python_version()}",
-        "vllm": vllm.__version__, "rows": args.rows, "row_bytes": geometry.row_bytes, "threads": t, "reps": args.reps,
-        "runs": results, "summary": summary, "memkv_vs": ratios,
+        "vllm": vllm.__version__,
+        "rows": args.rows,
+        "row_bytes": geometry.row_bytes,
+        "threads": t,
+        "reps": args.reps,
+        "runs": results,
+        "summary": summary,
+        "memkv_vs": ratios,
     }
     OUT.mkdir(exist_ok=True)
     (OUT / "tier.json").write_text(json.dumps(result, indent=2))
-    print(f"\n{args.rows} rows x {format_size(geometry.row_bytes)}, vLLM {vllm.__version__}, {t} threads -- {result['machine']}")
+    print(
+        f"\n{args.rows} rows x {format_size(geometry.row_bytes)}, vLLM {vllm.__version__}, {t} threads -- {result['machine']}"
+    )
     print(f"{'tier':<14} {'cascade GB/s':>13} {'promote ms':>11} {'promote GB/s':>13}")
     for name, s in summary.items():
-        print(f"{name:<14} {s['cascade_gbps']:>13.2f} {s['promote_s']*1000:>11.1f} {s['promote_gbps']:>13.2f}")
+        print(f"{name:<14} {s['cascade_gbps']:>13.2f} {s['promote_s'] * 1000:>11.1f} {s['promote_gbps']:>13.2f}")
     for other, r in ratios.items():
-        print(f"memkv vs {other}: promotion {r['promote_speedup']:.2f}x faster, cascade {r['cascade_ratio']:.2f}x the throughput")
+        print(
+            f"memkv vs {other}: promotion {r['promote_speedup']:.2f}x faster, cascade {r['cascade_ratio']:.2f}x the throughput"
+        )
 
 
 if __name__ == "__main__":

@@ -117,7 +117,9 @@ def main() -> None:
         "rows": [],
     }
     print(f"# {result['machine']}, Python {result['python']}, {result['date']}")
-    print(f"{'threads':>7} {'rep':>3} {'tcp GB/s':>9} {'unix GB/s':>9} {'unix/tcp':>8} {'tcp CPU-s/GB':>12} {'unix CPU-s/GB':>13}")
+    print(
+        f"{'threads':>7} {'rep':>3} {'tcp GB/s':>9} {'unix GB/s':>9} {'unix/tcp':>8} {'tcp CPU-s/GB':>12} {'unix CPU-s/GB':>13}"
+    )
     for threads in [int(t) for t in args.threads.split(",")]:
         for rep in range(args.reps):
             order = ["tcp", "unix"] if rep % 2 == 0 else ["unix", "tcp"]

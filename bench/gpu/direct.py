@@ -66,14 +66,21 @@ def log(msg: str) -> None:
 
 def kv_transfer_config(spec: dict) -> dict:
     if spec["mode"] == "direct":
-        extra = {"spec_name": "MemKVOffloadingSpec", "spec_module_path": "memkv_vllm.direct",
-                 "block_size": BLOCK_TOKENS, "memkv": {"staging_mb": spec["staging_mb"], "prefix": "direct/",
-                                                     "load_guarantee": spec["load_guarantee"]}}
+        extra = {
+            "spec_name": "MemKVOffloadingSpec",
+            "spec_module_path": "memkv_vllm.direct",
+            "block_size": BLOCK_TOKENS,
+            "memkv": {"staging_mb": spec["staging_mb"], "prefix": "direct/", "load_guarantee": spec["load_guarantee"]},
+        }
         if spec.get("copy_scratch_mb") is not None:
             extra["memkv"]["copy_scratch_mb"] = spec["copy_scratch_mb"]
     else:
-        extra = {"spec_name": "TieringOffloadingSpec", "cpu_bytes_to_use": int(spec["cpu_gib"] * 2**30),
-                 "block_size": BLOCK_TOKENS, "secondary_tiers": [{"type": "memkv", "prefix": "tier/"}]}
+        extra = {
+            "spec_name": "TieringOffloadingSpec",
+            "cpu_bytes_to_use": int(spec["cpu_gib"] * 2**30),
+            "block_size": BLOCK_TOKENS,
+            "secondary_tiers": [{"type": "memkv", "prefix": "tier/"}],
+        }
     return {"kv_connector": "OffloadingConnector", "kv_role": "kv_both", "kv_connector_extra_config": extra}
 
 
@@ -133,16 +140,41 @@ def engine_child(spec: dict) -> int:
     model_dir = f"/tmp/ttft_model_{spec['shape']}"
     os.makedirs(model_dir, exist_ok=True)
     with open(os.path.join(model_dir, "config.json"), "w") as f:  # the same dummy as ttft.py
-        json.dump({"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", **shape,
-                   "max_position_embeddings": 131072, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
-                   "torch_dtype": "bfloat16", "tie_word_embeddings": False, "bos_token_id": 151643,
-                   "eos_token_id": 151643, "hidden_act": "silu", "max_window_layers": 64,
-                   "use_sliding_window": False, "sliding_window": None, "attention_dropout": 0.0,
-                   "initializer_range": 0.02, "use_cache": True}, f)
+        json.dump(
+            {
+                "architectures": ["Qwen2ForCausalLM"],
+                "model_type": "qwen2",
+                **shape,
+                "max_position_embeddings": 131072,
+                "rms_norm_eps": 1e-6,
+                "rope_theta": 1000000.0,
+                "torch_dtype": "bfloat16",
+                "tie_word_embeddings": False,
+                "bos_token_id": 151643,
+                "eos_token_id": 151643,
+                "hidden_act": "silu",
+                "max_window_layers": 64,
+                "use_sliding_window": False,
+                "sliding_window": None,
+                "attention_dropout": 0.0,
+                "initializer_range": 0.02,
+                "use_cache": True,
+            },
+            f,
+        )
     result["versions"] = {"vllm": vllm.__version__}
-    kw = dict(model=model_dir, load_format="dummy", skip_tokenizer_init=True, kv_transfer_config=kv_transfer_config(spec),
-              gpu_memory_utilization=spec["gpu_util"], max_model_len=max(spec["tokens"]) + 64,
-              enable_prefix_caching=True, enforce_eager=spec["eager"], seed=0, disable_log_stats=False)
+    kw = dict(
+        model=model_dir,
+        load_format="dummy",
+        skip_tokenizer_init=True,
+        kv_transfer_config=kv_transfer_config(spec),
+        gpu_memory_utilization=spec["gpu_util"],
+        max_model_len=max(spec["tokens"]) + 64,
+        enable_prefix_caching=True,
+        enforce_eager=spec["eager"],
+        seed=0,
+        disable_log_stats=False,
+    )
     if spec["tp"] > 1:
         kw["tensor_parallel_size"] = spec["tp"]
     t = time.perf_counter()
@@ -155,8 +187,10 @@ def engine_child(spec: dict) -> int:
         result["chunk_bytes"] = obj.layout.value_bytes * obj.layout.world_size
     else:
         result["pinned_bytes"] = int(spec["cpu_gib"] * 2**30)
-    log(f"[{spec['mode']}/{spec['role']}] engine up in {result['engine_init_s']:.1f} s, "
-        f"pinned host memory {result['pinned_bytes'] / 2**30:.2f} GiB")
+    log(
+        f"[{spec['mode']}/{spec['role']}] engine up in {result['engine_init_s']:.1f} s, "
+        f"pinned host memory {result['pinned_bytes'] / 2**30:.2f} GiB"
+    )
     sp = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False, logprobs=5)
 
     def settle() -> None:
@@ -174,17 +208,24 @@ def engine_child(spec: dict) -> int:
         seconds = time.perf_counter() - t0
         comp = out.outputs[0]
         lp = comp.logprobs[0] if comp.logprobs else {}
-        rec = {"phase": phase, "tokens": tokens, "seconds": seconds, "token_ids": list(comp.token_ids),
-               "top5": [[int(k), float(v.logprob)] for k, v in sorted(lp.items(), key=lambda kv: -kv[1].logprob)],
-               "counters": ttft.diff(totals(obj), before)}
+        rec = {
+            "phase": phase,
+            "tokens": tokens,
+            "seconds": seconds,
+            "token_ids": list(comp.token_ids),
+            "top5": [[int(k), float(v.logprob)] for k, v in sorted(lp.items(), key=lambda kv: -kv[1].logprob)],
+            "counters": ttft.diff(totals(obj), before),
+        }
         settle()
         rec["counters_after_settle"] = ttft.diff(totals(obj), before)
         loaded = sum(v for k, v in rec["counters_after_settle"].items() if "load_bytes" in k)
         chunk_bytes = result.get("chunk_bytes") or ttft_chunk_bytes(spec)
         rec["chunks_loaded"] = int(loaded // chunk_bytes)
         rec["prompt_chunks"] = tokens // BLOCK_TOKENS
-        log(f"[{spec['mode']}/{spec['role']}] {phase:<9} {tokens:>6} tok: {seconds:.3f} s  tok={rec['token_ids']} "
-            f"memkv_load={loaded / 2**30:.2f} GiB chunks={rec['chunks_loaded']}/{rec['prompt_chunks']}")
+        log(
+            f"[{spec['mode']}/{spec['role']}] {phase:<9} {tokens:>6} tok: {seconds:.3f} s  tok={rec['token_ids']} "
+            f"memkv_load={loaded / 2**30:.2f} GiB chunks={rec['chunks_loaded']}/{rec['prompt_chunks']}"
+        )
         result["runs"].append(rec)
         save()
 
@@ -214,9 +255,15 @@ def main() -> int:
     ap.add_argument("--modes", default="direct,tier")
     ap.add_argument("--tokens", default="8192,32768")
     ap.add_argument("--staging-mb", type=int, default=512, help="direct mode's staging_mb (default: the key's, 512)")
-    ap.add_argument("--copy-scratch-mb", type=int, default=None, help="direct mode's copy_scratch_mb (default: the key's)")
-    ap.add_argument("--load-guarantee", default="staged", choices=("leased", "staged"),
-                    help="direct mode's load_guarantee (default: the key's, staged)")
+    ap.add_argument(
+        "--copy-scratch-mb", type=int, default=None, help="direct mode's copy_scratch_mb (default: the key's)"
+    )
+    ap.add_argument(
+        "--load-guarantee",
+        default="staged",
+        choices=("leased", "staged"),
+        help="direct mode's load_guarantee (default: the key's, staged)",
+    )
     ap.add_argument("--cpu-gib", type=float, default=24.0)
     ap.add_argument("--nodes", type=int, default=4)
     ap.add_argument("--node-capacity", default="24GiB")
@@ -224,8 +271,11 @@ def main() -> int:
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--gpu-util", type=float, default=0.85)
     ap.add_argument("--eager", action="store_true")
-    ap.add_argument("--timing", action="store_true",
-                    help="print direct mode's per-job stage times (lookups, network, copies, slot waits)")
+    ap.add_argument(
+        "--timing",
+        action="store_true",
+        help="print direct mode's per-job stage times (lookups, network, copies, slot waits)",
+    )
     ap.add_argument("--child-timeout-s", type=float, default=1500)
     args = ap.parse_args()
     if args.engine_child:
@@ -234,24 +284,43 @@ def main() -> int:
 
     os.makedirs(args.out_dir, exist_ok=True)
     state = ttft.start_nodes(args.nodes, args.node_capacity, "64MiB", os.path.join(args.out_dir, "nodes"), [])
-    env = {**os.environ, "MEMKV_SERVERS": ",".join(n["address"] for n in state["nodes"]),
-           "MEMKV_AUTH_KEY": state["key"], "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-           "PYTHONHASHSEED": "0"}  # block hashes equal across engine processes (restart reuse)
+    env = {
+        **os.environ,
+        "MEMKV_SERVERS": ",".join(n["address"] for n in state["nodes"]),
+        "MEMKV_AUTH_KEY": state["key"],
+        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+        "PYTHONHASHSEED": "0",
+    }  # block hashes equal across engine processes (restart reuse)
     tokens = [int(t) for t in args.tokens.split(",")]
     engines = []
     try:
         for mode in args.modes.split(","):
             for role in ("main", "restart"):
-                spec = {"mode": mode, "role": role, "tokens": tokens, "staging_mb": args.staging_mb,
-                        "load_guarantee": args.load_guarantee, "copy_scratch_mb": args.copy_scratch_mb, "cpu_gib": args.cpu_gib, "shape": args.shape, "tp": args.tp, "gpu_util": args.gpu_util,
-                        "eager": args.eager, "timing": args.timing, "out": os.path.join(args.out_dir, f"{mode}-{role}.json")}
+                spec = {
+                    "mode": mode,
+                    "role": role,
+                    "tokens": tokens,
+                    "staging_mb": args.staging_mb,
+                    "load_guarantee": args.load_guarantee,
+                    "copy_scratch_mb": args.copy_scratch_mb,
+                    "cpu_gib": args.cpu_gib,
+                    "shape": args.shape,
+                    "tp": args.tp,
+                    "gpu_util": args.gpu_util,
+                    "eager": args.eager,
+                    "timing": args.timing,
+                    "out": os.path.join(args.out_dir, f"{mode}-{role}.json"),
+                }
                 with open(spec["out"] + ".spec", "w") as f:
                     json.dump(spec, f)
                 t = time.perf_counter()
                 before = set(glob.glob("/dev/shm/memkv_direct_*.staging"))
                 try:
-                    rc = subprocess.run([sys.executable, os.path.abspath(__file__), "--engine-child", spec["out"] + ".spec"],
-                                        env=env, timeout=args.child_timeout_s).returncode
+                    rc = subprocess.run(
+                        [sys.executable, os.path.abspath(__file__), "--engine-child", spec["out"] + ".spec"],
+                        env=env,
+                        timeout=args.child_timeout_s,
+                    ).returncode
                 except subprocess.TimeoutExpired:
                     rc = "timeout"
                 log(f"{mode}/{role}: exit {rc} after {time.perf_counter() - t:.0f} s")
@@ -269,23 +338,31 @@ def main() -> int:
     # Table and output agreement.
     bad = []
     outputs: dict[int, set] = {}
-    print(f"\n{'mode':<7} {'role':<8} {'tokens':>6} {'phase':<9} {'TTFT s':>8} {'MemKV GiB':>9} {'chunks':>11} "
-          f"{'pinned GiB':>10}")
+    print(
+        f"\n{'mode':<7} {'role':<8} {'tokens':>6} {'phase':<9} {'TTFT s':>8} {'MemKV GiB':>9} {'chunks':>11} "
+        f"{'pinned GiB':>10}"
+    )
     for e in engines:
         for r in e.get("runs", []):
             loaded = sum(v for k, v in r.get("counters_after_settle", r["counters"]).items() if "load_bytes" in k)
             chunks = f"{r.get('chunks_loaded', '?')}/{r.get('prompt_chunks', '?')}"
-            print(f"{e['mode']:<7} {e['role']:<8} {r['tokens']:>6} {r['phase']:<9} {r['seconds']:>8.3f} "
-                  f"{loaded / 2**30:>9.3f} {chunks:>11} {e.get('pinned_bytes', 0) / 2**30:>10.2f}")
+            print(
+                f"{e['mode']:<7} {e['role']:<8} {r['tokens']:>6} {r['phase']:<9} {r['seconds']:>8.3f} "
+                f"{loaded / 2**30:>9.3f} {chunks:>11} {e.get('pinned_bytes', 0) / 2**30:>10.2f}"
+            )
             outputs.setdefault(r["tokens"], set()).add(tuple(r["token_ids"]))
             # A chunk-aligned prompt may recompute its last chunk (vLLM computes the last token itself).
             # Staged direct mode with a region smaller than the prompt reuses what the region holds (expected).
             sp = e.get("spec", {})
-            capped = (e["mode"] == "direct" and sp.get("load_guarantee") == "staged"
-                      and r.get("prompt_chunks", 0) * e.get("chunk_bytes", 0) > sp.get("staging_mb", 0) * 2**20)
+            capped = (
+                e["mode"] == "direct"
+                and sp.get("load_guarantee") == "staged"
+                and r.get("prompt_chunks", 0) * e.get("chunk_bytes", 0) > sp.get("staging_mb", 0) * 2**20
+            )
             if r["phase"] != "recompute" and not capped and r.get("chunks_loaded", 0) < r.get("prompt_chunks", 0) - 1:
-                bad.append(f"{e['mode']}/{e['role']} {r['tokens']} tokens: reused {chunks} chunks, not the whole "
-                           f"prompt")
+                bad.append(
+                    f"{e['mode']}/{e['role']} {r['tokens']} tokens: reused {chunks} chunks, not the whole prompt"
+                )
         bad += [f"{e['mode']}/{e['role']}: {err[:300]}" for err in e.get("errors", [])]
     for tok, outs in outputs.items():
         if len(outs) != 1:

@@ -57,8 +57,15 @@ import ttft  # noqa: E402  (nodes, prompts, model dir, node counters, entry poin
 from ttft import BLOCK_TOKENS, log  # noqa: E402
 
 REPO = ttft.REPO
-SERVER_SERIES = ("vllm:kv_offload", "vllm:prefix_cache", "vllm:external_prefix_cache", "vllm:time_to_first_token",
-                 "vllm:num_requests", "vllm:request_success", "vllm:prompt_tokens")
+SERVER_SERIES = (
+    "vllm:kv_offload",
+    "vllm:prefix_cache",
+    "vllm:external_prefix_cache",
+    "vllm:time_to_first_token",
+    "vllm:num_requests",
+    "vllm:request_success",
+    "vllm:prompt_tokens",
+)
 
 
 def readme_kv_config(path: str) -> str:
@@ -94,12 +101,17 @@ def server_metrics(port: int) -> dict:
 
 
 def metric_diff(after: dict, before: dict) -> dict:
-    return {k: v - before.get(k, 0.0) for k, v in after.items()
-            if isinstance(v, float) and v - before.get(k, 0.0) and not k.endswith("_created")}
+    return {
+        k: v - before.get(k, 0.0)
+        for k, v in after.items()
+        if isinstance(v, float) and v - before.get(k, 0.0) and not k.endswith("_created")
+    }
 
 
 def server_load_bytes(m: dict) -> float:
-    return sum(v for k, v in m.items() if k.startswith("vllm:kv_offload_memkv_load_bytes") and not k.endswith("_created"))
+    return sum(
+        v for k, v in m.items() if k.startswith("vllm:kv_offload_memkv_load_bytes") and not k.endswith("_created")
+    )
 
 
 def free_port() -> int:
@@ -119,10 +131,11 @@ class Server:
 
     def start(self, timeout_s: float) -> float:
         self.shm_before = set(glob.glob("/dev/shm/vllm_offload_*"))
-        f = open(self.log_path, "w")
-        t0 = time.monotonic()
-        self.proc = subprocess.Popen(self.argv, stdout=f, stderr=subprocess.STDOUT, env=self.env, start_new_session=True)
-        f.close()
+        with open(self.log_path, "w") as f:  # the child keeps its own copy of the descriptor
+            t0 = time.monotonic()
+            self.proc = subprocess.Popen(
+                self.argv, stdout=f, stderr=subprocess.STDOUT, env=self.env, start_new_session=True
+            )
         while True:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"server exited with {self.proc.returncode} before /health answered:\n{self.tail()}")
@@ -214,8 +227,12 @@ def stream_completion(port: int, body: dict, timeout_s: float) -> dict:
     t0 = time.perf_counter()
     out: dict = {"chunks": 0, "token_ids": [], "text": "", "top5": None, "usage": None, "finish_reason": None}
     try:
-        conn.request("POST", "/v1/completions", body=data, headers={"Content-Type": "application/json",
-                                                                     "Accept": "text/event-stream"})
+        conn.request(
+            "POST",
+            "/v1/completions",
+            body=data,
+            headers={"Content-Type": "application/json", "Accept": "text/event-stream"},
+        )
         resp = conn.getresponse()
         out["status"] = resp.status
         if resp.status != 200:
@@ -266,21 +283,34 @@ def main() -> int:
     ap.add_argument("--tokens", default="8192,16384,32768")
     ap.add_argument("--reps", type=int, default=1, help="prompts per length (distinct prompts)")
     ap.add_argument("--shape", default="32b", choices=sorted(ttft.SHAPES))
-    ap.add_argument("--readme", default=os.path.join(REPO, "README.md"), help="where the --kv-transfer-config comes from")
-    ap.add_argument("--cpu-bytes", type=int, default=None,
-                    help="replace README's cpu_bytes_to_use (the only change made to its JSON; recorded)")
+    ap.add_argument(
+        "--readme", default=os.path.join(REPO, "README.md"), help="where the --kv-transfer-config comes from"
+    )
+    ap.add_argument(
+        "--cpu-bytes",
+        type=int,
+        default=None,
+        help="replace README's cpu_bytes_to_use (the only change made to its JSON; recorded)",
+    )
     ap.add_argument("--restarts", type=int, default=1, help="servers started after the first one, same nodes")
     ap.add_argument("--nodes", type=int, default=4)
     ap.add_argument("--node-capacity", default="20GiB")
     ap.add_argument("--max-value-size", default="64MiB")
     ap.add_argument("--pool-size", type=int, default=16, help="client connections per node (MEMKV_CONFIG pool_size)")
     ap.add_argument("--gpu-util", type=float, default=0.88)
-    ap.add_argument("--block-bytes", type=int, default=None,
-                    help="bytes of one 64-token block (default: from --shape, 16 MiB for 32b; the dry run's stand-in differs)")
+    ap.add_argument(
+        "--block-bytes",
+        type=int,
+        default=None,
+        help="bytes of one 64-token block (default: from --shape, 16 MiB for 32b; the dry run's stand-in differs)",
+    )
     ap.add_argument("--port", type=int, default=0, help="0: a free port")
     ap.add_argument("--logprobs", type=int, default=5, help="top logprobs to compare (0: none)")
-    ap.add_argument("--server-cmd", default="{python} -m vllm.entrypoints.cli.main serve",
-                    help="the server command before its arguments ({python}: this interpreter); the dry run uses a stand-in")
+    ap.add_argument(
+        "--server-cmd",
+        default="{python} -m vllm.entrypoints.cli.main serve",
+        help="the server command before its arguments ({python}: this interpreter); the dry run uses a stand-in",
+    )
     ap.add_argument("--extra-server-args", default="", help="more `vllm serve` arguments")
     ap.add_argument("--server-start-s", type=float, default=300.0, help="bound on one server start (to /health)")
     ap.add_argument("--request-timeout-s", type=float, default=120.0)
@@ -300,22 +330,43 @@ def main() -> int:
 
     raw = readme_kv_config(args.readme)
     kvc = json.loads(raw)
-    kv_arg = raw if args.cpu_bytes is None else json.dumps({**kvc, "kv_connector_extra_config": {
-        **kvc["kv_connector_extra_config"], "cpu_bytes_to_use": args.cpu_bytes}})
+    kv_arg = (
+        raw
+        if args.cpu_bytes is None
+        else json.dumps(
+            {
+                **kvc,
+                "kv_connector_extra_config": {**kvc["kv_connector_extra_config"], "cpu_bytes_to_use": args.cpu_bytes},
+            }
+        )
+    )
     extra = json.loads(kv_arg)["kv_connector_extra_config"]
     pool = int(extra.get("cpu_bytes_to_use", 0))
-    log(f"--kv-transfer-config from {os.path.relpath(args.readme, REPO)}"
-        f"{'' if args.cpu_bytes is None else f' (cpu_bytes_to_use replaced by {args.cpu_bytes})'}: {' '.join(kv_arg.split())}")
+    log(
+        f"--kv-transfer-config from {os.path.relpath(args.readme, REPO)}"
+        f"{'' if args.cpu_bytes is None else f' (cpu_bytes_to_use replaced by {args.cpu_bytes})'}: {' '.join(kv_arg.split())}"
+    )
     for L in tokens:
         kv = (L // BLOCK_TOKENS) * block_bytes
         if pool and kv > pool // 2:
-            log(f"WARNING: a {L}-token prompt is {kv / 2**30:.1f} GiB of KV, more than half of cpu_bytes_to_use "
-                f"({pool / 2**30:.1f} GiB): the tier may shed it by design (see --cpu-bytes)")
+            log(
+                f"WARNING: a {L}-token prompt is {kv / 2**30:.1f} GiB of KV, more than half of cpu_bytes_to_use "
+                f"({pool / 2**30:.1f} GiB): the tier may shed it by design (see --cpu-bytes)"
+            )
 
-    doc: dict = {"meta": {"host": ttft.host_info(), "args": vars(args), "readme_kv_transfer_config": raw,
-                          "kv_transfer_config_used": kv_arg, "readme_verbatim": args.cpu_bytes is None,
-                          "block_bytes": block_bytes},
-                 "servers": [], "prompts": [], "errors": []}
+    doc: dict = {
+        "meta": {
+            "host": ttft.host_info(),
+            "args": vars(args),
+            "readme_kv_transfer_config": raw,
+            "kv_transfer_config_used": kv_arg,
+            "readme_verbatim": args.cpu_bytes is None,
+            "block_bytes": block_bytes,
+        },
+        "servers": [],
+        "prompts": [],
+        "errors": [],
+    }
     out_json = os.path.join(args.out_dir, "serve.json")
 
     def save() -> None:
@@ -323,7 +374,9 @@ def main() -> int:
         with open(out_json, "w") as f:
             json.dump(doc, f, indent=1)
 
-    state = ttft.start_nodes(args.nodes, args.node_capacity, args.max_value_size, os.path.join(args.state_dir, "nodes"), [])
+    state = ttft.start_nodes(
+        args.nodes, args.node_capacity, args.max_value_size, os.path.join(args.state_dir, "nodes"), []
+    )
     ports = [n["admin"] for n in state["nodes"]]
     cfg_path = os.path.join(args.state_dir, "client.yaml")
     with open(cfg_path, "w") as f:
@@ -331,24 +384,58 @@ def main() -> int:
     ep_dir = ttft.write_entry_point(os.path.join(args.state_dir, "entry-point"))
     model_dir = ttft.write_model_dir(args.shape, f"/tmp/serve_model_{args.shape}")
     env = {k: v for k, v in os.environ.items() if k != "VLLM_ENABLE_V1_MULTIPROCESSING"}  # vLLM's own layout
-    env.update(PYTHONHASHSEED="0", VLLM_USE_FLASHINFER_SAMPLER="0", VLLM_NO_USAGE_STATS="1", PYTHONUNBUFFERED="1",
-               TOKENIZERS_PARALLELISM="false", MEMKV_SERVERS=",".join(n["address"] for n in state["nodes"]),
-               MEMKV_AUTH_KEY=state["key"], MEMKV_CONFIG=cfg_path,
-               PYTHONPATH=os.pathsep.join(filter(None, [ep_dir, os.environ.get("PYTHONPATH")])))
+    env.update(
+        PYTHONHASHSEED="0",
+        VLLM_USE_FLASHINFER_SAMPLER="0",
+        VLLM_NO_USAGE_STATS="1",
+        PYTHONUNBUFFERED="1",
+        TOKENIZERS_PARALLELISM="false",
+        MEMKV_SERVERS=",".join(n["address"] for n in state["nodes"]),
+        MEMKV_AUTH_KEY=state["key"],
+        MEMKV_CONFIG=cfg_path,
+        PYTHONPATH=os.pathsep.join(filter(None, [ep_dir, os.environ.get("PYTHONPATH")])),
+    )
     port = args.port or free_port()
     served = "memkv-bench"
-    argv = [*shlex.split(args.server_cmd.format(python=sys.executable)), model_dir, "--kv-transfer-config", kv_arg,
-            "--load-format", "dummy", "--skip-tokenizer-init", "--enforce-eager",
-            "--max-model-len", str(max(tokens) + 64), "--gpu-memory-utilization", str(args.gpu_util),
-            "--seed", "0", "--host", "127.0.0.1", "--port", str(port), "--served-model-name", served,
-            "--enable-prompt-tokens-details", "--disable-uvicorn-access-log", *shlex.split(args.extra_server_args)]
+    argv = [
+        *shlex.split(args.server_cmd.format(python=sys.executable)),
+        model_dir,
+        "--kv-transfer-config",
+        kv_arg,
+        "--load-format",
+        "dummy",
+        "--skip-tokenizer-init",
+        "--enforce-eager",
+        "--max-model-len",
+        str(max(tokens) + 64),
+        "--gpu-memory-utilization",
+        str(args.gpu_util),
+        "--seed",
+        "0",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--served-model-name",
+        served,
+        "--enable-prompt-tokens-details",
+        "--disable-uvicorn-access-log",
+        *shlex.split(args.extra_server_args),
+    ]
     doc["meta"]["server_argv"] = argv
     doc["meta"]["memkv_nodes"] = [n["address"] for n in state["nodes"]]
     log("server: PYTHONHASHSEED=0 " + " ".join(shlex.quote(a) for a in argv))
 
     def body(ids: list[int]) -> dict:
-        b = {"model": served, "prompt": ids, "max_tokens": 1, "temperature": 0, "stream": True,
-             "stream_options": {"include_usage": True}, "return_token_ids": True}
+        b = {
+            "model": served,
+            "prompt": ids,
+            "max_tokens": 1,
+            "temperature": 0,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+            "return_token_ids": True,
+        }
         if args.logprobs:
             b.update(logprobs=args.logprobs, return_tokens_as_token_ids=True)
         return b
@@ -398,18 +485,38 @@ def main() -> int:
                     m0, n0 = server_metrics(port), ttft.node_counters(ports)
                     r = stream_completion(port, body(ids), args.request_timeout_s)
                     n1 = ttft.node_counters(ports)
-                    rec = {"server": role, "tokens": L, "rep": rep, "prompt_kv_bytes": expected,
-                           "phase": "cold" if s_idx == 0 else "after_restart",
-                           **{k: r.get(k) for k in ("ttft_s", "total_s", "token_ids", "text", "top5", "usage",
-                                                    "finish_reason", "chunks", "status", "error")}}
+                    rec = {
+                        "server": role,
+                        "tokens": L,
+                        "rep": rep,
+                        "prompt_kv_bytes": expected,
+                        "phase": "cold" if s_idx == 0 else "after_restart",
+                        **{
+                            k: r.get(k)
+                            for k in (
+                                "ttft_s",
+                                "total_s",
+                                "token_ids",
+                                "text",
+                                "top5",
+                                "usage",
+                                "finish_reason",
+                                "chunks",
+                                "status",
+                                "error",
+                            )
+                        },
+                    }
                     nd = ttft.node_delta(n1, n0)
                     if s_idx == 0:
                         # Cold: wait (bounded) until the cascade put the prompt's blocks on the nodes.
                         d, waited, reached = ttft.wait_nodes(ports, n0, "received", expected, args.store_wait_s)
                         rec["store_wait"] = {"received": d["received"], "seconds": round(waited, 3), "reached": reached}
                         if not reached:
-                            failures.append(f"STORE {role} {L} tok rep{rep}: nodes received {d['received'] / 2**30:.3f} "
-                                            f"of {expected / 2**30:.3f} GiB in {waited:.1f} s")
+                            failures.append(
+                                f"STORE {role} {L} tok rep{rep}: nodes received {d['received'] / 2**30:.3f} "
+                                f"of {expected / 2**30:.3f} GiB in {waited:.1f} s"
+                            )
                     elif nd["sent"] < expected and not nd["errors"]:
                         nd, _, _ = ttft.wait_nodes(ports, n0, "sent", expected, 2.0, quiet_s=1.0)
                     rec["nodes"] = nd
@@ -431,18 +538,24 @@ def main() -> int:
                         rec["origin_ok"] = nd["sent"] >= expected and not nd["errors"]
                         rec["server_metric_ok"] = rec["server_memkv_load_bytes"] >= expected
                         if not rec["origin_ok"]:
-                            failures.append(f"ORIGIN {role} {L} tok rep{rep}: nodes sent {nd['sent'] / 2**30:.3f} GiB of "
-                                            f"{expected / 2**30:.3f} GiB; node errors {nd['errors']}")
+                            failures.append(
+                                f"ORIGIN {role} {L} tok rep{rep}: nodes sent {nd['sent'] / 2**30:.3f} GiB of "
+                                f"{expected / 2**30:.3f} GiB; node errors {nd['errors']}"
+                            )
                         if not rec["server_metric_ok"]:
-                            failures.append(f"SERVER METRIC {role} {L} tok rep{rep}: vllm:kv_offload_memkv_load_bytes "
-                                            f"grew by {rec['server_memkv_load_bytes'] / 2**30:.3f} GiB, prompt KV "
-                                            f"{expected / 2**30:.3f} GiB")
+                            failures.append(
+                                f"SERVER METRIC {role} {L} tok rep{rep}: vllm:kv_offload_memkv_load_bytes "
+                                f"grew by {rec['server_memkv_load_bytes'] / 2**30:.3f} GiB, prompt KV "
+                                f"{expected / 2**30:.3f} GiB"
+                            )
                     doc["prompts"].append(rec)
                     cached = (r.get("usage") or {}).get("prompt_tokens_details") or {}
-                    log(f"[{role}] {L:>6} tok rep{rep}: TTFT {r.get('ttft_s', float('nan')):.3f} s  tok={r.get('token_ids')} "
+                    log(
+                        f"[{role}] {L:>6} tok rep{rep}: TTFT {r.get('ttft_s', float('nan')):.3f} s  tok={r.get('token_ids')} "
                         f"cached={cached.get('cached_tokens')} nodes_sent={nd['sent'] / 2**30:.2f} GiB "
                         f"server_memkv_load={rec['server_memkv_load_bytes'] / 2**30:.2f} GiB of {expected / 2**30:.2f}"
-                        + (f"  ERROR {r['error'][:200]}" if r.get("error") else ""))
+                        + (f"  ERROR {r['error'][:200]}" if r.get("error") else "")
+                    )
                     save()
             srec["final_metrics"] = server_metrics(port)
             srec["stop"] = server.stop()
@@ -486,20 +599,29 @@ def main() -> int:
     save()
 
     print()
-    print("| tokens | KV bytes | cold TTFT | TTFT after restart | MemKV bytes served (nodes) | "
-          "vllm:kv_offload_memkv_load_bytes | cached tokens | output |")
+    print(
+        "| tokens | KV bytes | cold TTFT | TTFT after restart | MemKV bytes served (nodes) | "
+        "vllm:kv_offload_memkv_load_bytes | cached tokens | output |"
+    )
     print("|---:|---:|---|---|---|---|---|---|")
-    for (L, rep), ps in sorted(by.items()):
+    for (L, _rep), ps in sorted(by.items()):
         cold = [p for p in ps if p["phase"] == "cold"]
         rs = [p for p in ps if p["phase"] != "cold"]
 
         def f(x):
-            return " / ".join(f"{p['ttft_s']:.3f}" if p.get("ttft_s") is not None else "-" for p in x) + " s" if x else "-"
+            return (
+                " / ".join(f"{p['ttft_s']:.3f}" if p.get("ttft_s") is not None else "-" for p in x) + " s" if x else "-"
+            )
+
         served_b = " / ".join(f"{p['memkv_sent_bytes'] / 2**30:.2f}" for p in rs) + " GiB" if rs else "-"
         srv_b = " / ".join(f"{p['server_memkv_load_bytes'] / 2**30:.2f}" for p in rs) + " GiB" if rs else "-"
-        cached = " / ".join(str(((p.get("usage") or {}).get("prompt_tokens_details") or {}).get("cached_tokens")) for p in ps)
+        cached = " / ".join(
+            str(((p.get("usage") or {}).get("prompt_tokens_details") or {}).get("cached_tokens")) for p in ps
+        )
         same = "identical" if len({json.dumps(p["token_ids"]) for p in ps}) == 1 else "DIFFERS"
-        print(f"| {L:,} | {ps[0]['prompt_kv_bytes'] / 2**30:.2f} GiB | {f(cold)} | {f(rs)} | {served_b} | {srv_b} | {cached} | {same} |")
+        print(
+            f"| {L:,} | {ps[0]['prompt_kv_bytes'] / 2**30:.2f} GiB | {f(cold)} | {f(rs)} | {served_b} | {srv_b} | {cached} | {same} |"
+        )
     if failures:
         print("\nFAILURES:")
         for x in failures:

@@ -279,7 +279,10 @@ def timeline(evs: list[tuple], t0: float, t1: float) -> dict:
     if len(usage) >= 2:  # the engine core's own counters from the first submit to the last load done
         a, b = usage[0], usage[-1]
         out["engine_core_during_load"] = {
-            "minflt": b[2] - a[2], "majflt": b[3] - a[3], "nvcsw": b[4] - a[4], "nivcsw": b[5] - a[5],
+            "minflt": b[2] - a[2],
+            "majflt": b[3] - a[3],
+            "nvcsw": b[4] - a[4],
+            "nivcsw": b[5] - a[5],
             "cpu_s": round(b[6] - a[6], 4),
         }
     phases = [e for e in evs if e[1] == "phase" and e[0] <= t1 + 1e-3]
@@ -333,7 +336,7 @@ def install_plugin() -> None:
     if getattr(MemKVSecondaryTierManager, "_ttft_probed", False):
         return
     lock = threading.Lock()
-    out = open(path, "a", buffering=1)
+    out = open(path, "a", buffering=1)  # noqa: SIM115 (held open for the process's lifetime: the sink writes to it)
 
     def sink(rec: tuple) -> None:
         with lock:

@@ -52,7 +52,9 @@ def main() -> int:
     ap.add_argument("--out-dir", default=os.environ.get("OUT", "bench/out"))
     ap.add_argument("--variants", default="8x8,16x8", help="xfer.py threads x blocks_per_op")
     ap.add_argument("--reps", type=int, default=3)
-    ap.add_argument("--values", type=int, default=512, help="xfer.py: 16 MiB values per run (512 = 8 GiB, a 32k prompt)")
+    ap.add_argument(
+        "--values", type=int, default=512, help="xfer.py: 16 MiB values per run (512 = 8 GiB, a 32k prompt)"
+    )
     ap.add_argument("--tokens", default="32768,65536")
     ap.add_argument("--engine-reps", type=int, default=2)
     ap.add_argument("--skip-engines", action="store_true")
@@ -64,9 +66,29 @@ def main() -> int:
     xfer_rows = []
     for tag, transport, extra in XFER:
         env = {**base, **(RDMA_ENV if transport == "rdma" else {"MEMKV_TRANSPORT": "tcp"}), **extra}
-        rc = run([sys.executable, os.path.join(HERE, "xfer.py"), "--transport", transport, "--tag", tag, "--variants",
-                  args.variants, "--reps", str(args.reps), "--values", str(args.values), "--out-dir", args.out_dir, "--state-dir", f"/tmp/xfer-{tag}"],
-                 env, os.path.join(args.out_dir, f"xfer-{tag}.log"), min(120.0, deadline - time.time()))
+        rc = run(
+            [
+                sys.executable,
+                os.path.join(HERE, "xfer.py"),
+                "--transport",
+                transport,
+                "--tag",
+                tag,
+                "--variants",
+                args.variants,
+                "--reps",
+                str(args.reps),
+                "--values",
+                str(args.values),
+                "--out-dir",
+                args.out_dir,
+                "--state-dir",
+                f"/tmp/xfer-{tag}",
+            ],
+            env,
+            os.path.join(args.out_dir, f"xfer-{tag}.log"),
+            min(120.0, deadline - time.time()),
+        )
         try:
             with open(os.path.join(args.out_dir, f"xfer-{transport}-{tag}.json")) as f:
                 res = json.load(f)
@@ -78,11 +100,15 @@ def main() -> int:
             xfer_rows.append((tag, f"FAILED rc={rc} (see xfer-{tag}.log)", None, []))
         print(f"xfer {tag}: rc={rc}", flush=True)
     tcp_rate = {v: g for t, v, g, _ in xfer_rows if t == "tcp"}
-    print(f"\n| {args.values} x 16 MiB MemKV -> pinned memory, outside vLLM | variant | GB/s (median) | x TCP | seconds |")
+    print(
+        f"\n| {args.values} x 16 MiB MemKV -> pinned memory, outside vLLM | variant | GB/s (median) | x TCP | seconds |"
+    )
     print("|---|---|---:|---:|---|")
     for tag, var, g, secs in xfer_rows:
         ratio = f"{g / tcp_rate[var]:.2f}x" if g and tcp_rate.get(var) else "-"
-        print(f"| {tag} | {var} | {'-' if g is None else f'{g:.1f}'} | {ratio} | {' / '.join(f'{x:.3f}' for x in secs)} |")
+        print(
+            f"| {tag} | {var} | {'-' if g is None else f'{g:.1f}'} | {ratio} | {' / '.join(f'{x:.3f}' for x in secs)} |"
+        )
 
     if args.skip_engines:
         return 0
@@ -93,16 +119,36 @@ def main() -> int:
             print(f"engine {label}: skipped, {left:.0f} s left")
             continue
         out = os.path.join(args.out_dir, f"engine-{label}")
-        rc = run([sys.executable, os.path.join(HERE, "ttft.py"), "--phases", "main", "--tokens", args.tokens, "--reps",
-                  str(args.engine_reps), "--budget-s", str(int(left - 10)), "--out-dir", out,
-                  "--state-dir", f"/tmp/ttft-{label}"], {**base, **env_extra}, out + ".log", left)
+        rc = run(
+            [
+                sys.executable,
+                os.path.join(HERE, "ttft.py"),
+                "--phases",
+                "main",
+                "--tokens",
+                args.tokens,
+                "--reps",
+                str(args.engine_reps),
+                "--budget-s",
+                str(int(left - 10)),
+                "--out-dir",
+                out,
+                "--state-dir",
+                f"/tmp/ttft-{label}",
+            ],
+            {**base, **env_extra},
+            out + ".log",
+            left,
+        )
         try:
             with open(os.path.join(out, "ttft-main.json")) as f:
                 engines[label] = json.load(f)
         except (OSError, ValueError):
             engines[label] = None
         print(f"engine {label}: rc={rc}", flush=True)
-    print("\n| transport | tokens | recompute s | CPU-pool hit s | MemKV promotion s | MemKV -> pool s | x CPU-pool hit | served whole | node requests GET / RDMA_GET |")
+    print(
+        "\n| transport | tokens | recompute s | CPU-pool hit s | MemKV promotion s | MemKV -> pool s | x CPU-pool hit | served whole | node requests GET / RDMA_GET |"
+    )
     print("|---|---:|---|---|---|---|---:|---|---|")
     for label, doc in engines.items():
         if not doc:
@@ -112,15 +158,30 @@ def main() -> int:
         for row in doc["rows"]:
             L = row["tokens"]
             mine = [b for b in bd if b["tokens"] == L and b["phase"] == "memkv"]
-            pool = " / ".join(f"{b['memkv_to_pool_s']:.3f}" for b in mine if b.get("memkv_to_pool_s") is not None) or "-"
-            ratio = f"{statistics.median(row['memkv']) / statistics.median(row['cpu_hit']):.2f}x" if row.get("memkv") and row.get("cpu_hit") else "-"
+            pool = (
+                " / ".join(f"{b['memkv_to_pool_s']:.3f}" for b in mine if b.get("memkv_to_pool_s") is not None) or "-"
+            )
+            ratio = (
+                f"{statistics.median(row['memkv']) / statistics.median(row['cpu_hit']):.2f}x"
+                if row.get("memkv") and row.get("cpu_hit")
+                else "-"
+            )
             fmt = lambda v: " / ".join(f"{x:.3f}" for x in v) if v else "-"  # noqa: E731
             whole = "yes" if not doc.get("origin_errors") else "NO"
-            runs = [r for e in doc["engines"].values() for r in e.get("runs", []) if r["phase"] == "memkv" and r["tokens"] == L]
-            reqs = (f"{sum(r.get('nodes', {}).get('get_requests', 0) for r in runs):.0f} / "
-                    f"{sum(r.get('nodes', {}).get('rdma_get_requests', 0) for r in runs):.0f}")
-            print(f"| {label} | {L:,} | {fmt(row.get('recompute'))} | {fmt(row.get('cpu_hit'))} | {fmt(row.get('memkv'))} | "
-                  f"{pool} | {ratio} | {whole} | {reqs} |")
+            runs = [
+                r
+                for e in doc["engines"].values()
+                for r in e.get("runs", [])
+                if r["phase"] == "memkv" and r["tokens"] == L
+            ]
+            reqs = (
+                f"{sum(r.get('nodes', {}).get('get_requests', 0) for r in runs):.0f} / "
+                f"{sum(r.get('nodes', {}).get('rdma_get_requests', 0) for r in runs):.0f}"
+            )
+            print(
+                f"| {label} | {L:,} | {fmt(row.get('recompute'))} | {fmt(row.get('cpu_hit'))} | {fmt(row.get('memkv'))} | "
+                f"{pool} | {ratio} | {whole} | {reqs} |"
+            )
     return 0
 
 

@@ -84,11 +84,23 @@ READY_RE = re.compile(r"memkv node listening on (\S+):(\d+) \(admin (\S+):(\d+)\
 
 SHAPES = {
     # Qwen2.5-32B dimensions (vocab included); max_position_embeddings raised for 64k prompts.
-    "32b": dict(hidden_size=5120, intermediate_size=27648, num_hidden_layers=64, num_attention_heads=40,
-                num_key_value_heads=8, vocab_size=152064),
+    "32b": dict(
+        hidden_size=5120,
+        intermediate_size=27648,
+        num_hidden_layers=64,
+        num_attention_heads=40,
+        num_key_value_heads=8,
+        vocab_size=152064,
+    ),
     # A toy for smoke tests of this script (8 layers: prefill too cheap to show anything).
-    "toy": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=8, num_attention_heads=16,
-                num_key_value_heads=4, vocab_size=32000),
+    "toy": dict(
+        hidden_size=2048,
+        intermediate_size=8192,
+        num_hidden_layers=8,
+        num_attention_heads=16,
+        num_key_value_heads=4,
+        vocab_size=32000,
+    ),
 }
 
 
@@ -100,6 +112,7 @@ def log(msg: str) -> None:
 # MemKV nodes (detached processes, so a later invocation can reuse them with --reuse-nodes)
 # =================================================================================================
 
+
 def start_nodes(n: int, capacity: str, max_value: str, state_dir: str, extra: list[str]) -> dict:
     os.makedirs(state_dir, exist_ok=True)
     key = os.urandom(32).hex()
@@ -107,20 +120,37 @@ def start_nodes(n: int, capacity: str, max_value: str, state_dir: str, extra: li
     procs = []
     for i in range(n):
         path = os.path.join(state_dir, f"node{i}.log")
-        f = open(path, "w")
-        cmd = [sys.executable, "-m", "memkv", "serve", "--listen", "127.0.0.1:0", "--admin-port", "0",
-               "--capacity", capacity, "--max-value-size", max_value, "--node-id", f"bench{i}", *extra]
-        p = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-        f.close()
+        with open(path, "w") as f:  # the child keeps its own copy of the descriptor
+            cmd = [
+                sys.executable,
+                "-m",
+                "memkv",
+                "serve",
+                "--listen",
+                "127.0.0.1:0",
+                "--admin-port",
+                "0",
+                "--capacity",
+                capacity,
+                "--max-value-size",
+                max_value,
+                "--node-id",
+                f"bench{i}",
+                *extra,
+            ]
+            p = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         procs.append((p, path))
     nodes = []
     deadline = time.monotonic() + 60
     for p, path in procs:
         while True:
-            text = open(path).read()
+            with open(path) as lf:
+                text = lf.read()
             m = READY_RE.search(text)
             if m:
-                nodes.append({"pid": p.pid, "address": f"{m.group(1)}:{m.group(2)}", "admin": int(m.group(4)), "log": path})
+                nodes.append(
+                    {"pid": p.pid, "address": f"{m.group(1)}:{m.group(2)}", "admin": int(m.group(4)), "log": path}
+                )
                 break
             if p.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError(f"memkv node did not start:\n{text[-3000:]}")
@@ -171,7 +201,7 @@ def node_status(state: dict) -> list:
 # engine here; --tier-json / the tuning flags replace or extend it explicitly.
 README_TIER = {"type": "memkv", "n_read_threads": 8, "n_write_threads": 8}
 
-_PROM_LINE = re.compile(r'^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+(\S+)')
+_PROM_LINE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+(\S+)")
 
 
 def parse_prom(text: str, keep=lambda name: True) -> dict:
@@ -190,18 +220,34 @@ def parse_prom(text: str, keep=lambda name: True) -> dict:
     return out
 
 
-NODE_SERIES = ("memkv_node_sent_bytes_total", "memkv_node_received_bytes_total", "memkv_node_keys_total",
-               "memkv_node_stored_bytes", "memkv_node_values", "memkv_node_requests_total",
-               "process_cpu_seconds_total")
+NODE_SERIES = (
+    "memkv_node_sent_bytes_total",
+    "memkv_node_received_bytes_total",
+    "memkv_node_keys_total",
+    "memkv_node_stored_bytes",
+    "memkv_node_values",
+    "memkv_node_requests_total",
+    "process_cpu_seconds_total",
+)
 
 
 def node_counters(admin_ports: list, host: str = "127.0.0.1", timeout_s: float = 3.0) -> dict:
     """The nodes' own counters from each admin /v1/metrics, summed: sent (GET value bytes),
     received (PUT value bytes), get_ok / get_miss keys, stored bytes. `errors` lists the nodes
     that did not answer (then the sums are incomplete and an origin check must fail)."""
-    tot = {"sent": 0.0, "received": 0.0, "get_ok": 0.0, "get_miss": 0.0, "stored": 0.0, "values": 0.0,
-           "get_requests": 0.0, "rdma_get_requests": 0.0, "cpu_s": 0.0,
-           "per_node_sent": [], "errors": []}
+    tot = {
+        "sent": 0.0,
+        "received": 0.0,
+        "get_ok": 0.0,
+        "get_miss": 0.0,
+        "stored": 0.0,
+        "values": 0.0,
+        "get_requests": 0.0,
+        "rdma_get_requests": 0.0,
+        "cpu_s": 0.0,
+        "per_node_sent": [],
+        "errors": [],
+    }
     for port in admin_ports:
         try:
             with urllib.request.urlopen(f"http://{host}:{port}/v1/metrics", timeout=timeout_s) as r:
@@ -225,16 +271,21 @@ def node_counters(admin_ports: list, host: str = "127.0.0.1", timeout_s: float =
 
 
 def node_delta(after: dict, before: dict) -> dict:
-    d = {k: after[k] - before.get(k, 0.0) for k in ("sent", "received", "get_ok", "get_miss", "get_requests", "rdma_get_requests", "cpu_s")}
+    d = {
+        k: after[k] - before.get(k, 0.0)
+        for k in ("sent", "received", "get_ok", "get_miss", "get_requests", "rdma_get_requests", "cpu_s")
+    }
     d["stored_after"] = after["stored"]
-    d["per_node_sent"] = [None if a is None or b is None else a - b
-                          for a, b in zip(after["per_node_sent"], before["per_node_sent"])]
+    d["per_node_sent"] = [
+        None if a is None or b is None else a - b for a, b in zip(after["per_node_sent"], before["per_node_sent"])
+    ]
     d["errors"] = before["errors"] + after["errors"]
     return d
 
 
-def wait_nodes(admin_ports: list, before: dict, key: str, expected: float, timeout_s: float,
-               quiet_s: float = 3.0) -> tuple[dict, float, bool]:
+def wait_nodes(
+    admin_ports: list, before: dict, key: str, expected: float, timeout_s: float, quiet_s: float = 3.0
+) -> tuple[dict, float, bool]:
     """Poll the nodes until counter `key` grew by >= expected since `before`, or stopped growing
     for quiet_s, or timeout_s passed. Returns (delta, seconds, reached)."""
     t0 = time.monotonic()
@@ -270,8 +321,10 @@ def write_entry_point(root: str) -> str:
     with open(os.path.join(d, "entry_points.txt"), "w") as f:
         # ttft_probe: this benchmark's stage timestamps in the engine core (tier_probe.py; a no-op
         # unless TTFT_PROBE_FILE is set). Not part of what `pip install memkv` installs.
-        f.write("[vllm.general_plugins]\nmemkv_tier = memkv_vllm:register\nttft_probe = tier_probe:install_plugin\n\n"
-                "[console_scripts]\nmemkv = memkv.cli:main\n")
+        f.write(
+            "[vllm.general_plugins]\nmemkv_tier = memkv_vllm:register\nttft_probe = tier_probe:install_plugin\n\n"
+            "[console_scripts]\nmemkv = memkv.cli:main\n"
+        )
     return root
 
 
@@ -280,11 +333,23 @@ def write_model_dir(shape_name: str, model_dir: str) -> str:
     with load_format=dummy and no tokenizer nothing is downloaded."""
     os.makedirs(model_dir, exist_ok=True)
     cfg = {
-        "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", **SHAPES[shape_name],
-        "max_position_embeddings": 131072, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
-        "torch_dtype": "bfloat16", "tie_word_embeddings": False, "bos_token_id": 151643,
-        "eos_token_id": 151643, "hidden_act": "silu", "max_window_layers": 64, "use_sliding_window": False,
-        "sliding_window": None, "attention_dropout": 0.0, "initializer_range": 0.02, "use_cache": True,
+        "architectures": ["Qwen2ForCausalLM"],
+        "model_type": "qwen2",
+        **SHAPES[shape_name],
+        "max_position_embeddings": 131072,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 1000000.0,
+        "torch_dtype": "bfloat16",
+        "tie_word_embeddings": False,
+        "bos_token_id": 151643,
+        "eos_token_id": 151643,
+        "hidden_act": "silu",
+        "max_window_layers": 64,
+        "use_sliding_window": False,
+        "sliding_window": None,
+        "attention_dropout": 0.0,
+        "initializer_range": 0.02,
+        "use_cache": True,
     }
     with open(os.path.join(model_dir, "config.json"), "w") as f:
         json.dump(cfg, f)
@@ -299,6 +364,7 @@ def kv_bytes_per_token(shape_name: str) -> int:
 # =================================================================================================
 # Engine child: one vLLM engine, in-process, measuring a list of runs
 # =================================================================================================
+
 
 def prompt_ids(length: int, seed: int, vocab: int) -> list[int]:
     r = random.Random(seed)
@@ -384,8 +450,12 @@ def tier_totals(tier) -> dict:
 
 def engine_child(spec: dict) -> int:
     out_path = spec["out"]
-    result: dict = {"role": spec["role"], "spec": {k: v for k, v in spec.items() if k != "out"}, "runs": [],
-                    "errors": []}
+    result: dict = {
+        "role": spec["role"],
+        "spec": {k: v for k, v in spec.items() if k != "out"},
+        "runs": [],
+        "errors": [],
+    }
 
     def save():
         tmp = out_path + ".tmp"
@@ -410,7 +480,9 @@ def engine_child(spec: dict) -> int:
         try:
             from importlib.metadata import entry_points
 
-            result["entry_point_visible"] = any(e.name == "memkv_tier" for e in entry_points(group="vllm.general_plugins"))
+            result["entry_point_visible"] = any(
+                e.name == "memkv_tier" for e in entry_points(group="vllm.general_plugins")
+            )
         except Exception:
             result["entry_point_visible"] = None
     if tier_kind == "fs":
@@ -425,7 +497,8 @@ def engine_child(spec: dict) -> int:
     result["versions"] = {"vllm": vllm.__version__, "torch": torch.__version__, "python": platform.python_version()}
 
     ktc = {
-        "kv_connector": "OffloadingConnector", "kv_role": "kv_both",
+        "kv_connector": "OffloadingConnector",
+        "kv_role": "kv_both",
         "kv_connector_extra_config": {
             "spec_name": "TieringOffloadingSpec",
             "cpu_bytes_to_use": int(spec["cpu_gib"] * 2**30),
@@ -433,9 +506,18 @@ def engine_child(spec: dict) -> int:
             "secondary_tiers": [spec["tier"]] if spec.get("tier") else [],
         },
     }
-    kw = dict(model=model_dir, load_format="dummy", skip_tokenizer_init=True, kv_transfer_config=ktc,
-              gpu_memory_utilization=spec["gpu_util"], max_model_len=max_tokens_prompt + 64,
-              enable_prefix_caching=True, enforce_eager=spec["eager"], seed=0, disable_log_stats=False)
+    kw = dict(
+        model=model_dir,
+        load_format="dummy",
+        skip_tokenizer_init=True,
+        kv_transfer_config=ktc,
+        gpu_memory_utilization=spec["gpu_util"],
+        max_model_len=max_tokens_prompt + 64,
+        enable_prefix_caching=True,
+        enforce_eager=spec["eager"],
+        seed=0,
+        disable_log_stats=False,
+    )
     if spec.get("max_num_batched_tokens"):
         kw["max_num_batched_tokens"] = spec["max_num_batched_tokens"]
     if spec.get("tp", 1) > 1:
@@ -457,8 +539,10 @@ def engine_child(spec: dict) -> int:
     log(f"[{spec['role']}] engine up in {result['engine_init_s']:.1f} s")
     try:
         sc = llm.llm_engine.vllm_config.scheduler_config
-        result["scheduler"] = {"max_num_batched_tokens": sc.max_num_batched_tokens,
-                               "async_scheduling": getattr(sc, "async_scheduling", None)}
+        result["scheduler"] = {
+            "max_num_batched_tokens": sc.max_num_batched_tokens,
+            "async_scheduling": getattr(sc, "async_scheduling", None),
+        }
         cc = llm.llm_engine.vllm_config.cache_config
         result["gpu_kv_blocks"] = getattr(cc, "num_gpu_blocks", None)
     except Exception as exc:
@@ -466,21 +550,26 @@ def engine_child(spec: dict) -> int:
 
     block_bytes = int(getattr(llm, "ttft_block_bytes", 0) or kv_bytes_per_token(spec["shape"]) * BLOCK_TOKENS)
     result["block_bytes"] = block_bytes
-    mgr = sched = conn = tier = probe = None
+    mgr = conn = tier = probe = None
     if not inproc:
         log(f"[{spec['role']}] engine core in its own process: no tier object here; origin from the nodes' counters")
         if tier_kind == "memkv" and os.environ.get(PROBE_ENV):  # the engine core's tier writes its stages there
             probe = FileProbe(os.environ[PROBE_ENV])
             result["probe_installed"] = probe.installed
     elif tier_kind == "none":
-        mgr, sched, conn = find_manager(llm)
+        mgr, _sched, conn = find_manager(llm)
     else:
-        mgr, sched, conn = find_manager(llm)
+        mgr, _sched, conn = find_manager(llm)
         tier = mgr.secondary_tiers[0]
         result["tier_class"] = type(tier).__name__
-    if tier is not None and tier_kind == "memkv":  # which transport the loads took (MEMKV_TRANSPORT, UCX_TLS from the environment)
-        result["transport"] = {"MEMKV_TRANSPORT": os.environ.get("MEMKV_TRANSPORT", "auto"),
-                               "UCX_TLS": os.environ.get("UCX_TLS"), "has_rdma": tier.client.has_rdma()}
+    if (
+        tier is not None and tier_kind == "memkv"
+    ):  # which transport the loads took (MEMKV_TRANSPORT, UCX_TLS from the environment)
+        result["transport"] = {
+            "MEMKV_TRANSPORT": os.environ.get("MEMKV_TRANSPORT", "auto"),
+            "UCX_TLS": os.environ.get("UCX_TLS"),
+            "has_rdma": tier.client.has_rdma(),
+        }
         log(f"memkv transport: {result['transport']}")
     try:
         result["primary_blocks"] = mgr.primary_tier.get_kv_memoryview().shape[0] if mgr else None
@@ -555,9 +644,15 @@ def engine_child(spec: dict) -> int:
         out = generate(ids)
         t1, w1 = time.perf_counter(), time.time()
         comp = out.outputs[0]
-        rec = {"phase": phase, "tokens": tokens, "rep": rep, "seconds": t1 - t0, "token_ids": list(comp.token_ids),
-               "num_cached_tokens": getattr(out, "num_cached_tokens", None),
-               "prompt_kv_bytes": (tokens // BLOCK_TOKENS) * block_bytes}
+        rec = {
+            "phase": phase,
+            "tokens": tokens,
+            "rep": rep,
+            "seconds": t1 - t0,
+            "token_ids": list(comp.token_ids),
+            "num_cached_tokens": getattr(out, "num_cached_tokens", None),
+            "prompt_kv_bytes": (tokens // BLOCK_TOKENS) * block_bytes,
+        }
         try:
             if comp.logprobs:
                 lp = comp.logprobs[0]
@@ -580,8 +675,10 @@ def engine_child(spec: dict) -> int:
                 ok = nd["sent"] >= rec["prompt_kv_bytes"] and not nd["errors"]
                 rec["origin_ok"] = ok
                 if not ok:
-                    msg = (f"ORIGIN {phase} {tokens} tok rep{rep}: nodes sent {nd['sent'] / 2**30:.3f} GiB, prompt KV is "
-                           f"{rec['prompt_kv_bytes'] / 2**30:.3f} GiB ({tokens // BLOCK_TOKENS} blocks); node errors {nd['errors']}")
+                    msg = (
+                        f"ORIGIN {phase} {tokens} tok rep{rep}: nodes sent {nd['sent'] / 2**30:.3f} GiB, prompt KV is "
+                        f"{rec['prompt_kv_bytes'] / 2**30:.3f} GiB ({tokens // BLOCK_TOKENS} blocks); node errors {nd['errors']}"
+                    )
                     result.setdefault("origin_errors", []).append(msg)
                     log(msg)
         if extra:
@@ -590,13 +687,19 @@ def engine_child(spec: dict) -> int:
         tl = rec["timeline"]
         lb = sum(v for k, v in rec["tier_counters"].items() if "load_bytes" in k)
         sent = rec.get("memkv_sent_bytes")
-        log(f"[{spec['role']}] {phase:<14} {tokens:>6} tok rep{rep}: {rec['seconds']:.3f} s  tok={rec['token_ids']} "
+        log(
+            f"[{spec['role']}] {phase:<14} {tokens:>6} tok rep{rep}: {rec['seconds']:.3f} s  tok={rec['token_ids']} "
             f"cached={rec['num_cached_tokens']} nodes_sent={'-' if sent is None else f'{sent / 2**30:.2f}'} GiB "
             f"of {rec['prompt_kv_bytes'] / 2**30:.2f} "
-            + (f"tier_load={lb / 2**30:.2f} GiB submit@{tl.get('first_submit_load_s', float('nan')):.3f} "
-               f"job={tl.get('load_job_s')} taken@{tl.get('last_job_taken_s', float('nan')):.3f}" if probe else "")
+            + (
+                f"tier_load={lb / 2**30:.2f} GiB submit@{tl.get('first_submit_load_s', float('nan')):.3f} "
+                f"job={tl.get('load_job_s')} taken@{tl.get('last_job_taken_s', float('nan')):.3f}"
+                if probe
+                else ""
+            )
             + (f" core={tl['engine_core_during_load']}" if "engine_core_during_load" in tl else "")
-            + (f" node_cpu={rec['nodes']['cpu_s']:.2f}s" if rec.get("nodes", {}).get("cpu_s") else ""))
+            + (f" node_cpu={rec['nodes']['cpu_s']:.2f}s" if rec.get("nodes", {}).get("cpu_s") else "")
+        )
         save()
         return rec
 
@@ -624,12 +727,19 @@ def engine_child(spec: dict) -> int:
             return None
         expected = (tokens // BLOCK_TOKENS) * block_bytes
         d, waited, reached = wait_nodes(admin_ports, before_n, "received", expected, spec.get("store_wait_s", 60.0))
-        info = {"what": what, "received": d["received"], "expected": expected, "seconds": round(waited, 3),
-                "reached": reached}
+        info = {
+            "what": what,
+            "received": d["received"],
+            "expected": expected,
+            "seconds": round(waited, 3),
+            "reached": reached,
+        }
         result.setdefault("store_waits", []).append(info)
         if not reached:
-            msg = (f"STORE {what}: the nodes received {d['received'] / 2**30:.3f} GiB of the prompt's "
-                   f"{expected / 2**30:.3f} GiB within {waited:.1f} s")
+            msg = (
+                f"STORE {what}: the nodes received {d['received'] / 2**30:.3f} GiB of the prompt's "
+                f"{expected / 2**30:.3f} GiB within {waited:.1f} s"
+            )
             result["errors"].append(msg)
             log(msg)
         return info
@@ -679,20 +789,39 @@ def engine_child(spec: dict) -> int:
                 times = []
                 for r in range(spec.get("sweep_reps", 2)):
                     reset(True)
-                    rec = one_run("sweep_memkv", L, r, ids, {"setting": {"threads": threads, "blocks_per_op": bpo,
-                                                                       "switch_interval_ms": si,
-                                                                       "verify_chunk_mib": chunk}})
+                    rec = one_run(
+                        "sweep_memkv",
+                        L,
+                        r,
+                        ids,
+                        {
+                            "setting": {
+                                "threads": threads,
+                                "blocks_per_op": bpo,
+                                "switch_interval_ms": si,
+                                "verify_chunk_mib": chunk,
+                            }
+                        },
+                    )
                     times.append(rec["seconds"])
                     settle()
-                sweep.append({"threads": threads, "blocks_per_op": bpo, "switch_interval_ms": si,
-                              "verify_chunk_mib": chunk, "seconds": times})
+                sweep.append(
+                    {
+                        "threads": threads,
+                        "blocks_per_op": bpo,
+                        "switch_interval_ms": si,
+                        "verify_chunk_mib": chunk,
+                        "seconds": times,
+                    }
+                )
             result["sweep"] = sweep
             if sweep:
                 best = min(sweep, key=lambda s: statistics.median(s["seconds"]))
                 result["best"] = best
                 log(f"[{spec['role']}] best setting: {best}")
-                apply_setting(best["threads"], best["blocks_per_op"], best["switch_interval_ms"],
-                              best.get("verify_chunk_mib"))
+                apply_setting(
+                    best["threads"], best["blocks_per_op"], best["switch_interval_ms"], best.get("verify_chunk_mib")
+                )
             save()
 
         # ---- the matrix ----------------------------------------------------------------------------
@@ -753,6 +882,7 @@ def engine_child(spec: dict) -> int:
 # Orchestrator
 # =================================================================================================
 
+
 def parse_sweep(text: str) -> list:
     """'16x1,16x2s0.5,16x4c4' -> [(16,1,None,None),(16,2,0.5,None),(16,4,None,4)]: read threads x
     blocks_per_op [c receive/verify chunk in MiB (experiment: patches the client)] [s GIL switch
@@ -762,8 +892,14 @@ def parse_sweep(text: str) -> list:
         m = re.fullmatch(r"(\d+)x(\d+)(?:c(\d+))?(?:s([\d.]+))?", item)
         if not m:
             raise SystemExit(f"bad sweep item {item!r}")
-        out.append((int(m.group(1)), int(m.group(2)), float(m.group(4)) if m.group(4) else None,
-                    int(m.group(3)) if m.group(3) else None))
+        out.append(
+            (
+                int(m.group(1)),
+                int(m.group(2)),
+                float(m.group(4)) if m.group(4) else None,
+                int(m.group(3)) if m.group(3) else None,
+            )
+        )
     return out
 
 
@@ -782,11 +918,18 @@ def set_verify_chunk(mib: int | None) -> int:
 
 
 def host_info() -> dict:
-    info = {"date_utc": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "cpus": os.cpu_count(),
-            "python": platform.python_version()}
+    info = {
+        "date_utc": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "cpus": os.cpu_count(),
+        "python": platform.python_version(),
+    }
     try:
-        info["gpu"] = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total,driver_version", "--format=csv,noheader"],
-                                     capture_output=True, text=True, timeout=20).stdout.strip()
+        info["gpu"] = subprocess.run(
+            ["nvidia-smi", "--query-gpu=name,memory.total,driver_version", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=20,
+        ).stdout.strip()
     except Exception as exc:
         info["gpu"] = repr(exc)
     try:
@@ -848,8 +991,9 @@ def run_child(spec: dict, env: dict, timeout_s: float) -> dict | None:
     t = time.perf_counter()
     # Own session: on a timeout the whole group goes (engine core and workers included), so a
     # hung engine cannot hold the GPU into the next phase or call.
-    p = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--engine-child", spec_path], env=env,
-                         start_new_session=True)
+    p = subprocess.Popen(
+        [sys.executable, os.path.abspath(__file__), "--engine-child", spec_path], env=env, start_new_session=True
+    )
     try:
         rc = p.wait(timeout=timeout_s)
     except subprocess.TimeoutExpired:
@@ -893,7 +1037,9 @@ def summarize(engines: dict) -> tuple[list, list]:
                 outputs.setdefault(key, []).append((role, r["phase"], r["token_ids"], r.get("top5")))
                 continue
             by.setdefault(r["tokens"], {}).setdefault(r["phase"], []).append(r["seconds"])
-            outputs.setdefault(("p", r["tokens"], r["rep"]), []).append((role, r["phase"], r["token_ids"], r.get("top5")))
+            outputs.setdefault(("p", r["tokens"], r["rep"]), []).append(
+                (role, r["phase"], r["token_ids"], r.get("top5"))
+            )
     problems = []
     for key, outs in sorted(outputs.items()):
         toks = {tuple(o[2]) for o in outs}
@@ -903,8 +1049,9 @@ def summarize(engines: dict) -> tuple[list, list]:
         # bytes, so they should agree bit for bit; recompute may differ in the last bits.
         hit = {json.dumps(o[3]) for o in outs if o[3] is not None and "recompute" not in o[1]}
         allp = {json.dumps(o[3]) for o in outs if o[3] is not None}
-        top5_agreement.append({"prompt": list(key), "phases": len(outs), "distinct_top5_hits": len(hit),
-                               "distinct_top5_all": len(allp)})
+        top5_agreement.append(
+            {"prompt": list(key), "phases": len(outs), "distinct_top5_hits": len(hit), "distinct_top5_all": len(allp)}
+        )
     rows = []
     for L in sorted(by):
         rows.append({"tokens": L, **{ph: v for ph, v in by[L].items()}})
@@ -937,9 +1084,19 @@ def breakdown_rows(engines: dict) -> list[dict]:
             st = r.get("stages") or {}
             if (r.get("timeline") or {}).get("loader_phases"):
                 st = {**st, "loader_phases": r["timeline"]["loader_phases"]}
-            out.append({"engine": role, "phase": r["phase"], "tokens": r["tokens"], "rep": r["rep"], "total_s": r["seconds"],
-                        **st, "cpu_hit_s": statistics.median(hit) if hit else None, "cpu_hit_same_engine": same,
-                        "ratio_to_cpu_hit": r["seconds"] / statistics.median(hit) if hit else None})
+            out.append(
+                {
+                    "engine": role,
+                    "phase": r["phase"],
+                    "tokens": r["tokens"],
+                    "rep": r["rep"],
+                    "total_s": r["seconds"],
+                    **st,
+                    "cpu_hit_s": statistics.median(hit) if hit else None,
+                    "cpu_hit_same_engine": same,
+                    "ratio_to_cpu_hit": r["seconds"] / statistics.median(hit) if hit else None,
+                }
+            )
     return out
 
 
@@ -947,26 +1104,45 @@ def print_breakdown(rows: list[dict]) -> None:
     if not rows:
         return
     f = lambda v: "-" if v is None else f"{v:.3f}"  # noqa: E731
-    print("\n| engine | phase | tokens | rep | total s | lookup s | MemKV -> pool s | pool -> GPU + token s | CPU-pool hit s | x CPU-pool hit |")
+    print(
+        "\n| engine | phase | tokens | rep | total s | lookup s | MemKV -> pool s | pool -> GPU + token s | CPU-pool hit s | x CPU-pool hit |"
+    )
     print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
-        ratio = "-" if r["ratio_to_cpu_hit"] is None else f"{r['ratio_to_cpu_hit']:.2f}x" + ("" if r["cpu_hit_same_engine"] else " (main's)")
-        print(f"| {r['engine']} | {r['phase']} | {r['tokens']:,} | {r['rep']} | {f(r['total_s'])} | {f(r.get('lookup_s'))} | "
-              f"{f(r.get('memkv_to_pool_s'))} | {f(r.get('pool_to_gpu_token_s'))} | {f(r['cpu_hit_s'])} | {ratio} |")
+        ratio = (
+            "-"
+            if r["ratio_to_cpu_hit"] is None
+            else f"{r['ratio_to_cpu_hit']:.2f}x" + ("" if r["cpu_hit_same_engine"] else " (main's)")
+        )
+        print(
+            f"| {r['engine']} | {r['phase']} | {r['tokens']:,} | {r['rep']} | {f(r['total_s'])} | {f(r.get('lookup_s'))} | "
+            f"{f(r.get('memkv_to_pool_s'))} | {f(r.get('pool_to_gpu_token_s'))} | {f(r['cpu_hit_s'])} | {ratio} |"
+        )
     for r in rows:
         if r.get("loader_phases"):
-            print(f"loader phases, {r['engine']} {r['phase']} {r['tokens']:,} rep {r['rep']} (s summed over threads / calls): "
-                  + ", ".join(f"{k} {v['seconds']:.3f}/{v['calls']}" for k, v in r["loader_phases"].items()))
+            print(
+                f"loader phases, {r['engine']} {r['phase']} {r['tokens']:,} rep {r['rep']} (s summed over threads / calls): "
+                + ", ".join(f"{k} {v['seconds']:.3f}/{v['calls']}" for k, v in r["loader_phases"].items())
+            )
 
 
 def print_table(rows: list) -> None:
-    cols = [("recompute", "recompute"), ("cpu_hit", "CPU-pool hit"), ("memkv", "MemKV promotion"),
-            ("restart_memkv", "MemKV after restart"), ("fs", "fs tier promotion")]
+    cols = [
+        ("recompute", "recompute"),
+        ("cpu_hit", "CPU-pool hit"),
+        ("memkv", "MemKV promotion"),
+        ("restart_memkv", "MemKV after restart"),
+        ("fs", "fs tier promotion"),
+    ]
     notier = any(r.get("recompute_notier") for r in rows)
     if notier:
         cols.append(("recompute_notier", "recompute, no secondary tier"))
-    head = "| tokens | " + " | ".join(c[1] for c in cols) + " | recompute/MemKV | fs/MemKV |" + \
-        (" recompute with/without tier |" if notier else "")
+    head = (
+        "| tokens | "
+        + " | ".join(c[1] for c in cols)
+        + " | recompute/MemKV | fs/MemKV |"
+        + (" recompute with/without tier |" if notier else "")
+    )
     print(head)
     print("|" + "---|" * (len(cols) + 3 + notier))
     for r in rows:
@@ -983,25 +1159,37 @@ def print_table(rows: list) -> None:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--engine-child", help=argparse.SUPPRESS)
-    ap.add_argument("--phases", default="main,restart",
-                    help="engines to run, in order, from main,restart,fs,notier (notier: TieringOffloadingSpec with "
-                         "no secondary tier, cold runs only)")
+    ap.add_argument(
+        "--phases",
+        default="main,restart",
+        help="engines to run, in order, from main,restart,fs,notier (notier: TieringOffloadingSpec with "
+        "no secondary tier, cold runs only)",
+    )
     ap.add_argument("--tokens", default="8192,32768,65536")
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--fs-tokens", default=None, help="prompt lengths for the fs engine (default: --tokens)")
     ap.add_argument("--fs-reps", type=int, default=None)
     ap.add_argument("--notier-tokens", default=None, help="prompt lengths for the notier engine (default: --tokens)")
     ap.add_argument("--notier-reps", type=int, default=None, help="cold runs per length in notier (default: --reps)")
-    ap.add_argument("--loader-phases", action="store_true",
-                    help="also time the MemKV client's load-path calls in the engine core (tier_probe.LoaderPhases: "
-                         "chunk loads, node replies, notification waits, verification; seconds summed over the "
-                         "loader threads), printed per promotion run")
-    ap.add_argument("--inproc", action="store_true",
-                    help="engine core in the engine's process (VLLM_ENABLE_V1_MULTIPROCESSING=0): the tier object is "
-                         "reachable (tier counters, --sweep). Default: vLLM's own layout, engine core "
-                         "in its own process, as `vllm serve` runs it")
-    ap.add_argument("--tier-json", default=None,
-                    help=f"the memkv tier config (JSON object); default README's {json.dumps(README_TIER)}")
+    ap.add_argument(
+        "--loader-phases",
+        action="store_true",
+        help="also time the MemKV client's load-path calls in the engine core (tier_probe.LoaderPhases: "
+        "chunk loads, node replies, notification waits, verification; seconds summed over the "
+        "loader threads), printed per promotion run",
+    )
+    ap.add_argument(
+        "--inproc",
+        action="store_true",
+        help="engine core in the engine's process (VLLM_ENABLE_V1_MULTIPROCESSING=0): the tier object is "
+        "reachable (tier counters, --sweep). Default: vLLM's own layout, engine core "
+        "in its own process, as `vllm serve` runs it",
+    )
+    ap.add_argument(
+        "--tier-json",
+        default=None,
+        help=f"the memkv tier config (JSON object); default README's {json.dumps(README_TIER)}",
+    )
     ap.add_argument("--shape", default="32b", choices=sorted(SHAPES))
     ap.add_argument("--tp", type=int, default=1, help="tensor_parallel_size of every engine (needs that many GPUs)")
     ap.add_argument("--nodes", type=int, default=4)
@@ -1015,12 +1203,21 @@ def main() -> int:
     ap.add_argument("--blocks-per-op", type=int, default=None, help="tier key blocks_per_op")
     ap.add_argument("--store-backlog-mb", type=int, default=None, help="tier key max_store_backlog_mb")
     ap.add_argument("--step-yield-ms", type=float, default=None, help="tier key step_yield_ms")
-    ap.add_argument("--switch-interval-ms", type=float, default=None, help="sys.setswitchinterval in the engine process")
-    ap.add_argument("--verify-chunk-mib", type=int, default=None,
-                    help="EXPERIMENT: patch the client's receive/verify chunk (default: the client's 1 MiB)")
-    ap.add_argument("--sweep", default="",
-                    help="main engine (needs --inproc): read threads x blocks_per_op [s switch interval ms], e.g. "
-                         "16x1,16x2,16x4,16x8,8x2,32x2,16x1s0.5,16x2s0.5; the best is applied for the rest. Default: none")
+    ap.add_argument(
+        "--switch-interval-ms", type=float, default=None, help="sys.setswitchinterval in the engine process"
+    )
+    ap.add_argument(
+        "--verify-chunk-mib",
+        type=int,
+        default=None,
+        help="EXPERIMENT: patch the client's receive/verify chunk (default: the client's 1 MiB)",
+    )
+    ap.add_argument(
+        "--sweep",
+        default="",
+        help="main engine (needs --inproc): read threads x blocks_per_op [s switch interval ms], e.g. "
+        "16x1,16x2,16x4,16x8,8x2,32x2,16x1s0.5,16x2s0.5; the best is applied for the rest. Default: none",
+    )
     ap.add_argument("--sweep-tokens", type=int, default=32768)
     ap.add_argument("--sweep-reps", type=int, default=2)
     ap.add_argument("--cpu-gib", type=float, default=24.0)
@@ -1029,10 +1226,16 @@ def main() -> int:
     ap.add_argument("--no-eager", action="store_true")
     ap.add_argument("--fs-root", default="/tmp/ttft-fs")
     ap.add_argument("--fs-threads", type=int, default=16)
-    ap.add_argument("--store-wait-s", type=float, default=60.0,
-                    help="engine core in its own process: bound on waiting for a prompt's cascade to reach the nodes")
+    ap.add_argument(
+        "--store-wait-s",
+        type=float,
+        default=60.0,
+        help="engine core in its own process: bound on waiting for a prompt's cascade to reach the nodes",
+    )
     ap.add_argument("--state-dir", default="/tmp/ttft-state")
-    ap.add_argument("--keep-nodes", action="store_true", help="leave the nodes running (detached) for a later invocation")
+    ap.add_argument(
+        "--keep-nodes", action="store_true", help="leave the nodes running (detached) for a later invocation"
+    )
     ap.add_argument("--reuse-nodes", action="store_true", help="use the nodes recorded in --state-dir")
     ap.add_argument("--out-dir", default=os.environ.get("OUT", "bench/out"))
     ap.add_argument("--budget-s", type=float, default=560.0, help="wall-clock budget of this invocation")
@@ -1053,7 +1256,6 @@ def main() -> int:
     os.makedirs(args.out_dir, exist_ok=True)
     os.makedirs(args.state_dir, exist_ok=True)
     tag = "-".join(phases) + (f"-tp{args.tp}" if args.tp > 1 else "")
-    shape = SHAPES[args.shape]
     kv_per_token = kv_bytes_per_token(args.shape)
     meta = {"host": host_info(), "args": vars(args), "block_tokens": BLOCK_TOKENS, "kv_bytes_per_token": kv_per_token}
     from memkv.sockio import COMPILED_RECEIVE  # the engine core inherits MEMKV_PURE_PYTHON, so the same
@@ -1069,55 +1271,89 @@ def main() -> int:
                 state = json.load(f)
             log(f"reusing memkv nodes {[n['address'] for n in state['nodes']]}")
         else:
-            state = start_nodes(args.nodes, args.node_capacity, args.max_value_size, args.state_dir,
-                                args.node_args.split())
+            state = start_nodes(
+                args.nodes, args.node_capacity, args.max_value_size, args.state_dir, args.node_args.split()
+            )
     # The plugin's entry point, as an installed memkv has it: vLLM then registers the tier in the
     # engine core process too (that process is not ours to call register() in).
     ep_dir = write_entry_point(os.path.join(args.state_dir, "entry-point"))
-    env = {**os.environ, "PYTHONHASHSEED": "0", "VLLM_ENABLE_V1_MULTIPROCESSING": "0" if args.inproc else "1",
-           "VLLM_USE_FLASHINFER_SAMPLER": "0", "VLLM_NO_USAGE_STATS": "1", "PYTHONUNBUFFERED": "1",
-           "TOKENIZERS_PARALLELISM": "false",
-           "PYTHONPATH": os.pathsep.join(filter(None, [ep_dir, HERE, os.environ.get("PYTHONPATH")]))}
+    env = {
+        **os.environ,
+        "PYTHONHASHSEED": "0",
+        "VLLM_ENABLE_V1_MULTIPROCESSING": "0" if args.inproc else "1",
+        "VLLM_USE_FLASHINFER_SAMPLER": "0",
+        "VLLM_NO_USAGE_STATS": "1",
+        "PYTHONUNBUFFERED": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+        "PYTHONPATH": os.pathsep.join(filter(None, [ep_dir, HERE, os.environ.get("PYTHONPATH")])),
+    }
     if args.loader_phases:
         env[PROBE_PHASES_ENV] = "1"
-    meta["process_layout"] = "in-process engine core" if args.inproc else "engine core in its own process (vLLM default)"
+    meta["process_layout"] = (
+        "in-process engine core" if args.inproc else "engine core in its own process (vLLM default)"
+    )
     if state:
         cfg_path = os.path.join(args.state_dir, "client.yaml")
         with open(cfg_path, "w") as f:
             f.write(f"pool_size: {args.pool_size}\nio_timeout_s: 30\n")
-        env.update(MEMKV_SERVERS=",".join(n["address"] for n in state["nodes"]), MEMKV_AUTH_KEY=state["key"],
-                   MEMKV_CONFIG=cfg_path)
+        env.update(
+            MEMKV_SERVERS=",".join(n["address"] for n in state["nodes"]),
+            MEMKV_AUTH_KEY=state["key"],
+            MEMKV_CONFIG=cfg_path,
+        )
         meta["memkv_nodes"] = [n["address"] for n in state["nodes"]]
 
     memkv_tier = json.loads(args.tier_json) if args.tier_json else dict(README_TIER)
-    for key, v in (("n_read_threads", args.read_threads), ("n_write_threads", args.write_threads),
-                   ("blocks_per_op", args.blocks_per_op), ("max_store_backlog_mb", args.store_backlog_mb),
-                   ("step_yield_ms", args.step_yield_ms)):
+    for key, v in (
+        ("n_read_threads", args.read_threads),
+        ("n_write_threads", args.write_threads),
+        ("blocks_per_op", args.blocks_per_op),
+        ("max_store_backlog_mb", args.store_backlog_mb),
+        ("step_yield_ms", args.step_yield_ms),
+    ):
         if v is not None:
             memkv_tier[key] = v
     meta["memkv_tier"] = memkv_tier
     meta["readme_tier"] = memkv_tier == README_TIER
-    log(f"memkv tier config: {json.dumps(memkv_tier)}{' (README.md, no tuned keys)' if meta['readme_tier'] else ''}; "
-        f"{meta['process_layout']}")
-    common = dict(shape=args.shape, tp=args.tp, cpu_gib=args.cpu_gib, gpu_util=args.gpu_util, eager=not args.no_eager,
-                  max_num_batched_tokens=args.max_num_batched_tokens, switch_interval_ms=args.switch_interval_ms,
-                  verify_chunk_mib=args.verify_chunk_mib, inproc=args.inproc, store_wait_s=args.store_wait_s,
-                  admin_ports=[n["admin"] for n in state["nodes"]] if state else [])
+    log(
+        f"memkv tier config: {json.dumps(memkv_tier)}{' (README.md, no tuned keys)' if meta['readme_tier'] else ''}; "
+        f"{meta['process_layout']}"
+    )
+    common = dict(
+        shape=args.shape,
+        tp=args.tp,
+        cpu_gib=args.cpu_gib,
+        gpu_util=args.gpu_util,
+        eager=not args.no_eager,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        switch_interval_ms=args.switch_interval_ms,
+        verify_chunk_mib=args.verify_chunk_mib,
+        inproc=args.inproc,
+        store_wait_s=args.store_wait_s,
+        admin_ports=[n["admin"] for n in state["nodes"]] if state else [],
+    )
     engines: dict = {}
     out_json = os.path.join(args.out_dir, f"ttft-{tag}.json")
 
     def save():
         rows, problems, top5 = summarize(engines)
-        doc = {"meta": meta, "engines": engines, "rows": rows, "output_mismatches": problems,
-               "origin_errors": [e for res in engines.values() for e in res.get("origin_errors", [])],
-               "top5_agreement": top5, "breakdown": breakdown_rows(engines), "elapsed_s": time.time() - t_start}
+        doc = {
+            "meta": meta,
+            "engines": engines,
+            "rows": rows,
+            "output_mismatches": problems,
+            "origin_errors": [e for res in engines.values() for e in res.get("origin_errors", [])],
+            "top5_agreement": top5,
+            "breakdown": breakdown_rows(engines),
+            "elapsed_s": time.time() - t_start,
+        }
         with open(out_json, "w") as f:
             json.dump(doc, f, indent=1)
         return rows, problems
 
     # Each engine leaves time for the ones after it (engine start included).
     need = {"main": 250.0, "restart": 100.0, "fs": 170.0, "notier": 90.0}
-    reserve = {role: sum(need.get(r, 0.0) for r in phases[i + 1:]) for i, role in enumerate(phases)}
+    reserve = {role: sum(need.get(r, 0.0) for r in phases[i + 1 :]) for i, role in enumerate(phases)}
     try:
         for role in phases:
             left = deadline - time.time()
@@ -1126,9 +1362,17 @@ def main() -> int:
                 engines[role] = {"role": role, "runs": [], "errors": ["skipped: out of time"]}
                 continue
             if role == "main":
-                spec = dict(common, role="main", tier=dict(memkv_tier), tokens=tokens, reps=args.reps,
-                            phases=["cpu_hit"], sweep=parse_sweep(args.sweep) if args.sweep else [],
-                            sweep_tokens=args.sweep_tokens, sweep_reps=args.sweep_reps)
+                spec = dict(
+                    common,
+                    role="main",
+                    tier=dict(memkv_tier),
+                    tokens=tokens,
+                    reps=args.reps,
+                    phases=["cpu_hit"],
+                    sweep=parse_sweep(args.sweep) if args.sweep else [],
+                    sweep_tokens=args.sweep_tokens,
+                    sweep_reps=args.sweep_reps,
+                )
             elif role == "restart":
                 tier = dict(memkv_tier)
                 best = engines.get("main", {}).get("best")
@@ -1144,15 +1388,39 @@ def main() -> int:
                     tier.update(n_read_threads=best["threads"], blocks_per_op=best["blocks_per_op"])
                     sw = best.get("switch_interval_ms") or sw
                     vc = best.get("verify_chunk_mib") or vc
-                spec = dict(common, role="restart", tier=tier, tokens=tokens, reps=args.reps, phases=["restart"],
-                            switch_interval_ms=sw, verify_chunk_mib=vc)
+                spec = dict(
+                    common,
+                    role="restart",
+                    tier=tier,
+                    tokens=tokens,
+                    reps=args.reps,
+                    phases=["restart"],
+                    switch_interval_ms=sw,
+                    verify_chunk_mib=vc,
+                )
             elif role == "fs":
-                spec = dict(common, role="fs", tier={"type": "fs", "root_dir": args.fs_root,
-                                                    "n_read_threads": args.fs_threads, "n_write_threads": args.fs_threads},
-                            tokens=fs_tokens, reps=args.fs_reps or args.reps, phases=["cpu_hit"])
+                spec = dict(
+                    common,
+                    role="fs",
+                    tier={
+                        "type": "fs",
+                        "root_dir": args.fs_root,
+                        "n_read_threads": args.fs_threads,
+                        "n_write_threads": args.fs_threads,
+                    },
+                    tokens=fs_tokens,
+                    reps=args.fs_reps or args.reps,
+                    phases=["cpu_hit"],
+                )
             elif role == "notier":
-                spec = dict(common, role="notier", tier=None, tokens=notier_tokens,
-                            reps=args.notier_reps or args.reps, phases=["cold_only"])
+                spec = dict(
+                    common,
+                    role="notier",
+                    tier=None,
+                    tokens=notier_tokens,
+                    reps=args.notier_reps or args.reps,
+                    phases=["cold_only"],
+                )
             else:
                 raise SystemExit(f"unknown phase {role}")
             spec["out"] = os.path.join(args.state_dir, f"engine-{role}.json")
@@ -1175,9 +1443,11 @@ def main() -> int:
         if res.get("sweep"):
             print(f"\nsweep ({role}, {args.sweep_tokens} tokens, MemKV promotion seconds):")
             for s in res["sweep"]:
-                print(f"  threads={s['threads']:>2} blocks_per_op={s['blocks_per_op']:>2} "
-                      f"switch_interval={s['switch_interval_ms'] or 5.0} ms "
-                      f"verify_chunk={s.get('verify_chunk_mib') or 'default'} MiB: {fmt_times(s['seconds'])}")
+                print(
+                    f"  threads={s['threads']:>2} blocks_per_op={s['blocks_per_op']:>2} "
+                    f"switch_interval={s['switch_interval_ms'] or 5.0} ms "
+                    f"verify_chunk={s.get('verify_chunk_mib') or 'default'} MiB: {fmt_times(s['seconds'])}"
+                )
         for e in res.get("errors", []):
             print(f"  [{role}] error: {e.strip()[-600:]}")
     if problems:
@@ -1192,9 +1462,11 @@ def main() -> int:
         print("\nMemKV bytes served by the nodes (memkv_node_sent_bytes_total, summed over nodes) per promotion run:")
         for role, r in origin:
             bb = engines[role].get("block_bytes") or 1
-            print(f"  {role:<8} {r['phase']:<14} {r['tokens']:>6} tok rep{r['rep']}: {r['memkv_sent_bytes'] / 2**30:7.3f} GiB "
-                  f"of {r['prompt_kv_bytes'] / 2**30:7.3f} GiB ({r['memkv_sent_bytes'] / bb:.0f} of "
-                  f"{r['prompt_kv_bytes'] // bb} blocks)  {'ok' if r['origin_ok'] else 'SHORT'}  ({r['seconds']:.3f} s)")
+            print(
+                f"  {role:<8} {r['phase']:<14} {r['tokens']:>6} tok rep{r['rep']}: {r['memkv_sent_bytes'] / 2**30:7.3f} GiB "
+                f"of {r['prompt_kv_bytes'] / 2**30:7.3f} GiB ({r['memkv_sent_bytes'] / bb:.0f} of "
+                f"{r['prompt_kv_bytes'] // bb} blocks)  {'ok' if r['origin_ok'] else 'SHORT'}  ({r['seconds']:.3f} s)"
+            )
     origin_errors = [e for res in engines.values() for e in res.get("origin_errors", [])]
     if origin_errors:
         print("\nORIGIN MISMATCH (a promotion run was not served whole by MemKV):")

@@ -36,7 +36,7 @@ import threading
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from ttft import host_info, log, node_counters, start_nodes, stop_nodes  # noqa: E402
+from ttft import host_info, log, node_counters, start_nodes, stop_nodes
 
 
 def alloc(nbytes: int, how: str = "torch"):
@@ -81,11 +81,18 @@ def main() -> int:
     ap.add_argument("--value-mib", type=int, default=16)
     ap.add_argument("--pool-size", type=int, default=16)
     ap.add_argument("--reps", type=int, default=3)
-    ap.add_argument("--variants", default="16x4,16x4:noverify,16x4:c4,16x4:busy,16x4:busy:noverify,16x4:busy:c4,"
-                                          "16x4:busy:c16,16x4:busy:si0.5,16x1:busy,32x4:busy:c4")
+    ap.add_argument(
+        "--variants",
+        default="16x4,16x4:noverify,16x4:c4,16x4:busy,16x4:busy:noverify,16x4:busy:c4,"
+        "16x4:busy:c16,16x4:busy:si0.5,16x1:busy,32x4:busy:c4",
+    )
     ap.add_argument("--transport", default="tcp", choices=["tcp", "rdma"], help="MEMKV_TRANSPORT of client and nodes")
-    ap.add_argument("--alloc", default="torch", choices=["torch", "mmap", "thp"],
-                    help="destination buffer: torch pinned (vLLM's pool), mmap with 4 KiB pages, or THP")
+    ap.add_argument(
+        "--alloc",
+        default="torch",
+        choices=["torch", "mmap", "thp"],
+        help="destination buffer: torch pinned (vLLM's pool), mmap with 4 KiB pages, or THP",
+    )
     ap.add_argument("--tag", default="", help="output name: xfer-<transport>[-<tag>].json (several runs in one call)")
     ap.add_argument("--state-dir", default="/tmp/xfer-state")
     ap.add_argument("--out-dir", default=os.environ.get("OUT", "bench/out"))
@@ -93,9 +100,15 @@ def main() -> int:
     os.makedirs(args.out_dir, exist_ok=True)
     vb = args.value_mib << 20
     total = vb * args.values
-    result = {"host": host_info(), "args": vars(args), "variants": [],
-              "env": {k: os.environ.get(k) for k in ("UCX_TLS", "UCX_NET_DEVICES", "MEMKV_NIXL_SYNC", "MEMKV_NIXL_WORKERS",
-                                                              "MEMKV_RDMA_PIPELINE_MB")}}
+    result = {
+        "host": host_info(),
+        "args": vars(args),
+        "variants": [],
+        "env": {
+            k: os.environ.get(k)
+            for k in ("UCX_TLS", "UCX_NET_DEVICES", "MEMKV_NIXL_SYNC", "MEMKV_NIXL_WORKERS", "MEMKV_RDMA_PIPELINE_MB")
+        },
+    }
 
     os.environ["MEMKV_TRANSPORT"] = args.transport  # nodes inherit it
     capacity = max((total // args.nodes) * 3 // 2, 4 * vb)
@@ -104,8 +117,9 @@ def main() -> int:
         cfg = os.path.join(args.state_dir, "client.yaml")
         with open(cfg, "w") as f:
             f.write(f"pool_size: {args.pool_size}\nio_timeout_s: 30\n")
-        os.environ.update(MEMKV_SERVERS=",".join(n["address"] for n in state["nodes"]), MEMKV_AUTH_KEY=state["key"],
-                          MEMKV_CONFIG=cfg)
+        os.environ.update(
+            MEMKV_SERVERS=",".join(n["address"] for n in state["nodes"]), MEMKV_AUTH_KEY=state["key"], MEMKV_CONFIG=cfg
+        )
         from memkv.client import node as nodemod
         from memkv.client.cluster import Client
         from memkv.sockio import recv_exactly_into
@@ -114,7 +128,7 @@ def main() -> int:
         t = time.perf_counter()
         owner, buf, kind = alloc(total, args.alloc)
         result["buffer"] = kind
-        rows = [buf[i * vb:(i + 1) * vb] for i in range(args.values)]
+        rows = [buf[i * vb : (i + 1) * vb] for i in range(args.values)]
         rows[0][:] = os.urandom(vb)
         for i in range(1, args.values):
             rows[i][:] = rows[0]
@@ -123,8 +137,12 @@ def main() -> int:
         if args.transport == "rdma":
             t = time.perf_counter()
             registered = client.register_pool(buf)
-            result["rdma"] = {"registered": registered, "has_rdma": client.has_rdma(),
-                              "register_s": time.perf_counter() - t, "UCX_TLS": os.environ.get("UCX_TLS")}
+            result["rdma"] = {
+                "registered": registered,
+                "has_rdma": client.has_rdma(),
+                "register_s": time.perf_counter() - t,
+                "UCX_TLS": os.environ.get("UCX_TLS"),
+            }
             log(f"rdma: pool registered={registered} has_rdma={client.has_rdma()} UCX_TLS={os.environ.get('UCX_TLS')}")
         keys = [f"xfer/{i}".encode() for i in range(args.values)]
 
@@ -133,7 +151,9 @@ def main() -> int:
 
         t = time.perf_counter()
         with cf.ThreadPoolExecutor(16) as ex:
-            ok = sum(sum(r) for r in ex.map(lambda ch: client.batch_put_views([(keys[i], rows[i]) for i in ch]), chunks(4)))
+            ok = sum(
+                sum(r) for r in ex.map(lambda ch: client.batch_put_views([(keys[i], rows[i]) for i in ch]), chunks(4))
+            )
         dt = time.perf_counter() - t
         result["put"] = {"seconds": dt, "gbps": total / dt / 1e9, "stored": ok}
         log(f"put {ok}/{args.values} values: {total / dt / 1e9:.1f} GB/s ({kind} buffer)")
@@ -144,7 +164,7 @@ def main() -> int:
 
             if owner is not None and torch.cuda.is_available():
                 dst = torch.empty(total, dtype=torch.uint8, device="cuda")
-                for rep in range(2):
+                for _rep in range(2):
                     torch.cuda.synchronize()
                     t = time.perf_counter()
                     dst.copy_(owner, non_blocking=True)
@@ -175,7 +195,7 @@ def main() -> int:
             stop = threading.Event()
             spins = [0]
 
-            def spin():
+            def spin(stop=stop, spins=spins):  # bound now: run and joined within this iteration
                 n = 0
                 while not stop.is_set():
                     for _ in range(200):
@@ -192,7 +212,7 @@ def main() -> int:
                 # CPU seconds of the nodes and of this (client) process over the timed reps: where
                 # the cores go per GiB moved (issue 16 item 2: RDMA over cma moves the copy to the node)
                 node_cpu0, client_cpu0 = node_counters(admin)["cpu_s"], time.process_time()
-                for rep in range(args.reps):
+                for _rep in range(args.reps):
                     t = time.perf_counter()
                     res = list(ex.map(lambda ch: client.batch_get_into([(keys[i], rows[i]) for i in ch]), chunks(bpo)))
                     dt = time.perf_counter() - t
@@ -208,18 +228,30 @@ def main() -> int:
             nodemod._VERIFY_CHUNK = default_chunk
             sys.setswitchinterval(0.005)
             best = min(times)
-            rec = {"variant": spec, "threads": threads, "blocks_per_op": bpo, "flags": flags, "seconds": times,
-                   "gbps_best": total / best / 1e9, "gbps_median": total / statistics.median(times) / 1e9,
-                   "node_cpu_s_per_gib": node_cpu / (args.reps * total / 2**30),
-                   "client_cpu_s_per_gib": client_cpu / (args.reps * total / 2**30)}
+            rec = {
+                "variant": spec,
+                "threads": threads,
+                "blocks_per_op": bpo,
+                "flags": flags,
+                "seconds": times,
+                "gbps_best": total / best / 1e9,
+                "gbps_median": total / statistics.median(times) / 1e9,
+                "node_cpu_s_per_gib": node_cpu / (args.reps * total / 2**30),
+                "client_cpu_s_per_gib": client_cpu / (args.reps * total / 2**30),
+            }
             result["variants"].append(rec)
-            log(f"{spec:<24} {total >> 30} GiB in " + " / ".join(f"{x:.3f}" for x in times)
+            log(
+                f"{spec:<24} {total >> 30} GiB in "
+                + " / ".join(f"{x:.3f}" for x in times)
                 + f" s  -> {rec['gbps_median']:.1f} GB/s (median); CPU s/GiB nodes {rec['node_cpu_s_per_gib']:.3f}"
-                + f" client {rec['client_cpu_s_per_gib']:.3f}")
+                + f" client {rec['client_cpu_s_per_gib']:.3f}"
+            )
         client.close()
     finally:
         stop_nodes(state)
-        with open(os.path.join(args.out_dir, f"xfer-{args.transport}{'-' + args.tag if args.tag else ''}.json"), "w") as f:
+        with open(
+            os.path.join(args.out_dir, f"xfer-{args.transport}{'-' + args.tag if args.tag else ''}.json"), "w"
+        ) as f:
             json.dump(result, f, indent=1)
     return 0
 

@@ -55,7 +55,7 @@ def main() -> int:
             self.end_headers()
             self.wfile.write(body)
 
-        def do_GET(self):  # noqa: N802
+        def do_GET(self):
             if self.path == "/health":
                 self._send(200, "application/json", b"")
             elif self.path == "/metrics":
@@ -64,13 +64,17 @@ def main() -> int:
                     with tier.stats._lock:
                         totals = dict(tier.stats.totals)
                     for (n, labels), v in sorted(totals.items()):
-                        lab = f',result="{labels[0]}"' if labels and "lookups" in n else (f',op="{labels[0]}"' if labels else "")
+                        lab = (
+                            f',result="{labels[0]}"'
+                            if labels and "lookups" in n
+                            else (f',op="{labels[0]}"' if labels else "")
+                        )
                         lines.append(f'{n}_total{{engine="0",model_name="{name}"{lab}}} {float(v)}')
                 self._send(200, "text/plain; version=0.0.4", ("\n".join(lines) + "\n").encode())
             else:
                 self._send(404, "application/json", b'{"error": "not found"}')
 
-        def do_POST(self):  # noqa: N802
+        def do_POST(self):
             n = int(self.headers.get("Content-Length", 0))
             req = json.loads(self.rfile.read(n))
             if self.path != "/v1/completions" or not isinstance(req.get("prompt"), list):
@@ -91,14 +95,34 @@ def main() -> int:
 
             choice = {"index": 0, "text": "", "token_ids": [tok], "finish_reason": "length"}
             if req.get("logprobs"):
-                choice["logprobs"] = {"tokens": [f"token_id:{tok}"], "token_logprobs": [-1.0],
-                                      "top_logprobs": [{f"token_id:{k}": v.logprob for k, v in comp.logprobs[0].items()}]}
-            event({"id": "cmpl-standin", "object": "text_completion", "created": int(time.time()), "model": name,
-                   "choices": [choice]})
-            event({"id": "cmpl-standin", "object": "text_completion", "model": name, "choices": [],
-                   "usage": {"prompt_tokens": len(req["prompt"]), "completion_tokens": 1,
-                             "total_tokens": len(req["prompt"]) + 1,
-                             "prompt_tokens_details": {"cached_tokens": out.num_cached_tokens}}})
+                choice["logprobs"] = {
+                    "tokens": [f"token_id:{tok}"],
+                    "token_logprobs": [-1.0],
+                    "top_logprobs": [{f"token_id:{k}": v.logprob for k, v in comp.logprobs[0].items()}],
+                }
+            event(
+                {
+                    "id": "cmpl-standin",
+                    "object": "text_completion",
+                    "created": int(time.time()),
+                    "model": name,
+                    "choices": [choice],
+                }
+            )
+            event(
+                {
+                    "id": "cmpl-standin",
+                    "object": "text_completion",
+                    "model": name,
+                    "choices": [],
+                    "usage": {
+                        "prompt_tokens": len(req["prompt"]),
+                        "completion_tokens": 1,
+                        "total_tokens": len(req["prompt"]) + 1,
+                        "prompt_tokens_details": {"cached_tokens": out.num_cached_tokens},
+                    },
+                }
+            )
             event("[DONE]")
             self.wfile.write(b"0\r\n\r\n")
             self.wfile.flush()

@@ -9,6 +9,7 @@ settle, counters, JSON, table) before spending device time; its timings mean not
       bench/gpu/direct.py --shape toy --tokens 1024,2048 --staging-mb 64 --cpu-gib 0.1 \\
       --node-capacity 1GiB --out-dir /tmp/direct-dry
 """
+
 import os
 
 if os.environ.get("TTFT_FAKE_LLM"):
@@ -37,8 +38,12 @@ if os.environ.get("TTFT_FAKE_LLM"):
             import atexit
 
             atexit.register(engine.shutdown)  # vLLM shuts its connector down; the bench's child just exits
-            sched = NS(connector=NS(connector_scheduler=engine.connector.connector_scheduler,
-                                    has_pending_push_work=engine.connector.has_pending_push_work))
+            sched = NS(
+                connector=NS(
+                    connector_scheduler=engine.connector.connector_scheduler,
+                    has_pending_push_work=engine.connector.has_pending_push_work,
+                )
+            )
             self.llm_engine = NS(engine_core=NS(engine_core=NS(scheduler=sched)), step=engine.step)
 
         def generate(self, prompts, sp, use_tqdm=False):
