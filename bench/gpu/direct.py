@@ -137,31 +137,7 @@ def engine_child(spec: dict) -> int:
     from vllm.inputs import TokensPrompt
 
     shape = ttft.SHAPES[spec["shape"]]
-    model_dir = f"/tmp/ttft_model_{spec['shape']}"
-    os.makedirs(model_dir, exist_ok=True)
-    with open(os.path.join(model_dir, "config.json"), "w") as f:  # the same dummy as ttft.py
-        json.dump(
-            {
-                "architectures": ["Qwen2ForCausalLM"],
-                "model_type": "qwen2",
-                **shape,
-                "max_position_embeddings": 131072,
-                "rms_norm_eps": 1e-6,
-                "rope_theta": 1000000.0,
-                "torch_dtype": "bfloat16",
-                "tie_word_embeddings": False,
-                "bos_token_id": 151643,
-                "eos_token_id": 151643,
-                "hidden_act": "silu",
-                "max_window_layers": 64,
-                "use_sliding_window": False,
-                "sliding_window": None,
-                "attention_dropout": 0.0,
-                "initializer_range": 0.02,
-                "use_cache": True,
-            },
-            f,
-        )
+    model_dir = ttft.write_model_dir(spec["shape"], f"/tmp/ttft_model_{spec['shape']}")  # the same dummy as ttft.py
     result["versions"] = {"vllm": vllm.__version__}
     kw = dict(
         model=model_dir,
