@@ -1,0 +1,280 @@
+#!/usr/bin/env python3
+"""Writes the tables of docs/performance.md from the benchmarks' JSON files.
+
+  python3 bench/perf_tables.py            # rewrite every table of the page in place
+  python3 bench/perf_tables.py --check    # exit 1 (and show the difference) if the page is stale
+
+A table sits between `<!-- table: NAME -->` and `<!-- /table -->`; everything else on the page is
+prose and stays as written. Each table names its source files, the machine, the date (from the
+JSON) and the commit whose code ran (from SOURCES below: the JSON files do not record it), so a
+figure can be traced and re-measured. Standard library only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import json
+import re
+import statistics
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+PAGE = REPO / "docs" / "performance.md"
+VM_RESULTS = "bench/results"
+GPU_RESULTS = "bench/gpu/results"
+
+# Source file -> the commit whose code produced it (the JSON records date and machine, not this).
+COMMITS = {
+    f"{VM_RESULTS}/datapath_2026-12-05/datapath_bpo1_a.json": "159889a",
+    f"{VM_RESULTS}/datapath_2026-12-05/datapath_bpo8_a.json": "159889a",
+    f"{VM_RESULTS}/datapath_2026-12-05/datapath_bpo8_b.json": "159889a",
+    f"{VM_RESULTS}/datapath_2026-12-05/datapath_bpo8_c.json": "159889a",
+    f"{VM_RESULTS}/datapath_2026-12-05/memory.json": "159889a",
+    f"{VM_RESULTS}/lookups.json": "1d1b2a2",
+    f"{VM_RESULTS}/tier.json": "1d1b2a2",
+    f"{VM_RESULTS}/tier-512rows.json": "e1b70ae",
+    f"{GPU_RESULTS}/run54-defaults-main-restart-notier.json": "3684015",
+    f"{GPU_RESULTS}/run55-shm-off-main-restart.json": "3684015",
+    f"{GPU_RESULTS}/run44-tcp-main.json": "f3bbe01",
+    f"{GPU_RESULTS}/run47-tcp-main.json": "d118b5c",
+}
+
+# The datapath bench's systems: what each is, and the raw design on the same transport.
+DATAPATH_SYSTEMS = {
+    "memkv-shm": ("co-located: shared memory (the default)", "raw-unix"),
+    "memkv": ("same-host socket (`MEMKV_SHARED_MEMORY=off`)", "raw-unix"),
+    "memkv-tcp": ("TCP on loopback (`MEMKV_LOCAL_SOCKET=off`)", "raw"),
+    "raw-unix": ("raw design, Unix socket (no MemKV)", None),
+    "raw": ("raw design, TCP (no MemKV)", None),
+}
+
+
+def load(path: str) -> dict:
+    return json.loads((REPO / path).read_text())
+
+
+def med(xs: list[float]) -> float:
+    return statistics.median(xs)
+
+
+def ratio(xs: list[float]) -> str:
+    """A block-median ratio over the repetitions: median (min-max)."""
+    return f"{med(xs):.2f} ({min(xs):.2f}-{max(xs):.2f})"
+
+
+def machine(doc: dict) -> str:
+    m = doc.get("machine", "")
+    if m.startswith("vm x86_64 2 cpus"):
+        return "the 2-vCPU VM"
+    return m
+
+
+def source_line(paths: list[str], what: str) -> str:
+    docs = [load(p) for p in paths]
+    dates = sorted({d["date"] for d in docs})
+    when = dates[0] if len(dates) == 1 else f"{dates[0]} to {dates[-1]}"
+    commits = ", ".join(sorted({COMMITS[p] for p in paths}))
+    files = ", ".join(f"`{p}`" for p in paths)
+    return f"{what}; {machine(docs[0])}, {when}, commit {commits}; source: {files}."
+
+
+def table(header: list[str], rows: list[list[str]], right: int = 0) -> list[str]:
+    """Markdown table; the last `right` columns right-aligned."""
+    align = ["---"] * (len(header) - right) + ["---:"] * right
+    return ["| " + " | ".join(r) + " |" for r in [header, align, *rows]]
+
+
+# ------------------------------------------------------------------------------------------------
+# The 2-vCPU VM
+# ------------------------------------------------------------------------------------------------
+
+
+def vm_datapath() -> list[str]:
+    path = f"{VM_RESULTS}/datapath_2026-12-05/datapath_bpo1_a.json"
+    d = load(path)
+    rows = []
+    for system, (label, base) in DATAPATH_SYSTEMS.items():
+        g, c, r = d["gbps"], d["cpu_s_per_gb"], d["block_median_ratios"]
+        vs = "1" if base is None else f"{ratio(r[f'{system}/{base} put'])} / {ratio(r[f'{system}/{base} get'])}"
+        rows.append([label, f"{med(g[system + ' put']):.2f} / {med(g[system + ' get']):.2f}",
+                     f"{med(c[system + ' put']):.2f} / {med(c[system + ' get']):.2f}", vs if base is None
+                     else f"{vs} of `{base}`"])
+    what = (f"`python3 bench/datapath.py --no-redis --reps {d['reps']}`: {d['value_bytes'] >> 20} MiB values, "
+            f"{d['threads']} threads, {d['nodes']} node, one value per request, the systems interleaved in blocks")
+    return [source_line([path], what), "",
+            *table(["client path", "GB/s PUT / GET", "CPU-s per GB PUT / GET", "vs the raw design on the same "
+                    "transport, PUT / GET: median (min-max) of the repetitions"], rows)]
+
+
+def vm_batched() -> list[str]:
+    paths = [f"{VM_RESULTS}/datapath_2026-12-05/datapath_bpo8_{x}.json" for x in "abc"]
+    rows = []
+    for i, path in enumerate(paths, 1):
+        d = load(path)
+        g, r = d["gbps"], d["block_median_ratios"]
+        rows.append([f"invocation {i}",
+                     f"{med(g['memkv-shm put']):.2f} / {med(g['memkv-shm get']):.2f}",
+                     f"{med(g['raw-unix put']):.2f} / {med(g['raw-unix get']):.2f}",
+                     ratio(r["memkv-shm/raw-unix put"]), ratio(r["memkv-shm/raw-unix get"])])
+    d = load(paths[0])
+    what = (f"`python3 bench/datapath.py --no-redis --reps {d['reps']} --blocks-per-op {d['blocks_per_op']}` "
+            f"three times back to back: {d['value_bytes'] >> 20} MiB values, {d['blocks_per_op']} per request "
+            f"(the tier's `blocks_per_op`), {d['threads']} threads")
+    return [source_line(paths, what), "",
+            *table(["", "default client GB/s PUT / GET", "raw-unix GB/s PUT / GET", "PUT vs raw-unix",
+                    "GET vs raw-unix"], rows)]
+
+
+def vm_lookups() -> list[str]:
+    path = f"{VM_RESULTS}/lookups.json"
+    d = load(path)
+    rows = [[str(r["nodes"]), str(r["keys"]), f"{r['p50_us'] / 1000:.2f}", f"{r['p99_us'] / 1000:.2f}"]
+            for r in d["rows"]]
+    what = (f"`python3 bench/lookups.py`: `exists` of N keys (half stored) over loopback TCP; the raw "
+            f"100-byte round trip in the same run: p50 {d['raw_rtt_us']['p50']:.0f} us")
+    return [source_line([path], what), "", *table(["nodes", "keys", "p50 ms", "p99 ms"], rows, right=4)]
+
+
+def vm_memory() -> list[str]:
+    path = f"{VM_RESULTS}/datapath_2026-12-05/memory.json"
+    d = load(path)
+    rows = []
+    for r in d["rows"]:
+        base, final = r["baseline_rss"], r["final"]
+        within = all(s["rss"] <= 1.05 * s["stored"] + base + (64 << 20) for s in r["samples"])
+        rows.append([f"{r['value_bytes'] >> 20} MiB", f"{r['capacity_bytes'] / (1 << 30):.0f} GiB",
+                     f"{(final['rss'] - base) / final['stored']:.3f}", "yes" if within else "**no**"])
+    what = "`python3 bench/memory.py --capacity 1GiB --sizes 4MiB,16MiB`: a node filled to 1.5x its capacity (it evicts)"
+    return [source_line([path], what), "",
+            *table(["value size", "capacity", "(RSS - baseline) / stored at the end",
+                    "RSS <= 1.05 x stored + 64 MiB at every sample"], rows)]
+
+
+def vm_tier() -> list[str]:
+    paths = [f"{VM_RESULTS}/tier.json", f"{VM_RESULTS}/tier-512rows.json"]
+    rows = []
+    for path in paths:
+        d = load(path)
+        size = d["rows"] * d["row_bytes"] / (1 << 30)
+        for tier, runs in d["runs"].items():
+            rows.append([f"{d['rows']} x {d['row_bytes'] >> 20} MiB ({size:g} GiB)", tier,
+                         f"{med([x['promote_s'] for x in runs]) * 1000:.0f}",
+                         f"{med([x['promote_gbps'] for x in runs]):.2f}",
+                         f"{med([x['cascade_gbps'] for x in runs]):.2f}"])
+    d = load(paths[0])
+    what = (f"`python3 bench/tier.py [--rows 512]` in a vLLM {d['vllm']} environment: vLLM's real "
+            f"`TieringOffloadingManager`, headless, {d['threads']} threads per tier; promotion = a restarted "
+            f"engine's load of the whole prompt, rows byte-exact")
+    return [source_line(paths, what), "",
+            *table(["prompt", "tier", "promotion ms", "promotion GB/s", "cascade GB/s"], rows, right=3)]
+
+
+# ------------------------------------------------------------------------------------------------
+# The H200 host (bench/gpu/ttft.py)
+# ------------------------------------------------------------------------------------------------
+
+GPU_RUNS = [
+    (f"{GPU_RESULTS}/run54-defaults-main-restart-notier.json", "54", "co-located: shared memory (the default)"),
+    (f"{GPU_RESULTS}/run55-shm-off-main-restart.json", "55", "same-host socket (`MEMKV_SHARED_MEMORY=off`)"),
+    (f"{GPU_RESULTS}/run44-tcp-main.json", "44", "TCP on loopback (`MEMKV_LOCAL_SOCKET=off`)"),
+    (f"{GPU_RESULTS}/run47-tcp-main.json", "47", "TCP on loopback (`MEMKV_LOCAL_SOCKET=off`)"),
+]
+TOKENS = (8192, 32768, 65536)
+
+
+def seconds(doc: dict, engine: str, phase: str, tokens: int) -> list[float]:
+    runs = doc["engines"].get(engine, {}).get("runs", [])
+    return [r["seconds"] for r in runs if r["phase"] == phase and r["tokens"] == tokens]
+
+
+def pair(xs: list[float]) -> str:
+    return " / ".join(f"{x:.2f}" for x in xs) if xs else "-"
+
+
+def gpu_ttft() -> list[str]:
+    rows = []
+    for path, run, label in GPU_RUNS:
+        d = load(path)
+        date = d["meta"]["host"]["date_utc"]
+        main = [pair(seconds(d, "main", "memkv", t)) for t in TOKENS]
+        restart = [pair(seconds(d, "restart", "restart_memkv", t)) for t in TOKENS]
+        rows.append([f"{label}: run {run}, {date}, commit {COMMITS[path]}", "main", *main])
+        if any(x != "-" for x in restart):
+            rows.append(["", "restarted", *restart])
+    ref = load(GPU_RUNS[0][0])
+    rows.append(["recompute (no cache), run 54", "", *[pair(seconds(ref, "main", "recompute", t)) for t in TOKENS]])
+    rows.append(["vLLM's own CPU-pool hit, run 54", "", *[pair(seconds(ref, "main", "cpu_hit", t)) for t in TOKENS]])
+    host = ref["meta"]["host"]
+    what = (f"`python3 bench/gpu/ttft.py --phases main,restart` (run 54 also `notier`): time to first token of "
+            f"a revisited prompt, the two repetitions, seconds; {host['gpu'].split(',')[0]}, {host['cpus']} vCPUs, "
+            f"vLLM {ref['engines']['main']['versions']['vllm']}, 4 nodes on the same host")
+    dates = sorted(load(p)["meta"]["host"]["date_utc"] for p, _, _ in GPU_RUNS)
+    commits = ", ".join(dict.fromkeys(COMMITS[p] for p, _, _ in GPU_RUNS))
+    files = ", ".join(f"`{p}`" for p, _, _ in GPU_RUNS)
+    return [f"{what}; {dates[0]} to {dates[-1]}, commits {commits} (each row names its own); source: {files}.", "",
+            *table(["client path: run, date, commit", "engine", "8k tokens (2 GiB)", "32k (8 GiB)", "64k (16 GiB)"],
+                   rows)]
+
+
+def gpu_cold() -> list[str]:
+    path = GPU_RUNS[0][0]
+    d = load(path)
+    rows = []
+    for t in TOKENS:
+        with_tier, without = seconds(d, "main", "recompute", t), seconds(d, "notier", "recompute_notier", t)
+        rows.append([f"{t // 1024}k", pair(with_tier), pair(without), f"{med(with_tier) / med(without):.3f}"])
+    what = ("A prompt's first (cold) run with the tier configured against the same engine with no secondary "
+            "tier, same call, seconds")
+    host = d["meta"]["host"]
+    return [f"{what}; run 54, {host['gpu'].split(',')[0]}, {host['date_utc']}, commit {COMMITS[path]}; "
+            f"source: `{path}`.", "",
+            *table(["prompt", "with the MemKV tier", "without a secondary tier", "with / without (medians)"],
+                   rows, right=1)]
+
+
+TABLES: dict[str, Callable[[], list[str]]] = {
+    "vm-datapath": vm_datapath,
+    "vm-batched": vm_batched,
+    "vm-lookups": vm_lookups,
+    "vm-memory": vm_memory,
+    "vm-tier": vm_tier,
+    "gpu-ttft": gpu_ttft,
+    "gpu-cold": gpu_cold,
+}
+
+BLOCK = re.compile(r"(<!-- table: (?P<name>[\w-]+) -->\n)(?P<body>.*?)(<!-- /table -->)", re.S)
+
+
+def render(text: str) -> str:
+    """The page with every table block regenerated; an unknown table name is an error."""
+
+    def one(m: re.Match[str]) -> str:
+        name = m.group("name")
+        if name not in TABLES:
+            raise SystemExit(f"docs/performance.md: no table named {name!r} (known: {', '.join(TABLES)})")
+        return m.group(1) + "\n".join(TABLES[name]()) + "\n" + m.group(4)
+
+    return BLOCK.sub(one, text)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--check", action="store_true", help="exit 1 if the page differs from what the JSON gives")
+    ap.add_argument("--page", type=Path, default=PAGE)
+    args = ap.parse_args()
+    text = args.page.read_text()
+    new = render(text)
+    if args.check:
+        if new != text:
+            sys.stdout.writelines(difflib.unified_diff(text.splitlines(True), new.splitlines(True), "page", "from JSON"))
+            return 1
+        return 0
+    args.page.write_text(new)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
