@@ -99,14 +99,31 @@ def vm_datapath() -> list[str]:
     for system, (label, base) in DATAPATH_SYSTEMS.items():
         g, c, r = d["gbps"], d["cpu_s_per_gb"], d["block_median_ratios"]
         vs = "1" if base is None else f"{ratio(r[f'{system}/{base} put'])} / {ratio(r[f'{system}/{base} get'])}"
-        rows.append([label, f"{med(g[system + ' put']):.2f} / {med(g[system + ' get']):.2f}",
-                     f"{med(c[system + ' put']):.2f} / {med(c[system + ' get']):.2f}", vs if base is None
-                     else f"{vs} of `{base}`"])
-    what = (f"`python3 bench/datapath.py --no-redis --reps {d['reps']}`: {d['value_bytes'] >> 20} MiB values, "
-            f"{d['threads']} threads, {d['nodes']} node, one value per request, the systems interleaved in blocks")
-    return [source_line([path], what), "",
-            *table(["client path", "GB/s PUT / GET", "CPU-s per GB PUT / GET", "vs the raw design on the same "
-                    "transport, PUT / GET: median (min-max) of the repetitions"], rows)]
+        rows.append(
+            [
+                label,
+                f"{med(g[system + ' put']):.2f} / {med(g[system + ' get']):.2f}",
+                f"{med(c[system + ' put']):.2f} / {med(c[system + ' get']):.2f}",
+                vs if base is None else f"{vs} of `{base}`",
+            ]
+        )
+    what = (
+        f"`python3 bench/datapath.py --no-redis --reps {d['reps']}`: {d['value_bytes'] >> 20} MiB values, "
+        f"{d['threads']} threads, {d['nodes']} node, one value per request, the systems interleaved in blocks"
+    )
+    return [
+        source_line([path], what),
+        "",
+        *table(
+            [
+                "client path",
+                "GB/s PUT / GET",
+                "CPU-s per GB PUT / GET",
+                "vs the raw design on the same transport, PUT / GET: median (min-max) of the repetitions",
+            ],
+            rows,
+        ),
+    ]
 
 
 def vm_batched() -> list[str]:
@@ -115,26 +132,40 @@ def vm_batched() -> list[str]:
     for i, path in enumerate(paths, 1):
         d = load(path)
         g, r = d["gbps"], d["block_median_ratios"]
-        rows.append([f"invocation {i}",
-                     f"{med(g['memkv-shm put']):.2f} / {med(g['memkv-shm get']):.2f}",
-                     f"{med(g['raw-unix put']):.2f} / {med(g['raw-unix get']):.2f}",
-                     ratio(r["memkv-shm/raw-unix put"]), ratio(r["memkv-shm/raw-unix get"])])
+        rows.append(
+            [
+                f"invocation {i}",
+                f"{med(g['memkv-shm put']):.2f} / {med(g['memkv-shm get']):.2f}",
+                f"{med(g['raw-unix put']):.2f} / {med(g['raw-unix get']):.2f}",
+                ratio(r["memkv-shm/raw-unix put"]),
+                ratio(r["memkv-shm/raw-unix get"]),
+            ]
+        )
     d = load(paths[0])
-    what = (f"`python3 bench/datapath.py --no-redis --reps {d['reps']} --blocks-per-op {d['blocks_per_op']}` "
-            f"three times back to back: {d['value_bytes'] >> 20} MiB values, {d['blocks_per_op']} per request "
-            f"(the tier's `blocks_per_op`), {d['threads']} threads")
-    return [source_line(paths, what), "",
-            *table(["", "default client GB/s PUT / GET", "raw-unix GB/s PUT / GET", "PUT vs raw-unix",
-                    "GET vs raw-unix"], rows)]
+    what = (
+        f"`python3 bench/datapath.py --no-redis --reps {d['reps']} --blocks-per-op {d['blocks_per_op']}` "
+        f"three times back to back: {d['value_bytes'] >> 20} MiB values, {d['blocks_per_op']} per request "
+        f"(the tier's `blocks_per_op`), {d['threads']} threads"
+    )
+    return [
+        source_line(paths, what),
+        "",
+        *table(
+            ["", "default client GB/s PUT / GET", "raw-unix GB/s PUT / GET", "PUT vs raw-unix", "GET vs raw-unix"], rows
+        ),
+    ]
 
 
 def vm_lookups() -> list[str]:
     path = f"{VM_RESULTS}/lookups.json"
     d = load(path)
-    rows = [[str(r["nodes"]), str(r["keys"]), f"{r['p50_us'] / 1000:.2f}", f"{r['p99_us'] / 1000:.2f}"]
-            for r in d["rows"]]
-    what = (f"`python3 bench/lookups.py`: `exists` of N keys (half stored) over loopback TCP; the raw "
-            f"100-byte round trip in the same run: p50 {d['raw_rtt_us']['p50']:.0f} us")
+    rows = [
+        [str(r["nodes"]), str(r["keys"]), f"{r['p50_us'] / 1000:.2f}", f"{r['p99_us'] / 1000:.2f}"] for r in d["rows"]
+    ]
+    what = (
+        f"`python3 bench/lookups.py`: `exists` of N keys (half stored) over loopback TCP; the raw "
+        f"100-byte round trip in the same run: p50 {d['raw_rtt_us']['p50']:.0f} us"
+    )
     return [source_line([path], what), "", *table(["nodes", "keys", "p50 ms", "p99 ms"], rows, right=4)]
 
 
@@ -145,12 +176,30 @@ def vm_memory() -> list[str]:
     for r in d["rows"]:
         base, final = r["baseline_rss"], r["final"]
         within = all(s["rss"] <= 1.05 * s["stored"] + base + (64 << 20) for s in r["samples"])
-        rows.append([f"{r['value_bytes'] >> 20} MiB", f"{r['capacity_bytes'] / (1 << 30):.0f} GiB",
-                     f"{(final['rss'] - base) / final['stored']:.3f}", "yes" if within else "**no**"])
-    what = "`python3 bench/memory.py --capacity 1GiB --sizes 4MiB,16MiB`: a node filled to 1.5x its capacity (it evicts)"
-    return [source_line([path], what), "",
-            *table(["value size", "capacity", "(RSS - baseline) / stored at the end",
-                    "RSS <= 1.05 x stored + 64 MiB at every sample"], rows)]
+        rows.append(
+            [
+                f"{r['value_bytes'] >> 20} MiB",
+                f"{r['capacity_bytes'] / (1 << 30):.0f} GiB",
+                f"{(final['rss'] - base) / final['stored']:.3f}",
+                "yes" if within else "**no**",
+            ]
+        )
+    what = (
+        "`python3 bench/memory.py --capacity 1GiB --sizes 4MiB,16MiB`: a node filled to 1.5x its capacity (it evicts)"
+    )
+    return [
+        source_line([path], what),
+        "",
+        *table(
+            [
+                "value size",
+                "capacity",
+                "(RSS - baseline) / stored at the end",
+                "RSS <= 1.05 x stored + 64 MiB at every sample",
+            ],
+            rows,
+        ),
+    ]
 
 
 def vm_tier() -> list[str]:
@@ -160,16 +209,26 @@ def vm_tier() -> list[str]:
         d = load(path)
         size = d["rows"] * d["row_bytes"] / (1 << 30)
         for tier, runs in d["runs"].items():
-            rows.append([f"{d['rows']} x {d['row_bytes'] >> 20} MiB ({size:g} GiB)", tier,
-                         f"{med([x['promote_s'] for x in runs]) * 1000:.0f}",
-                         f"{med([x['promote_gbps'] for x in runs]):.2f}",
-                         f"{med([x['cascade_gbps'] for x in runs]):.2f}"])
+            rows.append(
+                [
+                    f"{d['rows']} x {d['row_bytes'] >> 20} MiB ({size:g} GiB)",
+                    tier,
+                    f"{med([x['promote_s'] for x in runs]) * 1000:.0f}",
+                    f"{med([x['promote_gbps'] for x in runs]):.2f}",
+                    f"{med([x['cascade_gbps'] for x in runs]):.2f}",
+                ]
+            )
     d = load(paths[0])
-    what = (f"`python3 bench/tier.py [--rows 512]` in a vLLM {d['vllm']} environment: vLLM's real "
-            f"`TieringOffloadingManager`, headless, {d['threads']} threads per tier; promotion = a restarted "
-            f"engine's load of the whole prompt, rows byte-exact")
-    return [source_line(paths, what), "",
-            *table(["prompt", "tier", "promotion ms", "promotion GB/s", "cascade GB/s"], rows, right=3)]
+    what = (
+        f"`python3 bench/tier.py [--rows 512]` in a vLLM {d['vllm']} environment: vLLM's real "
+        f"`TieringOffloadingManager`, headless, {d['threads']} threads per tier; promotion = a restarted "
+        f"engine's load of the whole prompt, rows byte-exact"
+    )
+    return [
+        source_line(paths, what),
+        "",
+        *table(["prompt", "tier", "promotion ms", "promotion GB/s", "cascade GB/s"], rows, right=3),
+    ]
 
 
 # ------------------------------------------------------------------------------------------------
@@ -208,15 +267,19 @@ def gpu_ttft() -> list[str]:
     rows.append(["recompute (no cache), run 54", "", *[pair(seconds(ref, "main", "recompute", t)) for t in TOKENS]])
     rows.append(["vLLM's own CPU-pool hit, run 54", "", *[pair(seconds(ref, "main", "cpu_hit", t)) for t in TOKENS]])
     host = ref["meta"]["host"]
-    what = (f"`python3 bench/gpu/ttft.py --phases main,restart` (run 54 also `notier`): time to first token of "
-            f"a revisited prompt, the two repetitions, seconds; {host['gpu'].split(',')[0]}, {host['cpus']} vCPUs, "
-            f"vLLM {ref['engines']['main']['versions']['vllm']}, 4 nodes on the same host")
+    what = (
+        f"`python3 bench/gpu/ttft.py --phases main,restart` (run 54 also `notier`): time to first token of "
+        f"a revisited prompt, the two repetitions, seconds; {host['gpu'].split(',')[0]}, {host['cpus']} vCPUs, "
+        f"vLLM {ref['engines']['main']['versions']['vllm']}, 4 nodes on the same host"
+    )
     dates = sorted(load(p)["meta"]["host"]["date_utc"] for p, _, _ in GPU_RUNS)
     commits = ", ".join(dict.fromkeys(COMMITS[p] for p, _, _ in GPU_RUNS))
     files = ", ".join(f"`{p}`" for p, _, _ in GPU_RUNS)
-    return [f"{what}; {dates[0]} to {dates[-1]}, commits {commits} (each row names its own); source: {files}.", "",
-            *table(["client path: run, date, commit", "engine", "8k tokens (2 GiB)", "32k (8 GiB)", "64k (16 GiB)"],
-                   rows)]
+    return [
+        f"{what}; {dates[0]} to {dates[-1]}, commits {commits} (each row names its own); source: {files}.",
+        "",
+        *table(["client path: run, date, commit", "engine", "8k tokens (2 GiB)", "32k (8 GiB)", "64k (16 GiB)"], rows),
+    ]
 
 
 def gpu_cold() -> list[str]:
@@ -226,13 +289,18 @@ def gpu_cold() -> list[str]:
     for t in TOKENS:
         with_tier, without = seconds(d, "main", "recompute", t), seconds(d, "notier", "recompute_notier", t)
         rows.append([f"{t // 1024}k", pair(with_tier), pair(without), f"{med(with_tier) / med(without):.3f}"])
-    what = ("A prompt's first (cold) run with the tier configured against the same engine with no secondary "
-            "tier, same call, seconds")
+    what = (
+        "A prompt's first (cold) run with the tier configured against the same engine with no secondary "
+        "tier, same call, seconds"
+    )
     host = d["meta"]["host"]
-    return [f"{what}; run 54, {host['gpu'].split(',')[0]}, {host['date_utc']}, commit {COMMITS[path]}; "
-            f"source: `{path}`.", "",
-            *table(["prompt", "with the MemKV tier", "without a secondary tier", "with / without (medians)"],
-                   rows, right=1)]
+    return [
+        f"{what}; run 54, {host['gpu'].split(',')[0]}, {host['date_utc']}, commit {COMMITS[path]}; source: `{path}`.",
+        "",
+        *table(
+            ["prompt", "with the MemKV tier", "without a secondary tier", "with / without (medians)"], rows, right=1
+        ),
+    ]
 
 
 TABLES: dict[str, Callable[[], list[str]]] = {
@@ -269,7 +337,9 @@ def main() -> int:
     new = render(text)
     if args.check:
         if new != text:
-            sys.stdout.writelines(difflib.unified_diff(text.splitlines(True), new.splitlines(True), "page", "from JSON"))
+            sys.stdout.writelines(
+                difflib.unified_diff(text.splitlines(True), new.splitlines(True), "page", "from JSON")
+            )
             return 1
         return 0
     args.page.write_text(new)
