@@ -7,7 +7,7 @@ Why: vLLM's scheduler steps back to back while requests wait on a tier. When the
 GPU work in this process (tensor parallel: the model runs in worker processes), each step is
 pure Python, and the tier's lookup and load threads get the GIL only at forced switches (every
 5 ms). On an H200 TP=2 engine a 512-key lookup took 1.4-5 s instead of 6 ms
-(docs/performance.md). The tier now sleeps `step_yield_ms` at the end of a step while a lookup
+(docs/archive/performance-log.md). The tier now sleeps `step_yield_ms` at the end of a step while a lookup
 or load of its own is in flight.
 
 What runs: two real `memkv serve` nodes; an engine (vLLM's real TieringOffloadingManager,

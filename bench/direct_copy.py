@@ -3,7 +3,7 @@
     .nox/conformance-0-33-0/bin/python bench/direct_copy.py [--chunks 64] [--layers 64] [--reps 5]
     python3 bench/direct_copy.py --device cuda --chunks 512     # GPU host: torch only, no vLLM needed
 
-Why: on the H200 (run 23, docs/direct-mode.md) a leased load spent its whole time in the worker's
+Why: on the H200 (run 23, docs/archive/direct-mode-runs.md) a leased load spent its whole time in the worker's
 copy thread, then issuing one `copy_` per (chunk, tensor) run, hundreds per 16 MiB chunk, each
 re-taking the GIL that at TP=1 the worker shares with vLLM's scheduler loop. This compares the
 per-run loop (`copy_runs`), one `_foreach_copy_` for all runs (`copy_runs_foreach`) and the

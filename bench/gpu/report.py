@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Tables (markdown) and the plots of docs/performance.md "GPU end to end", from the JSON files
+"""Tables (markdown) and the plots of docs/archive/performance-log.md "GPU end to end", from the JSON files
 that bench/gpu/ttft.py, bench/gpu/serve.py and bench/gpu/xfer.py wrote on the GPU host (copied to
 bench/gpu/results/). Runs anywhere (matplotlib only).
 
