@@ -31,11 +31,37 @@
 #include <sys/time.h>
 #include <time.h>
 
-#define XXH_STATIC_LINKING_ONLY
-#include "xxhash.h"
-#if defined(MEMKV_XXH_X86_DISPATCH)
-#include "xxh_x86dispatch.h" /* XXH3_128bits_update -> the AVX2/AVX-512 variant the CPU has */
+/* xxHash from the system's header (Debian/Ubuntu: libxxhash-dev), inlined: no copy of it in this
+ * tree, nothing linked. This unit assumes only the build's baseline (SSE2 on x86-64). */
+#define XXH_INLINE_ALL
+#include <xxhash.h>
+
+/* The update loop is the one place where the vector width pays (SSE2 hashes at about a third of
+ * AVX2's speed): chosen once, at import, from what the CPU has (csrc/xxh3_avx2.c). The state's
+ * layout does not depend on it, so reset and digest stay here. */
+typedef void (*xxh3_update_fn)(XXH3_state_t *, const void *, size_t);
+
+static void xxh3_update_baseline(XXH3_state_t *state, const void *data, size_t len) {
+    (void)XXH3_128bits_update(state, data, len);
+}
+
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#define MEMKV_XXH3_AVX2 1
+void memkv_xxh3_update_avx2(XXH3_state_t *state, const void *data, size_t len);
 #endif
+
+static xxh3_update_fn xxh3_update = xxh3_update_baseline;
+static const char *xxh3_variant = "baseline";
+
+static void choose_xxh3_update(void) {
+#if defined(MEMKV_XXH3_AVX2)
+    __builtin_cpu_init();
+    if (__builtin_cpu_supports("avx2")) {
+        xxh3_update = memkv_xxh3_update_avx2;
+        xxh3_variant = "avx2";
+    }
+#endif
+}
 
 #define REARM_S 0.05
 
@@ -117,7 +143,7 @@ static PyObject *recv_xxh3_into(PyObject *self, PyObject *args) {
         ssize_t n = recv(fd, base + got, want, MSG_WAITALL);
         if (n > 0) {
             got += (size_t)n;
-            XXH3_128bits_update(state, base + hashed, got - hashed);
+            xxh3_update(state, base + hashed, (size_t)(got - hashed));
             hashed = got;
             continue;
         }
@@ -218,7 +244,7 @@ static PyObject *copy_xxh3(PyObject *self, PyObject *args) {
     for (size_t off = 0; off < total; off += (size_t)piece) {
         size_t n = total - off < (size_t)piece ? total - off : (size_t)piece;
         memcpy(dst + off, src + off, n);
-        XXH3_128bits_update(state, dst + off, n);
+        xxh3_update(state, dst + off, n);
     }
     Py_END_ALLOW_THREADS
     PyBuffer_Release(&source);
@@ -230,18 +256,22 @@ static PyObject *copy_xxh3(PyObject *self, PyObject *args) {
 }
 
 static PyObject *xxh3_128_digest(PyObject *self, PyObject *args) {
-    /* The one-shot digest of this build, for the tests that hold it to python-xxhash's. */
+    /* The one-shot digest of this build, for the tests that hold it to python-xxhash's:
+     * through the update loop chosen at import, or the baseline one when `baseline` is true
+     * (so that both are held to it on a CPU that picks AVX2). */
     (void)self;
     Py_buffer view;
-    if (!PyArg_ParseTuple(args, "y*", &view)) {
+    int baseline = 0;
+    if (!PyArg_ParseTuple(args, "y*|p", &view, &baseline)) {
         return NULL;
     }
+    xxh3_update_fn update = baseline ? xxh3_update_baseline : xxh3_update;
     XXH3_state_t *state = new_state();
     if (state == NULL) {
         PyBuffer_Release(&view);
         return NULL;
     }
-    XXH3_128bits_update(state, view.buf, (size_t)view.len);
+    update(state, view.buf, (size_t)view.len);
     XXH128_canonical_t canon;
     XXH128_canonicalFromHash(&canon, XXH3_128bits_digest(state));
     XXH3_freeState(state);
@@ -254,7 +284,7 @@ static PyMethodDef methods[] = {
      "recv_xxh3_into(fd, buffer, piece_bytes, deadline) -> (got, errno, digest or None)"},
     {"copy_xxh3", copy_xxh3, METH_VARARGS,
      "copy_xxh3(target, source, piece_bytes, populate=False) -> digest of the copy (16 bytes)"},
-    {"xxh3_128_digest", xxh3_128_digest, METH_VARARGS, "xxh3_128_digest(data) -> 16 bytes"},
+    {"xxh3_128_digest", xxh3_128_digest, METH_VARARGS, "xxh3_128_digest(data, baseline=False) -> 16 bytes"},
     {NULL, NULL, 0, NULL},
 };
 
@@ -264,4 +294,13 @@ static struct PyModuleDef module = {
     NULL, NULL, NULL, NULL,
 };
 
-PyMODINIT_FUNC PyInit__recv_verify(void) { return PyModule_Create(&module); }
+PyMODINIT_FUNC PyInit__recv_verify(void) {
+    choose_xxh3_update();
+    PyObject *m = PyModule_Create(&module);
+    /* Which update loop this CPU runs ("avx2" or "baseline"), for tests and benchmarks. */
+    if (m != NULL && PyModule_AddStringConstant(m, "XXH3_VARIANT", xxh3_variant) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}
