@@ -116,8 +116,10 @@ _REFUSE_CUDA_TORCH = (
 NIXL = "nixl-cu12==1.5.1"  # the RDMA transport; its metadata pulls a CUDA torch, so --no-deps
 
 
-def conformance(session: nox.Session, vllm: str, env: dict[str, str] | None = None) -> None:
-    """Install torch, vLLM ``vllm`` and its import deps, the project; run tests/conformance."""
+def conformance(session: nox.Session, vllm: str, env: dict[str, str] | None = None,
+                paths: list[str] | None = None) -> None:
+    """Install torch, vLLM ``vllm`` and its import deps, the project; run tests/conformance and the
+    tier's fault tests (or ``paths``)."""
     deps = VLLM_IMPORT_DEPS[vllm]
     session.install(TORCH)
     session.run_install("python", "-c", _REFUSE_CUDA_TORCH, silent=True)
@@ -129,8 +131,9 @@ def conformance(session: nox.Session, vllm: str, env: dict[str, str] | None = No
     # The tier's fault tests (tests/faults/test_tier_*.py) need vLLM too, so they run here.
     if env and env.get("MEMKV_TEST_TRANSPORT") == "rdma":
         session.install("--no-deps", NIXL)
+    paths = paths or ["-m", "conformance or faults", "tests/conformance", *sorted(glob.glob("tests/faults/test_tier_*.py"))]
     session.run(
-        "pytest", "-m", "conformance or faults", "tests/conformance", *sorted(glob.glob("tests/faults/test_tier_*.py")),
+        "pytest", *paths,
         *session.posargs,
         env={"PYTHONHASHSEED": "0", **(env or {})},
     )  # fmt: skip
@@ -158,6 +161,27 @@ def conformance_rdma(session: nox.Session) -> None:
     # On a host with NVIDIA GPUs NIXL's UCX backend refuses a UCX_TLS without cuda_copy (docs/rdma.md).
     tls = "cma,tcp,self" + (",cuda_copy" if any(os.path.exists(p) for p in ("/dev/nvidia0", "/proc/driver/nvidia/gpus")) else "")
     conformance(session, VLLM_RELEASES[-1], env={"MEMKV_TEST_TRANSPORT": "rdma", "UCX_TLS": tls, "UCX_NET_DEVICES": "lo"})
+
+
+# The scenarios that matter across hosts, against nodes in network namespaces of their own (tests/netns.py):
+# no same-host socket, no shared memory, TCP over a veth pair, as a node on another host is reached.
+REMOTE_SCENARIOS = [
+    "tests/integration/test_topology.py",  # the topology is what it claims: via=tcp, same_host=0/N
+    "tests/faults",  # the client's fault suite and the tier's (killed, stalled, black-holed node; TLS)
+    "tests/conformance/test_connector_prefix.py",  # README config: a long prompt whole, restart; backlog prefix
+    "tests/conformance/test_memkv_tier.py::test_cascade_then_promotion_after_pool_eviction_is_byte_exact",  # + TLS
+    "tests/conformance/test_memkv_tier.py::test_restarted_engine_hits_the_blocks_its_predecessor_stored",
+    "tests/conformance/test_memkv_tier.py::test_killed_node_degrades_its_keys_to_miss_and_the_rest_still_promote",
+    "tests/conformance/test_memkv_tier.py::test_stalled_node_lookups_resolve_miss_within_lookup_timeout",
+    "tests/conformance/test_memkv_tier.py::test_ready_line_says_the_settings_in_force_and_which_receive_loop_runs",
+]
+
+
+@nox.session(name="conformance-remote", tags=["conformance"], reuse_venv=True)
+def conformance_remote(session: nox.Session) -> None:
+    """The newest vLLM, every node on another host (its own network namespace, MEMKV_TEST_TOPOLOGY=remote):
+    the tier's cross-host scenarios and the client's fault suite over TCP only. Needs root and iproute2."""
+    conformance(session, VLLM_RELEASES[-1], env={"MEMKV_TEST_TOPOLOGY": "remote"}, paths=REMOTE_SCENARIOS)
 
 
 @nox.session(name="tests", reuse_venv=True)

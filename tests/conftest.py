@@ -7,6 +7,9 @@
 * `make_client(nodes, ...)`: a factory for `memkv.Client` over a list of nodes, with small
   timeouts suited to tests; every client it built is closed when the test ends.
 * `wait_until(predicate, timeout_s)`: the one way tests wait: a deadline-bounded poll.
+* `MEMKV_TEST_TOPOLOGY=remote`: every node the factories start runs on another host, a network
+  namespace of its own behind a veth pair (tests/netns.py), so that clients reach it as a node of
+  another machine: TCP only, no same-host socket, no shared memory. Unset (or "local"): 127.0.0.1.
 * `wire`: "plain", or "tls" for the second run of a test marked `over_tls_too` (or of a module
   with `OVER_TLS_TOO = True` whose test starts nodes); the fixtures that start nodes read it.
 
@@ -15,6 +18,7 @@ Nothing here sleeps unbounded or loops without a bound.
 
 from __future__ import annotations
 
+import os
 import subprocess
 import threading
 import time
@@ -25,9 +29,14 @@ import pytest
 from memkv import Client, ClientConfig
 from memkv.config import AuthKey, ClientTls, ServerAddress
 from memkv.local import LocalNode, new_key_hex
+from tests.netns import NetnsHost
 from tests.tlscerts import node_tls_args, session_pki
 
 DEFAULT_CAPACITY = "256MiB"
+TOPOLOGY = os.environ.get("MEMKV_TEST_TOPOLOGY", "") or "local"
+if TOPOLOGY not in ("local", "remote"):
+    raise RuntimeError(f"MEMKV_TEST_TOPOLOGY={TOPOLOGY!r}: expected 'local' or 'remote'")
+REMOTE = TOPOLOGY == "remote"
 
 
 @pytest.fixture(scope="session")
@@ -61,6 +70,7 @@ class NodeFactory:
     def __init__(self, auth_key_hex: str, tls: bool = False) -> None:
         self.auth_key_hex = auth_key_hex
         self.nodes: list[LocalNode] = []
+        self.hosts: list[NetnsHost] = []  # MEMKV_TEST_TOPOLOGY=remote: one per node
         self.tls = tls  # the default of __call__'s `tls`
 
     def __call__(
@@ -76,14 +86,15 @@ class NodeFactory:
         `client_tls` then holds the settings that trust it (build_client, RawSession and
         tests/faults/nodeops.py pick them up)."""
         pki = session_pki() if (self.tls if tls is None else tls) else None
-        node = LocalNode(
-            self.auth_key_hex if auth_key_hex is None else auth_key_hex,
-            capacity=capacity,
-            extra_args=[*extra_args, *(node_tls_args(pki) if pki else ())],
-            ready_timeout_s=30.0,
-            env=env,
-            preexec_fn=preexec_fn,
-        )
+        key = self.auth_key_hex if auth_key_hex is None else auth_key_hex
+        args = [*extra_args, *(node_tls_args(pki) if pki else ())]
+        if REMOTE:
+            host = NetnsHost()
+            self.hosts.append(host)
+            node = host.start_node(key, capacity=capacity, extra_args=args, env=env, preexec_fn=preexec_fn)
+        else:
+            node = LocalNode(key, capacity=capacity, extra_args=args, ready_timeout_s=30.0, env=env,
+                             preexec_fn=preexec_fn)
         node.client_tls = ClientTls(ca=pki.ca) if pki else None  # type: ignore[attr-defined]
         self.nodes.append(node)
         return node
@@ -97,6 +108,9 @@ class NodeFactory:
                 node.stop(timeout_s=10.0)
             except (OSError, subprocess.TimeoutExpired):  # keep stopping the others
                 node.kill()
+        for host in self.hosts:
+            host.close()
+        self.hosts.clear()
 
 
 def _node_factory(auth_key_hex: str, tls: bool = False) -> Iterator[NodeFactory]:

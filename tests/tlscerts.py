@@ -3,7 +3,7 @@
 `make_pki(directory)` writes PEM files and returns their paths as a `Pki`:
 
 * `ca`: the CA that signs everything below; `other_ca`: a CA nobody here trusts;
-* `server`: the node, for 127.0.0.1 and localhost; `server2`: a second node certificate from
+* `server`: the node, for 127.0.0.1, localhost and the node addresses of tests/netns.py; `server2`: a second node certificate from
   the same CA (a rotation target, with another serial number); `wrong_name`: a node
   certificate for `elsewhere.example` only; `expired`: a node certificate that expired;
   `rogue`: a node certificate signed by `other_ca`;
@@ -25,6 +25,8 @@ from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+from tests.netns import node_addresses
 
 
 @dataclasses.dataclass(frozen=True)
@@ -131,7 +133,7 @@ def make_pki(directory: Path) -> Pki:
     directory.mkdir(parents=True, exist_ok=True)
     ca = _ca(directory, "memkv-test-ca")
     other = _ca(directory, "memkv-other-ca")
-    here = ["127.0.0.1", "localhost"]
+    here = ["127.0.0.1", "localhost", *node_addresses()]  # nodes on other hosts: tests/netns.py
     return Pki(
         ca=ca[2],
         other_ca=other[2],

@@ -31,12 +31,16 @@ class LocalNode:
         ready_timeout_s: float = 30.0,
         env: dict[str, str] | None = None,
         preexec_fn: Callable[[], None] | None = None,
+        launcher: Sequence[str] = (),
     ) -> None:
         """`preexec_fn` runs in the child before `memkv serve` starts (tests set resource
-        limits there, e.g. a low RLIMIT_NOFILE)."""
+        limits there, e.g. a low RLIMIT_NOFILE). `launcher`: a command prefix that must exec the
+        node in place (e.g. `ip netns exec NS`: a node on another host, tests/netns.py), so that
+        `pid` stays the node's own."""
         self.auth_key_hex = auth_key_hex
         self.extra_args = tuple(extra_args)
         cmd = [
+            *launcher,
             sys.executable,
             "-m",
             "memkv",

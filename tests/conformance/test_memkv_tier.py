@@ -25,6 +25,7 @@ from memkv.config import AuthKey, ClientConfig, parse_servers
 from memkv.local import LocalNode
 from tests.conformance import vllm_harness as h
 from tests.conformance.conftest import PluginLog, point_at
+from tests.conftest import REMOTE
 
 pytestmark = pytest.mark.conformance
 
@@ -477,9 +478,13 @@ def test_ready_line_says_the_settings_in_force_and_which_receive_loop_runs(memkv
         servers = len(tier_of(engine).client.servers())
         shared = len(tier_of(engine).client.shared_memory_servers())
     (line,) = [x for x in log.lines if x.startswith("MemKV tier ready")]
-    # The nodes run on this host: by default every one is reached over its same-host socket.
+    # Nodes on this host are each reached over its same-host socket by default; nodes on other
+    # hosts (MEMKV_TEST_TOPOLOGY=remote) over TCP alone, shared memory included.
+    local = 0 if REMOTE else servers
+    if REMOTE:
+        assert shared == 0
     for field in ("n_read_threads=2", "n_write_threads=2", "blocks_per_op=4", f"rdma={rdma},",
-                  f"same_host={servers}/{servers},", f"shared_memory={shared}/{servers},",
+                  f"same_host={local}/{servers},", f"shared_memory={shared}/{servers},",
                   "(half the CPU pool)", f"memkv={memkv_version}"):
         assert field in line, f"{field!r} missing from: {line}"
     assert f"receive={'compiled' if sockio.COMPILED_RECEIVE else 'python'}," in line

@@ -77,8 +77,11 @@ def all_threads_stopped(pid: int) -> bool:
     return bool(states) and all(state in ("T", "t") for state in states)
 
 
-def start_on_port(auth_key_hex: str, port: int, capacity: str = "256MiB", extra_args=()) -> LocalNode:
-    """A fresh, empty node on `port` (its admin port is picked anew)."""
+def start_on_port(auth_key_hex: str, port: int, capacity: str = "256MiB", extra_args=(), on=None) -> LocalNode:
+    """A fresh, empty node on `port` (its admin port is picked anew), on 127.0.0.1 or on the
+    namespace host `on` (tests/netns.py; the host stays the caller's to close)."""
+    if on is not None:
+        return on.start_node(auth_key_hex, capacity=capacity, extra_args=extra_args, port=port)
     return LocalNode(auth_key_hex, capacity=capacity, port=port, extra_args=[*extra_args, "--admin-port", "0"],
                      ready_timeout_s=30.0)
 
@@ -97,7 +100,8 @@ def start_again(node: LocalNode, capacity: str = "256MiB", extra_args=()) -> Loc
         extra_args = [*extra_args, NO_LOCAL_SOCKET]
     if tls is not None:
         extra_args = [*extra_args, *node_tls_args(session_pki())]
-    fresh = start_on_port(node.auth_key_hex, node.port, capacity, extra_args)
+    # On the same host: a node in a network namespace (MEMKV_TEST_TOPOLOGY=remote) comes back there.
+    fresh = start_on_port(node.auth_key_hex, node.port, capacity, extra_args, on=getattr(node, "netns_host", None))
     fresh.client_tls = tls  # type: ignore[attr-defined]
     return fresh
 

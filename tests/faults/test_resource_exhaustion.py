@@ -43,14 +43,14 @@ def low_nofile() -> None:  # runs in the child, before exec: `ulimit -n 256` for
 
 
 @contextlib.contextmanager
-def idle_connections(port: int, count: int):
-    """Up to `count` idle TCP connections to 127.0.0.1:port (a refused or reset one is skipped);
-    all closed on exit."""
+def idle_connections(host: str, port: int, count: int):
+    """Up to `count` idle TCP connections to host:port (a refused or reset one is skipped); all
+    closed on exit."""
     socks: list[socket.socket] = []
     try:
         for _ in range(count):
             try:
-                socks.append(socket.create_connection(("127.0.0.1", port), timeout=2.0))
+                socks.append(socket.create_connection((host, port), timeout=2.0))
             except OSError:
                 continue
         yield socks
@@ -88,7 +88,7 @@ def test_node_under_a_low_fd_limit_caps_max_connections_warns_and_survives_a_flo
     assert (f"RLIMIT_NOFILE is {LOW_NOFILE} (hard {LOW_NOFILE}): --max-connections 1024 capped to {capped}" in log), log
     assert status_of(node)["max_connections"] == capped
     before = metric_value(metrics_of(node), "memkv_node_connections_refused_total", reason="max_connections")
-    with idle_connections(node.admin_port, FLOOD // 2), idle_connections(node.port, FLOOD) as data:
+    with idle_connections(node.host, node.admin_port, FLOOD // 2), idle_connections(node.host, node.port, FLOOD) as data:
         assert len(data) > capped
         wait_until(lambda: metric_value(metrics_of(node), "memkv_node_connections_refused_total", reason="max_connections")
                    >= before + len(data) - capped, 10.0, what="the connections over the cap to be refused and counted")
@@ -108,7 +108,7 @@ def test_accept_out_of_descriptors_sheds_counts_and_keeps_serving(start_node, ma
     headroom = 8
     limit = open_fds(node.pid) + headroom
     resource.prlimit(node.pid, resource.RLIMIT_NOFILE, (limit, limit))  # descriptors run out mid-run
-    with idle_connections(node.port, 4 * headroom) as flood:
+    with idle_connections(node.host, node.port, 4 * headroom) as flood:
         # Out of descriptors, the admin port cannot accept a scrape either: the shedding shows
         # on the flood's side, as connections the node closed at once.
         wait_until(lambda: sum(map(shed_by_node, flood)) >= 1, 10.0, what="the node to shed connections on EMFILE")
@@ -127,7 +127,7 @@ def test_admin_flood_is_capped_while_health_and_the_data_port_answer(start_node,
     node = start_node(capacity="64MiB", extra_args=["--max-value-size", "16MiB"])
     baseline_threads = thread_count(node.pid)
     flood = FLOOD
-    with idle_connections(node.admin_port, flood) as socks:
+    with idle_connections(node.host, node.admin_port, flood) as socks:
         opened = len(socks)
         # At the cap every new connection sheds the oldest idle one, so a health check gets in.
         code, body = admin_get(node, "/v1/health")

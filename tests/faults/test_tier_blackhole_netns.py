@@ -20,11 +20,11 @@ pytest.importorskip("vllm.v1.kv_offload.tiering.factory", reason="tier fault tes
 from tests.conformance import vllm_harness as h  # noqa: E402
 from tests.faults import tier_sim as ts  # noqa: E402
 from tests.faults.figures import scaled_s  # noqa: E402
-from tests.faults.netns import BlackholeNet  # noqa: E402
+from tests.netns import NetnsHost  # noqa: E402
 
 pytestmark = [pytest.mark.faults, pytest.mark.conformance]  # conformance: runs in each nox vLLM session
 
-_why_not = BlackholeNet.available()
+_why_not = NetnsHost.available()
 if _why_not:
     pytestmark.append(pytest.mark.skip(reason=f"network namespaces unavailable: {_why_not}"))
 
@@ -39,7 +39,7 @@ GEOMETRY = h.Geometry(num_rows=160)
 
 @pytest.fixture
 def blackhole():
-    net = BlackholeNet()
+    net = NetnsHost()
     try:
         yield net
     finally:

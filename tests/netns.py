@@ -1,41 +1,62 @@
-"""A node in its own network namespace, behind a veth pair that can be cut: a real black hole.
+"""Other hosts on this machine: network namespaces reached over veth pairs that can be cut.
 
-`BlackholeNet` creates a namespace and a veth pair (host side 10.231.N.1, namespace side
-10.231.N.2, /30) with `ip`; `start_node()` runs a real `memkv serve` inside it; `cut()` sets the
-namespace's end of the link down, so every packet to the node is dropped silently (no RST, no
-ICMP: TCP retransmits into the void, exactly like a switch or a host that vanished), and
-`heal()` brings it back. `close()` removes everything it created. It needs root and `ip`;
-`available()` says whether this machine can (the test skips otherwise).
+A `NetnsHost` is a network namespace with its own loopback and a veth pair to the test process's
+namespace: host side 10.231.X.(4i+1), namespace side 10.231.X.(4i+2), a /30 per host (X from the
+test process's pid, i a per-process counter, so parallel runs and several hosts per run never
+collide). A node started there with `start_node()` shares nothing with the test's clients but
+the veth link: no abstract Unix socket (those are per network namespace), no shared memory, no
+127.0.0.1, exactly what a client on another host gets. `cut()` sets the namespace's end of the
+link down, so every packet to the node is dropped silently (no RST, no ICMP: TCP retransmits into
+the void, as for a switch or a host that vanished), and `heal()` brings it back. `close()`
+removes everything it created. It needs root and `ip`; `available()` says whether this machine
+can (tests skip otherwise).
 
-The node process is started through a tiny wrapper that runs the interpreter under
-`ip netns exec`, so `memkv.local.LocalNode` (ready line, ports, stop) is reused unchanged.
+The node runs under `ip netns exec` (which execs, so its pid is the node's own: SIGSTOP and kill
+reach it), through `memkv.local.LocalNode`'s launcher prefix: ready line, ports and stop as for a
+node on loopback.
 """
 
 from __future__ import annotations
 
+import itertools
 import os
 import shutil
 import subprocess
-import sys
-import tempfile
 import threading
 import time
+from collections.abc import Sequence
 
 from memkv.local import LocalNode
+
+_HOSTS = itertools.count()  # per process: the i of 10.231.X.(4i+1)
+MAX_HOSTS = 63  # /30s in one 10.231.X.0/24
+
+
+def _address(index: int, side: int) -> str:
+    """Host `index`'s address: side 1 the test's end of its veth pair, side 2 the node's."""
+    return f"10.231.{os.getpid() % 250 + 1}.{4 * index + side}"
+
+
+def node_addresses() -> list[str]:
+    """Every address a node of this process can have (the test certificates name them all)."""
+    return [_address(index, 2) for index in range(MAX_HOSTS)]
 
 
 def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
     return subprocess.run(["ip", *args], capture_output=True, text=True, timeout=10, check=check)
 
 
-class BlackholeNet:
+class NetnsHost:
     def __init__(self) -> None:
-        n = os.getpid() % 250 + 1
-        self.ns = f"memkv-bh-{os.getpid()}"
-        self.host_if, self.ns_if = f"mkvh{os.getpid() % 100000}", f"mkvn{os.getpid() % 100000}"
-        self.host_ip, self.node_ip = f"10.231.{n}.1", f"10.231.{n}.2"
+        index = next(_HOSTS)
+        if index >= MAX_HOSTS:
+            raise RuntimeError(f"more than {MAX_HOSTS} namespace hosts in one test process")
+        pid = os.getpid()
+        self.ns = f"memkv-h{pid}-{index}"
+        tag = f"{pid % 100000}{chr(ord('a') + index % 26)}{index // 26}"  # interface names: 15 chars at most
+        self.host_if, self.ns_if = f"mkh{tag}", f"mkn{tag}"
+        self.host_ip, self.node_ip = _address(index, 1), _address(index, 2)
         self._created: list[str] = []
-        self._tmp = tempfile.mkdtemp(prefix="memkv-netns-")
         try:
             _ip("netns", "add", self.ns)
             self._created.append("ns")
@@ -50,10 +71,6 @@ class BlackholeNet:
         except BaseException:
             self.close()
             raise
-        self.python = os.path.join(self._tmp, "python-in-netns")
-        with open(self.python, "w") as f:
-            f.write(f"#!/bin/sh\nexec ip netns exec {self.ns} {sys.executable} \"$@\"\n")
-        os.chmod(self.python, 0o755)
 
     @staticmethod
     def available() -> str | None:
@@ -76,14 +93,19 @@ class BlackholeNet:
         finally:
             _ip("netns", "del", probe, check=False)
 
-    def start_node(self, auth_key_hex: str, capacity: str = "64MiB", extra_args=()) -> LocalNode:
-        saved = sys.executable
-        sys.executable = self.python  # LocalNode runs `sys.executable -m memkv serve ...`
-        try:
-            return LocalNode(auth_key_hex, capacity=capacity, host=self.node_ip,
-                             extra_args=[*extra_args, "--admin-port", "0"], ready_timeout_s=30.0)
-        finally:
-            sys.executable = saved
+    @property
+    def launcher(self) -> tuple[str, ...]:
+        """The command prefix that runs a program on this host."""
+        return ("ip", "netns", "exec", self.ns)
+
+    def start_node(self, auth_key_hex: str, capacity: str = "64MiB", extra_args: Sequence[str] = (),
+                   **kwargs) -> LocalNode:
+        """A real `memkv serve` on this host, listening on its veth address (admin port too)."""
+        node = LocalNode(auth_key_hex, capacity=capacity, host=self.node_ip,
+                         extra_args=[*extra_args, "--admin-port", "0"], ready_timeout_s=30.0,
+                         launcher=self.launcher, **kwargs)
+        node.netns_host = self  # type: ignore[attr-defined]
+        return node
 
     def cut(self) -> None:
         _ip("netns", "exec", self.ns, "ip", "link", "set", self.ns_if, "down")
@@ -112,4 +134,3 @@ class BlackholeNet:
         if "ns" in self._created:
             _ip("netns", "del", self.ns, check=False)
         self._created.clear()
-        shutil.rmtree(self._tmp, ignore_errors=True)
