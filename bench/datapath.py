@@ -96,10 +96,13 @@ _REQ = struct.Struct(">cI")  # op b"P"/b"G", slot
 # -- raw baseline --------------------------------------------------------------------------------------
 
 
-def raw_server(port_file: str, value_bytes: int, slots: int, tls: list[str] | None = None) -> None:
-    """`tls`: [cert, key, ktls(0/1)]: the same server inside TLS 1.3 (no MSG_WAITALL there)."""
+def raw_server(
+    port_file: str, value_bytes: int, slots: int, tls: list[str] | None = None, host: str = "127.0.0.1"
+) -> None:
+    """`tls`: [cert, key, ktls(0/1)]: the same server inside TLS 1.3 (no MSG_WAITALL there).
+    `host`: the address to listen on (bench/fleet.py: a node's address in a network namespace)."""
     pool = memoryview(prefaulted_pool(value_bytes * slots))
-    lsock = socket.create_server(("127.0.0.1", 0))
+    lsock = socket.create_server((host, 0))
     # The same server on an abstract Unix socket too (not with TLS): the raw design on the kernel
     # path MemKV's same-host clients take, so each family has its own baseline.
     unix_name = f"memkv-bench-raw-{os.getpid()}"
@@ -170,9 +173,9 @@ OP_ENABLE_KTLS = 1 << 3
 
 
 class RawClient:
-    def __init__(self, port: int, tls_ctx=None, unix_name: str | None = None) -> None:
+    def __init__(self, port: int, tls_ctx=None, unix_name: str | None = None, host: str = "127.0.0.1") -> None:
         self._local = threading.local()
-        self.port = port
+        self.host, self.port = host, port
         self.unix_name = unix_name  # connect to the raw server's Unix socket instead
         self._socks: list[socket.socket] = []
         self._tls_ctx = tls_ctx
@@ -184,7 +187,7 @@ class RawClient:
                 s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
                 s.connect("\0" + self.unix_name)
             else:
-                s = socket.create_connection(("127.0.0.1", self.port))
+                s = socket.create_connection((self.host, self.port))
                 s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             if self._tls_ctx is not None:
                 s = self._tls_ctx.wrap_socket(s, server_hostname="127.0.0.1")
@@ -214,12 +217,16 @@ class RawClient:
             s.close()
 
 
-def start_raw(value_bytes: int, slots: int, tls: list[str] | None = None) -> tuple[subprocess.Popen, int, str]:
+def start_raw(
+    value_bytes: int, slots: int, tls: list[str] | None = None, host: str = "127.0.0.1", launcher: tuple[str, ...] = ()
+) -> tuple[subprocess.Popen, int, str]:
+    """The raw server in its own process; `launcher` runs it elsewhere (e.g. `ip netns exec NS`)."""
     port_file = Path(tempfile.mkdtemp()) / "port"
     extra = ["--raw-tls", *tls] if tls else []
     proc = subprocess.Popen(
-        [sys.executable, __file__, "--value-size", str(value_bytes), "--raw-server", str(port_file), str(slots), *extra]
-    )
+        [*launcher, sys.executable, __file__, "--value-size", str(value_bytes), "--raw-server", str(port_file),
+         str(slots), "--raw-host", host, *extra]
+    )  # fmt: skip
     deadline = time.monotonic() + 60
     while not (port_file.exists() and port_file.read_text()):
         if time.monotonic() > deadline or proc.poll() is not None:
@@ -721,10 +728,11 @@ def main() -> None:
     )
     ap.add_argument("--raw-server", nargs=2, metavar=("PORT_FILE", "SLOTS"), help=argparse.SUPPRESS)
     ap.add_argument("--raw-tls", nargs=3, metavar=("CERT", "KEY", "KTLS"), help=argparse.SUPPRESS)
+    ap.add_argument("--raw-host", default="127.0.0.1", help=argparse.SUPPRESS)
     args = ap.parse_args()
     value_bytes = parse_size(args.value_size, "--value-size")
     if args.raw_server:
-        raw_server(args.raw_server[0], value_bytes, int(args.raw_server[1]), args.raw_tls)
+        raw_server(args.raw_server[0], value_bytes, int(args.raw_server[1]), args.raw_tls, args.raw_host)
         return
     machine = f"{platform.node()} {platform.machine()} {os.cpu_count()} cpus, Python {platform.python_version()}"
     stamp = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())

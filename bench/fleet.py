@@ -1,0 +1,328 @@
+"""Many engines, many nodes: K client processes against M nodes, against raw sockets, same run.
+
+    python3 bench/fleet.py [--clients 1,2,4] [--nodes 1,2,4] [--topology remote,colocated]
+                           [--values 64] [--value-mib 16] [--threads 8] [--blocks-per-op 8]
+                           [--reps 2] [--out FILE] [--plot FILE]
+
+Each client process has the tier's read/write shape: `--threads` threads, each task a batch of
+`--blocks-per-op` values of `--value-mib` MiB (batch_put_views / batch_get_into), over `--values`
+values of its own. For every topology and every M: M real `memkv serve` nodes, and M raw servers
+(bench/datapath.py's: one request header, then the bytes, into a pre-faulted pool) in the same
+places; then for every K, K client processes, started together, PUT all their values and GET them
+back, once through MemKV and once through the raw servers (same bytes, same processes, same
+placement count; the order alternates repetition by repetition).
+
+Topologies:
+  remote     every node (and its raw server) on another host: a network namespace of its own
+             behind a veth pair (tests/netns.py; needs root and iproute2). TCP only, as a node
+             on another machine is reached. Raw baseline: TCP to the same address.
+  colocated  nodes on 127.0.0.1; the client's defaults (same-host socket, shared memory).
+             Raw baseline: the same-host kernel path, an abstract Unix socket.
+
+Per cell (topology, K, M, op): aggregate GB/s (all bytes of the phase over the wall time from the
+common start to the last client's end), the ratio to raw, per-client spread (max/min of each
+client's own GB/s), p99 of one batch, and the servers' CPU-seconds per GB (user + system of the
+node or raw-server processes over the phase). Targets (issue 43): aggregate >= 0.8 x raw at every
+K x M, max/min <= 1.5, node CPU per GB flat as K grows. Every phase is bounded in bytes; a client
+that fails a value exits non-zero and the cell is reported as failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "src"))
+sys.path.insert(1, str(ROOT))  # tests/netns.py
+sys.path.insert(2, str(ROOT / "bench"))
+
+from datapath import RawClient, start_raw  # noqa: E402
+
+from memkv.benchmark import fill_pattern, prefaulted_pool  # noqa: E402
+from memkv.client.cluster import Client  # noqa: E402
+from memkv.config import AuthKey, ClientConfig, parse_servers  # noqa: E402
+from memkv.local import LocalNode, new_key_hex  # noqa: E402
+
+MiB = 1 << 20
+PHASE_TIMEOUT_S = 300.0
+
+
+# -- one client process ---------------------------------------------------------------------------
+
+
+def worker(spec: dict) -> None:
+    """Runs in a client process: prepares, says "ready", then runs each phase named on stdin and
+    prints its figures as one JSON line."""
+    value_bytes, n, threads, bpo, me = spec["value_bytes"], spec["values"], spec["threads"], spec["bpo"], spec["me"]
+    src = memoryview(prefaulted_pool(value_bytes * n))
+    dst = memoryview(prefaulted_pool(value_bytes * n))
+    for i in range(n):
+        fill_pattern(src[i * value_bytes : (i + 1) * value_bytes], me * n + i)
+    client = Client(
+        ClientConfig(
+            servers=parse_servers(",".join(spec["servers"]), "fleet"),
+            auth_key=AuthKey.from_hex(spec["key"], "fleet"),
+            pool_size=max(8, threads),
+        )
+    )
+    raws = [RawClient(port, unix_name=unix, host=host) for host, port, unix in spec["raw"]]
+    keys = [f"fleet/{me}/{i}".encode() for i in range(n)]
+    slot_of = [(me * n + i) // len(raws) for i in range(n)]  # value i's raw server: (me * n + i) % M
+    per_thread = [list(range(t, n, threads)) for t in range(threads)]
+
+    def view(v: memoryview, i: int) -> memoryview:
+        return v[i * value_bytes : (i + 1) * value_bytes]
+
+    def run(op: str, idx: list[int], latencies: list[float], failures: list[int]) -> None:
+        for j in range(0, len(idx), bpo):
+            batch = idx[j : j + bpo]
+            start = time.perf_counter()
+            if op == "memkv put":
+                ok = client.batch_put_views([(keys[i], view(src, i)) for i in batch])
+            elif op == "memkv get":
+                ok = client.batch_get_into([(keys[i], view(dst, i)) for i in batch])
+            else:
+                for i in batch:
+                    raw = raws[(me * n + i) % len(raws)]
+                    (raw.put if op == "raw put" else raw.get)(slot_of[i], view(src if op == "raw put" else dst, i))
+                ok = [True] * len(batch)
+            latencies.append(time.perf_counter() - start)
+            failures.extend(i for i, good in zip(batch, ok) if not good)
+
+    print("ready", flush=True)
+    for line in sys.stdin:
+        op = line.strip()
+        if not op:
+            break
+        latencies: list[float] = []
+        failures: list[int] = []
+        if op.endswith("get"):  # a GET that moved nothing must not pass on the last one's bytes
+            ctypes.memset(ctypes.addressof(ctypes.c_char.from_buffer(dst)), 0, len(dst))
+        pool = [threading.Thread(target=run, args=(op, idx, latencies, failures)) for idx in per_thread]
+        start = time.monotonic()  # CLOCK_MONOTONIC: one clock for every process of the host
+        for t in pool:
+            t.start()
+        for t in pool:
+            t.join()
+        end = time.monotonic()
+        if op.endswith("get") and not failures:  # every byte checked, outside the timed window
+            failures = [i for i in range(n) if view(dst, i).tobytes() != view(src, i).tobytes()]
+        print(json.dumps({"op": op, "bytes": value_bytes * n, "start": start, "end": end, "latencies": latencies,
+                          "failures": len(failures)}), flush=True)  # fmt: skip
+    client.close()
+
+
+# -- the parent: places, cells, figures --------------------------------------------------------------
+
+
+def cpu_seconds(pids: list[int]) -> float:
+    total = 0.0
+    for pid in pids:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return total
+
+
+class Places:
+    """M nodes and M raw servers, on other hosts (remote) or on this one (colocated)."""
+
+    def __init__(self, topology: str, m: int, key: str, capacity_bytes: int, value_bytes: int, slots: int) -> None:
+        self.hosts: list = []
+        self.nodes: list[LocalNode] = []
+        self.raws: list[tuple[subprocess.Popen, str, int, str | None]] = []
+        try:
+            for _ in range(m):
+                if topology == "remote":
+                    from tests.netns import NetnsHost
+
+                    host = NetnsHost()
+                    self.hosts.append(host)
+                    self.nodes.append(host.start_node(key, capacity=str(capacity_bytes)))
+                    proc, port, _unix = start_raw(value_bytes, slots, host=host.node_ip, launcher=host.launcher)
+                    self.raws.append((proc, host.node_ip, port, None))
+                else:
+                    self.nodes.append(LocalNode(key, capacity=str(capacity_bytes), extra_args=["--admin-port", "0"]))
+                    proc, port, unix = start_raw(value_bytes, slots)
+                    self.raws.append((proc, "127.0.0.1", port, unix))
+        except BaseException:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        for node in self.nodes:
+            node.stop()
+        for proc, *_ in self.raws:
+            proc.kill()
+            proc.wait(10)
+        for host in self.hosts:
+            host.close()
+
+
+def run_cell(places: Places, k: int, args: argparse.Namespace, key: str, reps: int) -> dict:
+    value_bytes = args.value_mib * MiB
+    procs = []
+    for me in range(k):
+        spec = {
+            "value_bytes": value_bytes, "values": args.values, "threads": args.threads, "bpo": args.blocks_per_op,
+            "me": me, "key": key, "servers": [n.address for n in places.nodes],
+            "raw": [(host, port, unix) for _, host, port, unix in places.raws],
+        }  # fmt: skip
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, __file__, "--worker", json.dumps(spec)],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                text=True,
+            )
+        )
+    try:
+        for p in procs:
+            assert p.stdout is not None and p.stdout.readline().strip() == "ready", "a client did not start"
+        node_pids = [n.pid for n in places.nodes]
+        raw_pids = [proc.pid for proc, *_ in places.raws]
+        cell: dict[str, list[dict]] = {}
+        for rep in range(reps):
+            systems = ["memkv", "raw"] if rep % 2 == 0 else ["raw", "memkv"]
+            for op in ("put", "get"):
+                for system in systems:
+                    name = f"{system} {op}"
+                    pids = node_pids if system == "memkv" else raw_pids
+                    cpu0 = cpu_seconds(pids)
+                    for p in procs:
+                        assert p.stdin is not None
+                        p.stdin.write(name + "\n")
+                        p.stdin.flush()
+                    results = [json.loads(p.stdout.readline()) for p in procs]  # type: ignore[union-attr]
+                    cpu = cpu_seconds(pids) - cpu0  # the servers idle while clients check bytes
+                    wall = max(r["end"] for r in results) - min(r["start"] for r in results)
+                    moved = sum(r["bytes"] for r in results)
+                    latencies = sorted(x for r in results for x in r["latencies"])
+                    per_client = [r["bytes"] / (r["end"] - r["start"]) / 1e9 for r in results]
+                    cell.setdefault(name, []).append({
+                        "gbps": moved / wall / 1e9,
+                        "spread": max(per_client) / min(per_client),
+                        "p99_batch_s": latencies[min(len(latencies) - 1, int(0.99 * len(latencies)))],
+                        "server_cpu_s_per_gb": cpu / (moved / 1e9),
+                        "failures": sum(r["failures"] for r in results),
+                    })  # fmt: skip
+        return cell
+    finally:
+        for p in procs:
+            try:
+                assert p.stdin is not None
+                p.stdin.write("\n")
+                p.stdin.close()
+                p.wait(PHASE_TIMEOUT_S)
+            except (OSError, subprocess.TimeoutExpired):
+                p.kill()
+
+
+def summarize(cell: dict) -> dict:
+    out = {}
+    for op in ("put", "get"):
+        m, r = cell[f"memkv {op}"], cell[f"raw {op}"]
+        med = {name: statistics.median(x[name] for x in m) for name in ("gbps", "spread", "p99_batch_s")}
+        out[op] = {
+            "memkv_gbps": med["gbps"],
+            "raw_gbps": statistics.median(x["gbps"] for x in r),
+            "ratio": statistics.median(a["gbps"] / b["gbps"] for a, b in zip(m, r)),
+            "spread": med["spread"],
+            "p99_batch_s": med["p99_batch_s"],
+            "node_cpu_s_per_gb": statistics.median(x["server_cpu_s_per_gb"] for x in m),
+            "raw_cpu_s_per_gb": statistics.median(x["server_cpu_s_per_gb"] for x in r),
+            "failures": sum(x["failures"] for x in m + r),
+        }
+    return out
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    topologies = sorted({r["topology"] for r in rows})
+    fig, axes = plt.subplots(len(topologies), 2, figsize=(10, 3.6 * len(topologies)), squeeze=False)
+    for row_axes, topology in zip(axes, topologies):
+        for ax, op in zip(row_axes, ("put", "get")):
+            for m in sorted({r["nodes"] for r in rows}):
+                cells = sorted(
+                    (r for r in rows if r["topology"] == topology and r["nodes"] == m), key=lambda r: r["clients"]
+                )
+                ks = [r["clients"] for r in cells]
+                (line,) = ax.plot(ks, [r[op]["memkv_gbps"] for r in cells], marker="o", label=f"memkv, {m} nodes")
+                ax.plot(ks, [r[op]["raw_gbps"] for r in cells], ls="--", color=line.get_color(), label=f"raw, {m}")
+            ax.set_title(f"{topology}: {op}")
+            ax.set_xlabel("client processes")
+            ax.set_ylabel("aggregate GB/s")
+            ax.set_xticks(sorted({r["clients"] for r in rows}))
+            ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--clients", default="1,2,4", help="K values, comma-separated")
+    ap.add_argument("--nodes", default="1,2,4", help="M values, comma-separated")
+    ap.add_argument("--topology", default="remote,colocated")
+    ap.add_argument("--values", type=int, default=64, help="values per client")
+    ap.add_argument("--value-mib", type=int, default=16)
+    ap.add_argument("--threads", type=int, default=8)
+    ap.add_argument("--blocks-per-op", type=int, default=8)
+    ap.add_argument("--reps", type=int, default=2)
+    ap.add_argument("--out", type=Path, default=ROOT / "bench" / "out" / "fleet.json")
+    ap.add_argument("--plot", type=Path, help="write a PNG of aggregate GB/s per topology and op")
+    ap.add_argument("--worker", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.worker:
+        worker(json.loads(args.worker))
+        return
+    ks = [int(x) for x in args.clients.split(",")]
+    ms = [int(x) for x in args.nodes.split(",")]
+    value_bytes = args.value_mib * MiB
+    key = new_key_hex()
+    rows = []
+    print(f"{'topology':<10} {'K':>2} {'M':>2} {'op':<4} {'memkv GB/s':>10} {'raw GB/s':>9} {'ratio':>6} "
+          f"{'max/min':>7} {'p99 batch':>9} {'node cpu-s/GB':>13} {'raw cpu-s/GB':>12}")  # fmt: skip
+    for topology in args.topology.split(","):
+        for m in ms:
+            total_values = max(ks) * args.values
+            capacity = int(total_values * value_bytes * 1.3 / m) + (256 << 20)
+            places = Places(topology, m, key, capacity, value_bytes, -(-total_values // m))
+            try:
+                for k in ks:
+                    summary = summarize(run_cell(places, k, args, key, args.reps))
+                    rows.append({"topology": topology, "clients": k, "nodes": m, **summary})
+                    for op in ("put", "get"):
+                        s = summary[op]
+                        print(f"{topology:<10} {k:>2} {m:>2} {op:<4} {s['memkv_gbps']:>10.2f} {s['raw_gbps']:>9.2f} "
+                              f"{s['ratio']:>6.2f} {s['spread']:>7.2f} {s['p99_batch_s']:>9.3f} "
+                              f"{s['node_cpu_s_per_gb']:>13.3f} {s['raw_cpu_s_per_gb']:>12.3f}"
+                              + (f"  FAILED {s['failures']} values" if s["failures"] else ""), flush=True)  # fmt: skip
+            finally:
+                places.close()
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    meta = {"machine": f"{platform.node()} ({os.cpu_count()} CPUs)", "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+            "args": {k: v for k, v in vars(args).items() if k not in ("worker", "out", "plot")}}  # fmt: skip
+    args.out.write_text(json.dumps({"meta": {**meta, "args": {k: str(v) for k, v in meta["args"].items()}},
+                                    "rows": rows}, indent=1))  # fmt: skip
+    if args.plot:
+        plot(rows, args.plot)
+    if any(r[op]["failures"] for r in rows for op in ("put", "get")):
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()
