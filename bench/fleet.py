@@ -25,6 +25,11 @@ client's own GB/s), p99 of one batch, and the servers' CPU-seconds per GB (user 
 node or raw-server processes over the phase). Targets (issue 43): aggregate >= 0.8 x raw at every
 K x M, max/min <= 1.5, node CPU per GB flat as K grows. Every phase is bounded in bytes; a client
 that fails a value exits non-zero and the cell is reported as failed.
+
+`--lookups N` adds, per cell with K >= 2: one engine's batched lookups (client 0: N lookups of 64
+keys, 20 ms apart) alone, then while the other K-1 clients store all their values again and again
+(bounded in time and rounds): p50/p99 alone and under the storm, and the storm's worst lookup
+against the tier's default lookup_timeout_s. Target: p99 <= 5 x alone, never past the timeout.
 """
 
 from __future__ import annotations
@@ -55,6 +60,10 @@ from memkv.local import LocalNode, new_key_hex  # noqa: E402
 
 MiB = 1 << 20
 PHASE_TIMEOUT_S = 300.0
+LOOKUP_BATCH = 64  # keys per lookup: a 4k-token prompt's blocks at 64 tokens a block
+LOOKUP_GAP_S = 0.02
+MAX_STORM_ROUNDS = 1000
+LOOKUP_TIMEOUT_S = 5.0  # the tier's default lookup_timeout_s (memkv_vllm/config.py)
 
 
 # -- one client process ---------------------------------------------------------------------------
@@ -104,6 +113,29 @@ def worker(spec: dict) -> None:
         op = line.strip()
         if not op:
             break
+        if op.startswith("lookups "):  # N batched lookups of the tier's shape, LOOKUP_GAP_S apart
+            latencies = []
+            for _ in range(int(op.split()[1])):
+                start = time.monotonic()
+                client.exists(keys[:LOOKUP_BATCH])
+                latencies.append(time.monotonic() - start)
+                time.sleep(LOOKUP_GAP_S)
+            print(json.dumps({"op": "lookups", "latencies": latencies}), flush=True)
+            continue
+        if op.startswith("storm "):  # store every value again and again for S seconds (bounded)
+            stored, until = 0, time.monotonic() + float(op.split()[1])
+            for _ in range(MAX_STORM_ROUNDS):
+                if time.monotonic() >= until:
+                    break
+                failures = []
+                pool = [threading.Thread(target=run, args=("memkv put", idx, [], failures)) for idx in per_thread]
+                for t in pool:
+                    t.start()
+                for t in pool:
+                    t.join()
+                stored += n - len(failures)
+            print(json.dumps({"op": "storm", "stored": stored}), flush=True)
+            continue
         latencies: list[float] = []
         failures: list[int] = []
         if op.endswith("get"):  # a GET that moved nothing must not pass on the last one's bytes
@@ -216,6 +248,8 @@ def run_cell(places: Places, k: int, args: argparse.Namespace, key: str, reps: i
                         "server_cpu_s_per_gb": cpu / (moved / 1e9),
                         "failures": sum(r["failures"] for r in results),
                     })  # fmt: skip
+        if args.lookups and k >= 2:
+            cell["lookups"] = [storm(procs, args.lookups)]
         return cell
     finally:
         for p in procs:
@@ -226,6 +260,35 @@ def run_cell(places: Places, k: int, args: argparse.Namespace, key: str, reps: i
                 p.wait(PHASE_TIMEOUT_S)
             except (OSError, subprocess.TimeoutExpired):
                 p.kill()
+
+
+def storm(procs: list[subprocess.Popen], probes: int) -> dict:
+    """One engine's lookups (client 0) alone, then while the other K-1 store at full speed."""
+
+    def ask(p: subprocess.Popen, line: str) -> None:
+        assert p.stdin is not None
+        p.stdin.write(line + "\n")
+        p.stdin.flush()
+
+    def answer(p: subprocess.Popen) -> dict:
+        assert p.stdout is not None
+        return json.loads(p.stdout.readline())
+
+    probe, storers = procs[0], procs[1:]
+    ask(probe, f"lookups {probes}")
+    alone = answer(probe)["latencies"]
+    for p in storers:  # long enough to cover the probe's run; bounded by MAX_STORM_ROUNDS too
+        ask(p, f"storm {probes * LOOKUP_GAP_S * 3 + 5:.1f}")
+    ask(probe, f"lookups {probes}")
+    during = answer(probe)["latencies"]
+    stored = sum(answer(p)["stored"] for p in storers)
+
+    def pct(xs: list[float], q: float) -> float:
+        xs = sorted(xs)
+        return xs[min(len(xs) - 1, int(q * len(xs)))]
+
+    return {"alone_p50_s": pct(alone, 0.5), "alone_p99_s": pct(alone, 0.99), "storm_p50_s": pct(during, 0.5),
+            "storm_p99_s": pct(during, 0.99), "storm_max_s": max(during), "stored_during": stored}  # fmt: skip
 
 
 def summarize(cell: dict) -> dict:
@@ -243,6 +306,8 @@ def summarize(cell: dict) -> dict:
             "raw_cpu_s_per_gb": statistics.median(x["server_cpu_s_per_gb"] for x in r),
             "failures": sum(x["failures"] for x in m + r),
         }
+    if "lookups" in cell:
+        out["lookups"] = cell["lookups"][0]
     return out
 
 
@@ -284,6 +349,13 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "out" / "fleet.json")
     ap.add_argument("--plot", type=Path, help="write a PNG of aggregate GB/s per topology and op")
+    ap.add_argument(
+        "--lookups",
+        type=int,
+        default=0,
+        metavar="N",
+        help="per cell with K >= 2: N batched lookups of client 0 alone, then while the other K-1 store",
+    )
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
@@ -311,6 +383,13 @@ def main() -> None:
                               f"{s['ratio']:>6.2f} {s['spread']:>7.2f} {s['p99_batch_s']:>9.3f} "
                               f"{s['node_cpu_s_per_gb']:>13.3f} {s['raw_cpu_s_per_gb']:>12.3f}"
                               + (f"  FAILED {s['failures']} values" if s["failures"] else ""), flush=True)  # fmt: skip
+                    if "lookups" in summary:
+                        x = summary["lookups"]
+                        print(f"{topology:<10} {k:>2} {m:>2} lookups of {LOOKUP_BATCH} keys: alone p50/p99 "
+                              f"{1e3 * x['alone_p50_s']:.1f}/{1e3 * x['alone_p99_s']:.1f} ms; while {k - 1} store: "
+                              f"{1e3 * x['storm_p50_s']:.1f}/{1e3 * x['storm_p99_s']:.1f} ms "
+                              f"(p99 {x['storm_p99_s'] / x['alone_p99_s']:.1f}x, max {x['storm_max_s']:.2f} s "
+                              f"of lookup_timeout_s {LOOKUP_TIMEOUT_S:g})", flush=True)  # fmt: skip
             finally:
                 places.close()
     args.out.parent.mkdir(parents=True, exist_ok=True)
