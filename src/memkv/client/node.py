@@ -38,7 +38,6 @@ from memkv.config import ServerAddress
 from memkv.errors import (
     AuthError,
     ConnectError,
-    IntegrityError,
     MemKVError,
     MemKVTimeout,
     NodeUnavailable,
@@ -604,8 +603,10 @@ class NodeConnection:
             recv_exactly_into(self.sock, view, deadline, hasher.update if hasher is not None else None, step)
         return hasher is not None and hmac.compare_digest(checksummer.finish(hasher), checksum)
 
-    def get_values(self, keys: Sequence[bytes], checksummer: Checksummer) -> list[bytes | None]:
-        """GET values of unknown length into fresh buffers (convenience path, not the data path)."""
+    def get_values(self, keys: Sequence[bytes], checksummer: Checksummer) -> tuple[list[bytes | None], int]:
+        """GET values of unknown length into fresh buffers (convenience path, not the data path).
+        Returns (values, checksum_failures): a value whose checksum failed is None, as a miss,
+        and counted; the connection stays usable, as after `get_into`."""
         frame = self.codec.encode(p.GetRequest(tuple(keys), tuple(p.ANY_LENGTH for _ in keys)))
         with self._io("write"):
             send_all(self.sock, [frame], self._deadline())
@@ -614,16 +615,17 @@ class NodeConnection:
         if not isinstance(reply, p.GetReply) or len(reply.items) != len(keys):
             raise RemoteProtocolError(f"{self.name}: GET reply does not match the request")
         out: list[bytes | None] = []
+        bad_sums = 0
         for item in reply.items:
             if item.status != p.ItemStatus.OK:
                 out.append(None)
                 continue
             with self._io("read"):
                 buf = recv_exactly(self.sock, item.length, deadline)
-            if not checksummer.verify(buf, item.algo, item.checksum):
-                raise IntegrityError(f"{self.name}: checksum mismatch on a {item.length}-byte value")
-            out.append(bytes(buf))
-        return out
+            good = checksummer.verify(buf, item.algo, item.checksum)
+            bad_sums += not good
+            out.append(bytes(buf) if good else None)
+        return out, bad_sums
 
 
 class _Receivers:
