@@ -166,6 +166,7 @@ class Node:
             max_lease_s=config.max_lease_s,
             max_leases=config.max_leases,
             max_lease_bytes=config.max_lease_bytes,
+            max_lease_share=config.max_lease_share,
             shared=self.shared,
         )
         self.metrics = NodeMetrics(self.store)
