@@ -18,11 +18,9 @@ bounded poll; the squatter exits when its stdin closes or after 120 s.
 
 from __future__ import annotations
 
-import os
 import select
 import subprocess
 import sys
-import time
 
 import pytest
 
@@ -123,7 +121,7 @@ def _squat_and_restart(start_node, node):
     start_node.nodes.append(fresh)
     new = status_of(fresh)["local_socket"]
     assert new is not None and new != old
-    return squatter, old, new, fresh
+    return squatter, old, new
 
 
 @pytest.fixture
@@ -147,19 +145,17 @@ def test_a_squatted_socket_name_costs_one_short_deadline_then_the_client_uses_th
     for conn in nc._idle:  # the connections closed while the node was away (idle, or used by others)
         conn.close()
     nc._idle.clear()
-    squatter, old, new, fresh = _squat_and_restart(start_node, node)
+    squatter, _, new = _squat_and_restart(start_node, node)
     squatters.append(squatter)
 
-    started = time.monotonic()
     succeeded = _operations(client, "squat")
-    took = time.monotonic() - started
 
-    assert squatter.count_accepted() >= 1, "the client did reach the squatter (the case under test)"
+    # The squatter accepts on its own time: its count is polled (the client's wait is over).
+    poll_until(lambda: squatter.count_accepted() >= 1, 10.0, what="the client's connection to reach the squatter")
     assert succeeded == OPERATIONS, f"{succeeded} of {OPERATIONS} operations succeeded after the node came back"
     assert [h["up"] for h in client.health()] == [True] and nc.failures == 0
     assert nc.local and nc._local is not None and nc._local[0] == new, "the client moved to the node's new socket"
     assert squatter.count_accepted() == 1, "the squatted name was tried once, then forgotten"
-    assert took < 60.0  # a bound on the test, not a speed claim
 
 
 def test_a_long_lived_client_with_pooled_connections_recovers_past_a_squatter(start_node, make_client, squatters):
@@ -168,7 +164,7 @@ def test_a_long_lived_client_with_pooled_connections_recovers_past_a_squatter(st
     assert client.batch_put_views([(f"warm/{i}", b"w" * 100) for i in range(8)]) == [True] * 8
     nc = client._nodes[0]
     assert nc.local and nc._idle
-    squatter, old, new, fresh = _squat_and_restart(start_node, node)
+    squatter, old, new = _squat_and_restart(start_node, node)
     squatters.append(squatter)
 
     # The first call finds its pooled connection dead (the node it went to is gone): a failure
