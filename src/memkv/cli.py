@@ -182,6 +182,12 @@ def _parser() -> argparse.ArgumentParser:
         "--max-lease-bytes", default=None, help="bytes of values leased at once, at most (default: half the capacity)"
     )
     s.add_argument(
+        "--max-lease-share",
+        type=float,
+        default=0.5,
+        help="fraction of --max-leases and --max-lease-bytes one holder (client) may take (default 0.5)",
+    )
+    s.add_argument(
         "--no-local-socket",
         dest="local_socket",
         action="store_false",
@@ -343,6 +349,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         max_lease_s=args.max_lease_ttl,
         max_leases=args.max_leases,
         max_lease_bytes=parse_size(args.max_lease_bytes, "--max-lease-bytes") if args.max_lease_bytes else None,
+        max_lease_share=args.max_lease_share,
         tls_cert=args.tls_cert,
         tls_key=args.tls_key,
         tls_ca=args.tls_ca,

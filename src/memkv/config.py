@@ -633,6 +633,7 @@ class ServerConfig:
     max_lease_s: float = 300.0
     max_leases: int = 65536
     max_lease_bytes: int | None = None  # None: half the capacity
+    max_lease_share: float = 0.5  # of max_leases and max_lease_bytes, per holder (lease token)
     # RDMA (memkv/server/rdma.py, docs/rdma.md); by default from the node's environment.
     # transport "tcp": refuse attaches; "rdma": NIXL at start; "auto": NIXL at first attach.
     transport: str = dataclasses.field(default_factory=node_transport_from_env)
@@ -668,6 +669,8 @@ class ServerConfig:
                 f"--max-lease-bytes ({format_size(self.max_lease_bytes)}) must be 0..--capacity "
                 f"({format_size(self.capacity_bytes)})"
             )
+        if not 0 < self.max_lease_share <= 1:
+            raise ConfigError(f"--max-lease-share must be in (0, 1], got {self.max_lease_share}")
         total = sum(lane.share for lane in self.lanes)
         if total > 1.0 + 1e-9:
             raise ConfigError(f"--lane: shares add up to {total:.3f}, more than 1")

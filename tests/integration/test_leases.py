@@ -9,7 +9,10 @@ Behaviour under test:
   the leased bytes, and it is gone once released);
 * leases expire by themselves: the node caps the ttl (`--max-lease-ttl`, reported by `lease_on`)
   and the lease count falls to 0 on the node's metrics without a release;
-* bounds: with `--max-lease-bytes` a lease beyond the bound answers False and is counted;
+* bounds: with `--max-lease-bytes` a lease beyond the bound answers False and is counted; one
+  holder (client) takes at most its share (`--max-lease-share`) of it, so another holder still
+  gets the rest, and with leases at their bound a third client's PUTs still store (evicting
+  unleased values);
 * a node restart drops its leases (and values); a killed node's keys answer False within the
   client's timeout, as `exists` does; `timeout_s` bounds the wait for a stopped node.
 
@@ -80,7 +83,10 @@ def test_leases_expire_by_themselves_at_the_nodes_ttl_cap(start_node, make_clien
 
 
 def test_lease_beyond_the_byte_bound_answers_false_and_is_counted(start_node, make_client):
-    node = start_node(capacity="16MiB", extra_args=["--max-value-size", "2MiB", "--max-lease-bytes", "2MiB"])
+    # One holder may take the whole bound here (--max-lease-share 1): the node's bound under test.
+    node = start_node(
+        capacity="16MiB", extra_args=["--max-value-size", "2MiB", "--max-lease-bytes", "2MiB", "--max-lease-share", "1"]
+    )
     client = make_client([node])
     keys = [b"b/%d" % i for i in range(3)]
     client.batch_put_views([(k, b"x" * MiB) for k in keys])
@@ -113,3 +119,30 @@ def test_restart_drops_leases_and_a_dead_or_stopped_node_answers_false_in_time(s
         assert client2.lease(on_a, ttl_s=60) == [True, True]
     finally:
         fresh.stop()
+
+
+def test_one_holder_at_its_share_leaves_the_rest_of_the_bound_to_others_and_puts_still_store(start_node, make_client):
+    # --max-lease-bytes 8 MiB, the default --max-lease-share 0.5: each holder (client) at most 4 MiB.
+    node = start_node(capacity="32MiB", extra_args=["--max-value-size", "1MiB", "--max-lease-bytes", "8MiB"])
+    greedy, other, writer = make_client([node]), make_client([node]), make_client([node])
+    value = 256 << 10
+    mine = [b"greedy/%d" % i for i in range(36)]  # 9 MiB: more than the node's whole bound
+    theirs = [b"other/%d" % i for i in range(36)]
+    assert greedy.batch_put_views([(k, b"g" * value) for k in mine]) == [True] * 36
+    assert other.batch_put_views([(k, b"o" * value) for k in theirs]) == [True] * 36
+
+    taken = greedy.lease(mine, ttl_s=60)
+    held = sum(taken)
+    leased = metric_value(metrics_of(node), "memkv_node_leased_bytes")
+    assert 0 < held < 36 and leased <= 4 * MiB, f"one holder leased {held} values, {leased:.0f} bytes"
+    assert greedy.lease(mine, ttl_s=60) == taken, "renewals at the share still answer True, nothing more"
+    got = other.lease(theirs, ttl_s=60)
+    assert sum(got) == held, "the other holder gets the same share: the greedy one did not take it"
+    assert metric_value(metrics_of(node), "memkv_node_lease_holders") == 2
+
+    # Leases at their bound (8 MiB of 32): a third client's stores still fit, evicting unleased values.
+    stored = writer.batch_put_views([(b"w/%d" % i, b"w" * value) for i in range(120)])  # 30 MiB
+    assert stored == [True] * 120
+    leased_keys = [k for k, ok in zip(mine, taken) if ok] + [k for k, ok in zip(theirs, got) if ok]
+    bufs = [(k, bytearray(value)) for k in leased_keys]
+    assert writer.batch_get_into(bufs) == [True] * len(bufs), "every leased value survived the pressure"

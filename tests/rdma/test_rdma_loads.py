@@ -30,7 +30,7 @@ from memkv import protocol as p
 from memkv.client.node import NodeConnection
 from memkv.config import ServerAddress
 from memkv.transport.nixl_adapter import buffer_address
-from tests.faults.nodeops import all_threads_stopped
+from tests.faults.nodeops import all_threads_stopped, integrity_failures
 from tests.rdma.conftest import node_requests, requires_nixl, wait_for
 
 pytestmark = [pytest.mark.integration, requires_nixl]
@@ -99,8 +99,10 @@ def test_checksum_is_verified_before_a_block_counts_as_loaded(ucx, start_node, m
         assert reply.statuses == bytes([p.ItemStatus.OK])
     finally:
         conn.close()
+    before = integrity_failures()
     result = client.batch_load_into([("rdma/corrupt", pool[:MiB])])
     assert result.ok == [False]
+    assert integrity_failures() == before + 1, "counted in memkv_client_integrity_failures"
     assert bytes(pool[:MiB]) == value  # it did land; it just did not verify
     assert result.may_land_late  # a failed RDMA block is withheld, whatever the reason
 

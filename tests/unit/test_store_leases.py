@@ -10,7 +10,10 @@ Behaviour under test:
 * leases expire by themselves (an injected clock: no sleeping); renewal by the same token moves
   the expiry; tokens are independent (one holder's release does not end another's lease);
 * bounds: the ttl is capped at max_lease_s; a lease beyond max_leases or max_lease_bytes answers
-  MISS and is counted; accounting (leases, leased_bytes) returns to zero.
+  MISS and is counted; accounting (leases, leased_bytes) returns to zero;
+* each holder (token) may take at most max_lease_share of each bound: one holder at its share
+  leaves the rest of the bound to others, renewals at the share still work, and what a holder
+  releases or lets expire is its own to take again.
 """
 
 from __future__ import annotations
@@ -53,7 +56,7 @@ def test_eviction_under_pressure_skips_leased_values_even_the_least_recently_use
 
 
 def test_with_only_leased_values_left_a_put_answers_no_space_and_evicts_nothing():
-    s, _ = store(2, max_lease_bytes=2 * MiB)
+    s, _ = store(2, max_lease_bytes=2 * MiB, max_lease_share=1.0)
     put(s, b"a", b"a" * MiB)
     put(s, b"b", b"b" * MiB)
     assert s.lease([b"a", b"b"], 1, 60)[0] == bytes([OK, OK])
@@ -131,7 +134,7 @@ def test_tokens_are_independent_and_release_of_an_unknown_lease_misses():
 
 
 def test_ttl_is_capped_and_leases_beyond_the_count_or_byte_bound_answer_miss():
-    s, clock = store(8, max_lease_s=5.0, max_leases=3, max_lease_bytes=2 * MiB)
+    s, clock = store(8, max_lease_s=5.0, max_leases=3, max_lease_bytes=2 * MiB, max_lease_share=1.0)
     for i in range(4):
         put(s, b"v%d" % i, bytes([i]) * MiB)
     statuses, lengths, ttl = s.lease([b"v0", b"v1", b"v2"], 1, 3600)
@@ -145,3 +148,37 @@ def test_ttl_is_capped_and_leases_beyond_the_count_or_byte_bound_answer_miss():
     clock.now += 6
     stats = s.stats()
     assert stats["leases"] == 0 and stats["leased_bytes"] == 0
+
+
+def test_one_holder_takes_at_most_its_share_of_the_bounds_and_leaves_the_rest_to_others():
+    s, clock = store(16, max_leases=8, max_lease_bytes=8 * MiB, max_lease_share=0.5)
+    for i in range(10):
+        put(s, b"v%d" % i, bytes([i]) * MiB)
+    size = s._index[b"v0"].buf.size  # one value's buffer: what a lease of it is charged
+    per_holder = (4 * MiB) // size
+    first = s.lease([b"v%d" % i for i in range(10)], 1, 60)[0]
+    assert first.count(OK) == per_holder and first[:per_holder] == bytes([OK]) * per_holder
+    assert s.lease([b"v0"], 1, 60)[0] == bytes([OK]), "a renewal at the share is never refused"
+    second = s.lease([b"v%d" % i for i in range(10)], 2, 60)[0]
+    assert second.count(OK) == per_holder, "the other holder gets the rest of the bound"
+    stats = s.stats()
+    assert stats["lease_holders"] == 2 and stats["leases_refused"] == 2 * (10 - per_holder)
+    assert s.end_leases([b"v0"], 1) == bytes([OK])
+    assert s.lease([b"v%d" % per_holder], 1, 60)[0] == bytes([OK]), "a released lease is the holder's to use again"
+    clock.now += 61
+    stats = s.stats()
+    assert stats["leases"] == 0 and stats["leased_bytes"] == 0 and stats["lease_holders"] == 0
+
+
+def test_the_share_bounds_a_holders_lease_count_too():
+    s, _ = store(4, max_leases=4, max_lease_share=0.25)
+    for i in range(3):
+        put(s, b"k%d" % i, b"x" * 100)
+    assert s.lease([b"k0", b"k1"], 1, 60)[0] == bytes([OK, MISS])
+    assert s.lease([b"k1"], 2, 60)[0] == bytes([OK])
+
+
+def test_a_share_outside_zero_to_one_is_refused():
+    for share in (0.0, 1.5):
+        with pytest.raises(ValueError, match="max_lease_share"):
+            Store(MiB, max_lease_share=share)

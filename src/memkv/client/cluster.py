@@ -303,12 +303,15 @@ class Client:
         try:
             with node.connection() as conn:
                 t = time.perf_counter()
-                (value,) = conn.get_values([k], self.checksummer)
+                (value,), bad_sums = conn.get_values([k], self.checksummer)
             m.SECONDS.labels("get").observe(time.perf_counter() - t)
             m.REQUESTS.labels(node.name, "get", "ok").inc()
         except MemKVError as exc:
             self._nodeset.count_failure(node, "get", exc)
             return None
+        if bad_sums:  # as every read path counts it (memkv/transport)
+            m.INTEGRITY_FAILURES.labels(node.name).inc(bad_sums)
+            log.warning("%s: a value failed checksum verification; treated as a miss", node.name)
         m.KEYS.labels("get", "hit" if value is not None else "miss").inc()
         if value is not None:
             m.BYTES.labels("in").inc(len(value))

@@ -12,7 +12,10 @@ HELLO_OK; once a TCP connection has learnt the name, NodeClient opens its connec
 (same protocol, same handshake; a cheaper kernel path than loopback TCP: docs/performance.md) and
 closes the TCP one. A name that cannot be reached from here (another host or
 network namespace: refused at once) or that answers as another node is not tried again; a node
-that restarted names a new socket, learnt on the next TCP connection.
+that restarted names a new socket, learnt on the next TCP connection. Any process may bind a
+name its node gave up, so the socket gets a short deadline (`local_handshake_s`) and any
+failure there sends that connection to TCP, which names the node's current socket: a socket
+alone never marks the node down.
 
 Threading: NodeClient is thread-safe; a NodeConnection is used by one thread at a time.
 """
@@ -35,7 +38,6 @@ from memkv.config import ServerAddress
 from memkv.errors import (
     AuthError,
     ConnectError,
-    IntegrityError,
     MemKVError,
     MemKVTimeout,
     NodeUnavailable,
@@ -123,6 +125,17 @@ def handshake_timeout_s(connect_timeout_s: float, io_timeout_s: float) -> float:
     return max(connect_timeout_s, io_timeout_s, 1.0)
 
 
+# The bound of a connect plus handshake on a same-host socket. Its name may belong to another
+# process by now (the node exited and anyone bound it: abstract names have no owner or
+# permissions); one that accepts and stays silent must cost a caller this much once, not an
+# io timeout per call. A live but busy node that misses it only sends that connection to TCP.
+LOCAL_HANDSHAKE_S = 1.0
+
+
+def local_handshake_s(connect_timeout_s: float, io_timeout_s: float) -> float:
+    return min(LOCAL_HANDSHAKE_S, connect_timeout_s, handshake_timeout_s(connect_timeout_s, io_timeout_s))
+
+
 class NodeConnection:
     """One authenticated connection. Raises MemKVError subclasses only."""
 
@@ -134,7 +147,11 @@ class NodeConnection:
         io_timeout_s: float,
         version: int = p.PROTOCOL_VERSION,
         connect: Connect = tcp_connect,
+        handshake_s: float | None = None,
     ) -> None:
+        """`handshake_s` bounds connect plus handshake together (the same-host socket's short
+        deadline); by default the connect gets connect_timeout_s and the handshake
+        `handshake_timeout_s`."""
         self.address = address
         self.name = address.name
         self.io_timeout_s = io_timeout_s
@@ -144,8 +161,10 @@ class NodeConnection:
         # The node's value memory, mapped here: set by NodeClient on a same-host connection whose
         # node offered it (HELLO_OK shared_memory); GETs then copy from it (`_get_shared`).
         self.memory: NodeMemory | None = None
+        self.local_name: str | None = None  # the same-host socket this connection went to (NodeClient)
+        started = time.monotonic()
         try:
-            self.sock = connect(address, connect_timeout_s)
+            self.sock = connect(address, connect_timeout_s if handshake_s is None else handshake_s)
         except OSError as exc:
             raise map_os_error(exc, "connect", self.name) from exc
         try:
@@ -153,9 +172,12 @@ class NodeConnection:
             # any reply gets. Bounded by connect_timeout_s alone, a node busy receiving values
             # (16 concurrent 16 MiB PUTs on 2 vCPUs: handshakes of 0.4-0.9 s, some past 2 s) was
             # marked down, and the stores queued behind it were lost.
-            handshake_s = handshake_timeout_s(connect_timeout_s, io_timeout_s)
-            set_timeouts(self.sock, handshake_s)
-            self.codec, self.hello = self._handshake(auth_key, version, time.monotonic() + handshake_s)
+            if handshake_s is None:
+                deadline = time.monotonic() + handshake_timeout_s(connect_timeout_s, io_timeout_s)
+            else:
+                deadline = started + handshake_s
+            set_timeouts(self.sock, max(0.001, deadline - time.monotonic()))
+            self.codec, self.hello = self._handshake(auth_key, version, deadline)
             set_timeouts(self.sock, io_timeout_s)
         except BaseException:
             self.close()
@@ -581,8 +603,10 @@ class NodeConnection:
             recv_exactly_into(self.sock, view, deadline, hasher.update if hasher is not None else None, step)
         return hasher is not None and hmac.compare_digest(checksummer.finish(hasher), checksum)
 
-    def get_values(self, keys: Sequence[bytes], checksummer: Checksummer) -> list[bytes | None]:
-        """GET values of unknown length into fresh buffers (convenience path, not the data path)."""
+    def get_values(self, keys: Sequence[bytes], checksummer: Checksummer) -> tuple[list[bytes | None], int]:
+        """GET values of unknown length into fresh buffers (convenience path, not the data path).
+        Returns (values, checksum_failures): a value whose checksum failed is None, as a miss,
+        and counted; the connection stays usable, as after `get_into`."""
         frame = self.codec.encode(p.GetRequest(tuple(keys), tuple(p.ANY_LENGTH for _ in keys)))
         with self._io("write"):
             send_all(self.sock, [frame], self._deadline())
@@ -591,16 +615,17 @@ class NodeConnection:
         if not isinstance(reply, p.GetReply) or len(reply.items) != len(keys):
             raise RemoteProtocolError(f"{self.name}: GET reply does not match the request")
         out: list[bytes | None] = []
+        bad_sums = 0
         for item in reply.items:
             if item.status != p.ItemStatus.OK:
                 out.append(None)
                 continue
             with self._io("read"):
                 buf = recv_exactly(self.sock, item.length, deadline)
-            if not checksummer.verify(buf, item.algo, item.checksum):
-                raise IntegrityError(f"{self.name}: checksum mismatch on a {item.length}-byte value")
-            out.append(bytes(buf))
-        return out
+            good = checksummer.verify(buf, item.algo, item.checksum)
+            bad_sums += not good
+            out.append(bytes(buf) if good else None)
+        return out, bad_sums
 
 
 class _Receivers:
@@ -732,17 +757,31 @@ class NodeClient:
     def _open(self) -> NodeConnection:
         """A new connection: to the node's same-host socket when one is known to work from
         here, else TCP (then switching to the socket the node names, if it can be reached).
-        A failed TCP connection marks the node down, and so does a same-host socket that does
-        not answer in time (a stalled node: TCP would wait as long again)."""
-        try:
-            if (known := self._local) is not None and (conn := self._try_local(*known)) is not None:
+        A failed TCP connection marks the node down; a failed same-host socket does not: the
+        name is forgotten and this connection goes over TCP, which names the node's current
+        socket (the old name may belong to another process by now)."""
+        failed = None
+        if (known := self._local) is not None:
+            try:
+                conn = self._try_local(*known)
+            except MemKVTimeout as exc:
+                conn = None  # a silent peer: a squatter, a stalled node or a busy one; TCP says which
+                self._forget_local(known[0])
+                log.info(
+                    "MemKV: %s: same-host socket %s did not answer in time (%s); using TCP", self.name, known[0], exc
+                )
+            if conn is not None:
                 return conn
+            failed = known[0]
+        try:
             conn = self._new_connection(self._connect)
         except (TransportError, ProtocolError) as exc:
             self.mark_down(exc)
             raise
         name = conn.hello.local_socket
-        if self._use_local and name is not None and name not in self._local_refused:
+        # A name that just failed is not tried again on this call (a busy node would cost the
+        # caller its deadline twice); the next connection tries it again.
+        if self._use_local and name is not None and name not in self._local_refused and name != failed:
             try:
                 local = self._try_local(name, conn.hello.node_id)
             except MemKVTimeout:
@@ -754,10 +793,12 @@ class NodeClient:
 
     def _try_local(self, name: str, node_id: str) -> NodeConnection | None:
         """A connection to the same-host socket `name` that answers as the node `node_id`, or
-        None, and then the name is never tried again. Raises MemKVTimeout (the name kept) when
-        the socket accepted but the handshake did not finish in time."""
+        None, and then the name is never tried again. Raises MemKVTimeout (the name not
+        refused) when the connect and handshake did not finish within `local_handshake_s`."""
         try:
-            conn = self._new_connection(local_connect(name))
+            conn = self._new_connection(
+                local_connect(name), local_handshake_s(self._connect_timeout_s, self._io_timeout_s)
+            )
         except MemKVTimeout:
             raise
         except (TransportError, ProtocolError, AuthError) as exc:
@@ -774,6 +815,7 @@ class NodeClient:
         if self._local is None:
             log.debug("MemKV: %s: connections go to the same-host socket %s", self.name, name)
         self._local = (name, node_id)
+        conn.local_name = name
         if self._use_shared and conn.hello.shared_memory:
             conn.memory = self._memory_for(name)
         return conn
@@ -802,12 +844,25 @@ class NodeClient:
         )
 
     def _refuse_local(self, name: str) -> None:
-        self._local_refused.add(name)
-        self._local = None
+        with self._lock:
+            self._local_refused.add(name)
+        self._forget_local(name)
 
-    def _new_connection(self, connect: Connect) -> NodeConnection:
+    def _forget_local(self, name: str) -> None:
+        """New connections go over TCP until one learns the node's socket again (another thread
+        may have learnt a newer name meanwhile: that one stays)."""
+        with self._lock:
+            if self._local is not None and self._local[0] == name:
+                self._local = None
+
+    def _new_connection(self, connect: Connect, handshake_s: float | None = None) -> NodeConnection:
         return NodeConnection(
-            self.address, self._auth_key, self._connect_timeout_s, self._io_timeout_s, connect=connect
+            self.address,
+            self._auth_key,
+            self._connect_timeout_s,
+            self._io_timeout_s,
+            connect=connect,
+            handshake_s=handshake_s,
         )
 
     def borrow_idle(self) -> NodeConnection | None:
@@ -835,6 +890,8 @@ class NodeClient:
             if error is not None:
                 conn.close()
                 if isinstance(error, (TransportError, RemoteProtocolError, AuthError)):
+                    if conn.local_name is not None:  # the node may be another process now: ask TCP
+                        self._forget_local(conn.local_name)
                     self.mark_down(error)
                 return
             self._mark_up()

@@ -39,6 +39,9 @@ class StoreCollector:
         )
         yield GaugeMetricFamily("memkv_node_leases", "Leases held (key, holder pairs)", value=s["leases"])
         yield GaugeMetricFamily(
+            "memkv_node_lease_holders", "Holders (lease tokens) with a lease", value=s["lease_holders"]
+        )
+        yield GaugeMetricFamily(
             "memkv_node_leased_bytes", "Buffer bytes of values with at least one lease", value=s["leased_bytes"]
         )
         yield CounterMetricFamily(
@@ -46,7 +49,7 @@ class StoreCollector:
         )
         yield CounterMetricFamily(
             "memkv_node_leases_refused",
-            "Leases answered MISS because the lease count or leased bytes bound was reached",
+            "Leases answered MISS because a lease count or leased bytes bound (the node's or a holder's) was reached",
             value=s["leases_refused"],
         )
         lane_bytes = GaugeMetricFamily("memkv_node_lane_used_bytes", "Buffer bytes used per lane", labels=["lane"])

@@ -166,6 +166,7 @@ class Node:
             max_lease_s=config.max_lease_s,
             max_leases=config.max_leases,
             max_lease_bytes=config.max_lease_bytes,
+            max_lease_share=config.max_lease_share,
             shared=self.shared,
         )
         self.metrics = NodeMetrics(self.store)
@@ -405,8 +406,10 @@ LOCAL_PEER = ("local", 0)
 
 def _listen_local(port: int) -> tuple[socket.socket | None, str | None]:
     """The same-host listener: an abstract AF_UNIX socket (Linux only; no file to clean up, gone
-    with the process) under a name no other process can guess or have taken. Without it the node
-    serves TCP alone, which is correct, only slower for same-host clients."""
+    with the process) under a random name no other process can have taken. The name is no secret
+    (/proc/net/unix lists it) and anyone may bind it once we exit: clients trust it only after the
+    handshake (docs/protocol.md section 2.6). Without it the node serves TCP alone, which is
+    correct, only slower for same-host clients."""
     if not sys.platform.startswith("linux"):
         return None, None
     name = f"memkv-{port}-{secrets.token_hex(12)}"

@@ -29,8 +29,9 @@ while a value has one, it is never evicted, a PUT of its key is refused (LEASED)
 is deferred (LEASED: the key answers MISS to EXISTS and LEASE at once, GET still serves the
 leased bytes to the lease holders, and the value goes when its last lease ends). So the bytes a
 holder reads are the bytes that were leased. Bounded: ttl capped at `max_lease_s`, at most
-`max_leases` leases and `max_lease_bytes` of leased buffers (a lease beyond a bound answers
-MISS); leases expire by themselves (a heap of expiries, swept under the lock on every lease
+`max_leases` leases and `max_lease_bytes` of leased buffers, and each holder (token) at most
+`max_lease_share` of both, so one holder at its bound leaves the rest to others (a lease beyond a
+bound answers MISS); leases expire by themselves (a heap of expiries, swept under the lock on every lease
 operation, eviction and stats call) and live in memory only: a restart drops them.
 
 Threading: every public method may be called from any connection thread; all state is guarded
@@ -44,6 +45,7 @@ import bisect
 import collections
 import dataclasses
 import heapq
+import math
 import mmap
 import operator
 import threading
@@ -170,6 +172,7 @@ class Leased(Exception):
 DEFAULT_MAX_LEASE_S = 300.0
 DEFAULT_MAX_LEASES = 65536
 DEFAULT_LEASE_FRACTION = 0.5  # of capacity: leases can never pin the whole node
+DEFAULT_LEASE_SHARE = 0.5  # of the lease bounds, per holder: one holder can never take them all
 
 
 class Store:
@@ -183,12 +186,15 @@ class Store:
         max_lease_s: float = DEFAULT_MAX_LEASE_S,
         max_leases: int = DEFAULT_MAX_LEASES,
         max_lease_bytes: int | None = None,
+        max_lease_share: float = DEFAULT_LEASE_SHARE,
         clock: Callable[[], float] = time.monotonic,
         shared: SharedArenas | None = None,
     ) -> None:
         """`shared`: arenas that large values live in, for same-host clients to map."""
         if capacity_bytes <= 0:
             raise ValueError("capacity_bytes must be positive")
+        if not 0 < max_lease_share <= 1:
+            raise ValueError("max_lease_share must be in (0, 1]")
         self.capacity_bytes = capacity_bytes
         self.max_inflight_bytes = capacity_bytes if max_inflight_bytes is None else max_inflight_bytes
         self._lock = threading.Lock()
@@ -218,6 +224,9 @@ class Store:
         self.max_lease_bytes = (
             int(capacity_bytes * DEFAULT_LEASE_FRACTION) if max_lease_bytes is None else max_lease_bytes
         )
+        self.max_lease_share = max_lease_share
+        self.max_leases_per_holder = math.ceil(max_leases * max_lease_share)
+        self.max_lease_bytes_per_holder = int(self.max_lease_bytes * max_lease_share)
         self._clock = clock
         self.shared = shared
         self._lease_heap: list[tuple[float, int, bytes, int]] = []  # (expiry, seq, key, token)
@@ -226,6 +235,9 @@ class Store:
         self.leased_bytes = 0  # buffer bytes of values with at least one lease
         self.lease_expirations = 0
         self.leases_refused = 0
+        # token -> [leases, bytes] it holds: each holder is charged the whole buffer of every
+        # value it leases, shared with other holders or not (what it would pin alone).
+        self._holders: dict[int, list[int]] = {}
 
     # -- lanes --------------------------------------------------------------------------------
 
@@ -403,7 +415,13 @@ class Store:
                 held = entry.leases
                 if held is None or token not in held:
                     new_bytes = 0 if held else entry.buf.size
-                    if self.leases + 1 > self.max_leases or self.leased_bytes + new_bytes > self.max_lease_bytes:
+                    mine = self._holders.get(token) or [0, 0]
+                    if (
+                        self.leases + 1 > self.max_leases
+                        or self.leased_bytes + new_bytes > self.max_lease_bytes
+                        or mine[0] + 1 > self.max_leases_per_holder
+                        or mine[1] + entry.buf.size > self.max_lease_bytes_per_holder
+                    ):
                         self.leases_refused += 1
                         statuses.append(ItemStatus.MISS)
                         lengths.append(0)
@@ -412,6 +430,9 @@ class Store:
                         held = entry.leases = {}
                     self.leases += 1
                     self.leased_bytes += new_bytes
+                    mine[0] += 1
+                    mine[1] += entry.buf.size
+                    self._holders[token] = mine
                 held[token] = expiry
                 self._lease_seq += 1
                 heapq.heappush(self._lease_heap, (expiry, self._lease_seq, key, token))
@@ -439,6 +460,11 @@ class Store:
         assert entry.leases is not None
         del entry.leases[token]
         self.leases -= 1
+        mine = self._holders[token]
+        mine[0] -= 1
+        mine[1] -= entry.buf.size
+        if not mine[0]:
+            del self._holders[token]
         if not entry.leases:
             entry.leases = None
             self.leased_bytes -= entry.buf.size
@@ -470,6 +496,8 @@ class Store:
                 "leased_bytes": self.leased_bytes,
                 "max_leases": self.max_leases,
                 "max_lease_bytes": self.max_lease_bytes,
+                "max_lease_share": self.max_lease_share,
+                "lease_holders": len(self._holders),
                 "max_lease_s": self.max_lease_s,
                 "lease_expirations": self.lease_expirations,
                 "leases_refused": self.leases_refused,
