@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import grp
 import hashlib
 import http.client
 import json
@@ -195,6 +196,13 @@ def _parser() -> argparse.ArgumentParser:
         help="keep values in private memory (default: values of 1 MiB and more in memory that clients on the "
         "same-host socket map and copy from; docs/operations.md, 'Same-host clients')",
     )
+    s.add_argument(
+        "--shared-memory-group",
+        default=None,
+        metavar="GROUP",
+        help="also offer shared memory to same-host clients in this group (name or gid; default: only to "
+        "processes of the node's own uid; docs/operations.md, 'Same-host clients')",
+    )
     t = s.add_argument_group("TLS (docs/operations.md, 'Encryption in transit'); SIGHUP re-reads the files")
     t.add_argument("--tls-cert", default=None, metavar="FILE", help="PEM certificate (chain) of the node: turns TLS on")
     t.add_argument("--tls-key", default=None, metavar="FILE", help="PEM private key of --tls-cert")
@@ -292,6 +300,18 @@ def _parser() -> argparse.ArgumentParser:
 # -- serve ------------------------------------------------------------------------------------------
 
 
+def _group_id(name: str | None) -> int | None:
+    """--shared-memory-group: a group name or a numeric gid."""
+    if name is None:
+        return None
+    if name.isdigit():
+        return int(name)
+    try:
+        return grp.getgrnam(name).gr_gid
+    except KeyError:
+        raise ConfigError(f"--shared-memory-group: no group named {name!r}") from None
+
+
 def _server_key(args: argparse.Namespace) -> AuthKey:
     if env_value(os.environ, ENV_AUTH_KEY) is not None:
         return AuthKey.from_hex(os.environ[ENV_AUTH_KEY], ENV_AUTH_KEY)
@@ -349,6 +369,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         tls_listen=parse_address(args.tls_listen, "--tls-listen") if args.tls_listen else None,
         local_socket=args.local_socket,
         shared_memory=args.shared_memory,
+        shared_memory_group=_group_id(args.shared_memory_group),
     )
     key = _server_key(args)
     try:
