@@ -95,7 +95,7 @@ def test_past_the_memfd_bound_a_shared_reservation_is_refused_without_evicting()
     for t in tickets[:2]:
         assert t is not None
         store.abort(t)
-    assert shared.values == 0 and shared.reclaimed == 2 and store.allocated_bytes == 0
+    assert shared.values == 0 and shared.pending == 0 and store.allocated_bytes == 0
 
 
 def test_write_value_leaves_no_writable_mapping_and_keeps_a_read_only_one() -> None:

@@ -142,7 +142,7 @@ def fit_connections_to_fd_limit(max_connections: int) -> int:
 
 PEERCRED = struct.Struct("=iII")  # struct ucred: pid, uid, gid
 SO_PEERGROUPS = getattr(socket, "SO_PEERGROUPS", 59)  # Linux 4.13: the peer's supplementary groups
-MAX_PEER_GROUPS = 1024
+MAX_PEER_GROUPS = 256  # Python reads at most 1024 bytes of a socket option
 
 
 class _CleanClose(Exception):
@@ -842,6 +842,8 @@ class Connection:
             writes, self._shm_writes = self._shm_writes, []
             for ticket in writes:
                 self.node.store.abort(ticket)
+            if self.node.shared is not None:
+                self.node.shared.reclaimed_reservations(len(writes))
             log.warning(
                 "%s: %d SHM_PUT reservation(s) never committed: dropped (their memfds closed)", self.peer, len(writes)
             )

@@ -37,6 +37,7 @@ SEALS_COMMITTED = SEALS_OPEN | fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SEAL  # from SH
 MAX_PENDING = 1024  # reservations not yet committed, node-wide
 MAP_HEADROOM = 8192  # mappings kept for the rest of the process (vm.max_map_count)
 FD_HEADROOM = 256  # descriptors kept for the rest of the process beyond connections
+FDS_PER_VALUE = 2  # the memfd's, and the one Python's mmap keeps of it
 
 
 class StillMapped(OSError):
@@ -73,17 +74,23 @@ class SealedBuffer:
         if fcntl.fcntl(self.fd, fcntl.F_GET_SEALS) & SEALS_COMMITTED != SEALS_COMMITTED:
             raise StillMapped(errno.EPERM, "the memfd lacks its seals")
         # Private and read-only: no mapping the node holds can write, and none blocks the seals.
+        # (Python's mmap holds a second descriptor of the memfd: FDS_PER_VALUE.)
         self._mem = mmap.mmap(self.fd, self.size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ)
         self.view = memoryview(self._mem)
 
     def free(self) -> None:
-        """The store is done with it: the descriptor closes now, the mapping once no GET in
-        progress holds a view of it (CPython frees it with the last reference)."""
+        """The store is done with it: the memfd closes now, or, while a socket GET still sends
+        from it, with that GET's last view (CPython frees the mapping with its last reference)."""
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
-        self._mem = None
+        mem, self._mem = self._mem, None
         self.view = memoryview(b"")
+        if mem is not None:
+            try:
+                mem.close()  # unmaps and closes its own descriptor
+            except BufferError:  # exported: goes with the last view
+                pass
 
 
 def _max_map_count() -> int:
@@ -110,7 +117,7 @@ class SharedValues:
 
     def fit_fd_limit(self, fd_soft_limit: int, connections: int) -> None:
         """Keep the memfds the node holds under RLIMIT_NOFILE, beside `connections` sockets."""
-        self.max_values = max(0, min(self.max_values, fd_soft_limit - connections - FD_HEADROOM))
+        self.max_values = max(0, min(self.max_values, (fd_soft_limit - connections - FD_HEADROOM) // FDS_PER_VALUE))
 
     def reserve(self, size: int) -> SealedBuffer | None:
         """A new memfd of `size` bytes, or None past a bound (or when the kernel refuses one)."""
@@ -131,12 +138,15 @@ class SharedValues:
                 self.refused += 1
             return None
 
-    def ended(self, committed: bool) -> None:
-        """A reservation was committed (True) or dropped uncommitted (False)."""
+    def ended(self) -> None:
+        """A reservation was committed or dropped."""
         with self._lock:
             self.pending -= 1
-            if not committed:
-                self.reclaimed += 1
+
+    def reclaimed_reservations(self, n: int) -> None:
+        """`n` reservations dropped because their SHM_COMMIT never came."""
+        with self._lock:
+            self.reclaimed += n
 
     def freed(self, buf: SealedBuffer) -> None:
         buf.free()

@@ -238,7 +238,7 @@ class Store:
             try:
                 return self._begin_put(key, length, algo, checksum, wait_s, size, sealed)
             except BaseException:
-                self.shared.ended(False)
+                self.shared.ended()
                 self.shared.freed(sealed)
                 raise
         return self._begin_put(key, length, algo, checksum, wait_s, size, None)
@@ -310,11 +310,11 @@ class Store:
             old = self._index.get(ticket.key)
             if old is not None and old.leases:
                 self._give_back(ticket.buf)
-                self._shared_ended(ticket, False)
+                self._shared_ended(ticket)
                 return False
             if old is not None:
                 self._unlink(old)
-            self._shared_ended(ticket, True)
+            self._shared_ended(ticket)
             self._index[ticket.key] = entry
             ticket.lane.entries[ticket.key] = entry
             ticket.lane.bytes += entry.buf.size
@@ -327,11 +327,11 @@ class Store:
         with self._lock:
             self._end_inflight(ticket.reserved)
             self._give_back(ticket.buf)
-            self._shared_ended(ticket, False)
+            self._shared_ended(ticket)
 
-    def _shared_ended(self, ticket: PutTicket, committed: bool) -> None:
+    def _shared_ended(self, ticket: PutTicket) -> None:
         if self.shared is not None and isinstance(ticket.buf, SealedBuffer):
-            self.shared.ended(committed)
+            self.shared.ended()
 
     # -- reads --------------------------------------------------------------------------------
 
