@@ -185,7 +185,7 @@ def main(action: str, host: str, port: str, name: str, *args: str) -> dict[str, 
                 statuses.append(reply.items[0].status)
                 continue
             # Written through a shared mapping (pages faulted by this process), kept open.
-            checksum, kept = write_value(os.dup(fds[0]), memoryview(bytes([i % 251]) * size), SUMS.algo, SUMS, True)
+            checksum, _ = write_value(os.dup(fds[0]), memoryview(bytes([i % 251]) * size), SUMS.algo, SUMS, True)
             statuses += commit(conn, [checksum])
             held.append(fds[0])
         reply, fds = shm_get(conn, [key + b"%d" % i for i in range(count)], size)

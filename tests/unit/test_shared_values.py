@@ -6,7 +6,7 @@ Behaviour under test (real memfds, no node process):
   (StillMapped) and, once sealed, no descriptor or mapping writes it any more;
 * the store counts every memfd in allocated_bytes from its reservation on, never reuses one for
   another value (private buffers are pooled, memfds closed), and after a fill-evict-delete cycle
-  holds none; a memfd bound reached makes `begin_put(shared=True)` answer None without evicting;
+  holds none; a memfd bound reached makes `begin_shared_put` answer None without evicting;
 * `write_value` leaves no writable mapping (the seal then succeeds) and keeps a read-only one;
   `check_sealed` refuses a memfd without its seals; `copy_verified` copies whole and verified,
   and fails a checksum of other bytes; `MappedValues` stays within its bounds.
@@ -69,7 +69,8 @@ def test_the_store_counts_memfds_never_reuses_them_and_holds_none_after_a_cycle(
     shared = SharedValues(max_values=100)
     store = Store(8 * MiB, shared=shared, pool_max_bytes=8 * MiB)
     for i in range(12):  # four fit: the rest evicts
-        ticket = store.begin_put(b"k%d" % i, 2 * MiB, 1, bytes(32), shared=i % 2 == 0)
+        begin = store.begin_shared_put if i % 2 == 0 else store.begin_put
+        ticket = begin(b"k%d" % i, 2 * MiB, 1, bytes(32))
         assert ticket is not None
         assert isinstance(ticket.buf, SealedBuffer) == (i % 2 == 0)
         if isinstance(ticket.buf, SealedBuffer):
@@ -90,7 +91,7 @@ def test_the_store_counts_memfds_never_reuses_them_and_holds_none_after_a_cycle(
 def test_past_the_memfd_bound_a_shared_reservation_is_refused_without_evicting() -> None:
     shared = SharedValues(max_values=2)
     store = Store(64 * MiB, shared=shared)
-    tickets = [store.begin_put(b"k%d" % i, MiB, 1, bytes(32), shared=True) for i in range(3)]
+    tickets = [store.begin_shared_put(b"k%d" % i, MiB, 1, bytes(32)) for i in range(3)]
     assert tickets[2] is None and shared.refused == 1 and store.allocated_bytes == 2 * MiB
     for t in tickets[:2]:
         assert t is not None

@@ -523,7 +523,9 @@ class NodeConnection:
                             if mapping is not None:
                                 kept[i] = mapping
                         except SealError as exc:
-                            log.warning("MemKV: %s: shared memory off for this node process: %s", self.name, exc.strerror)
+                            log.warning(
+                                "MemKV: %s: shared memory off for this node process: %s", self.name, exc.strerror
+                            )
                             memory.refuse(str(exc.strerror))
                     written.append(i in kept)
                     checksums.append(checksum)

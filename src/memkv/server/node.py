@@ -62,7 +62,7 @@ from memkv.errors import AuthError, LocalProtocolError, RemoteProtocolError
 from memkv.server.metrics import NodeMetrics
 from memkv.server.rdma import RdmaResponder, RequestContext
 from memkv.server.shared import SealedBuffer, SharedValues, StillMapped
-from memkv.server.store import Entry, Leased, NoSpace, PutTicket, Store
+from memkv.server.store import Leased, NoSpace, PutTicket, Store
 from memkv.sockio import PeerClosed, discard, recv_exactly, recv_exactly_into, send_all, set_recv_timeout, set_timeouts
 from memkv.tls import TLS_HANDSHAKE_BYTE, ServerTls
 
@@ -720,7 +720,7 @@ class Connection:
         found = store.acquire(msg.keys, msg.expected_lengths, p.ANY_LENGTH)
         pinned = [e for e in found if not isinstance(e, int)]
         try:
-            items, passed, fds = [], bytearray(), []
+            items, passed, fds = [], bytearray(), list[int]()
             no_sum = bytes(p.CHECKSUM_BYTES)
             sent = 0
             for e, wanted in zip(found, msg.want):
@@ -775,9 +775,7 @@ class Connection:
                         # Only the first item waits for the in-flight bound: later ones would wait
                         # for this very request's reservations.
                         wait_s = max(0.0, deadline - time.monotonic()) if not self._shm_writes else 0.0
-                        ticket = store.begin_put(
-                            item.key, item.length, item.algo, item.checksum, wait_s=wait_s, shared=True
-                        )
+                        ticket = store.begin_shared_put(item.key, item.length, item.algo, item.checksum, wait_s)
                     except NoSpace as exc:
                         if exc.reason != "inflight_limit":
                             self.metrics.puts_refused.labels(exc.reason).inc()
@@ -792,7 +790,7 @@ class Connection:
                 self._shm_writes.append(ticket)
                 items.append(p.GetReplyItem(p.ItemStatus.OK, item.length, item.algo, item.checksum))
                 passed.append(1)
-            fds = [ticket.buf.fd for ticket in self._shm_writes]
+            fds = [ticket.buf.fd for ticket in self._shm_writes if isinstance(ticket.buf, SealedBuffer)]
             self._shm_writes_due = time.monotonic() + self.node.config.io_timeout_s
             self._reply_with_fds(p.ShmGetReply(tuple(items), bytes(passed), p.Opcode.SHM_PUT), fds)
         except BaseException:

@@ -168,7 +168,7 @@ class Store:
         clock: Callable[[], float] = time.monotonic,
         shared: SharedValues | None = None,
     ) -> None:
-        """`shared`: the bounds and counters of memfd values (SHM_PUT, `begin_put(shared=True)`)."""
+        """`shared`: the bounds and counters of memfd values (SHM_PUT, `begin_shared_put`)."""
         if capacity_bytes <= 0:
             raise ValueError("capacity_bytes must be positive")
         self.capacity_bytes = capacity_bytes
@@ -223,25 +223,26 @@ class Store:
 
     # -- writes -------------------------------------------------------------------------------
 
-    def begin_put(
-        self, key: bytes, length: int, algo: int, checksum: bytes, wait_s: float = 0.0, shared: bool = False
-    ) -> PutTicket | None:
+    def begin_put(self, key: bytes, length: int, algo: int, checksum: bytes, wait_s: float = 0.0) -> PutTicket:
         """Reserve a buffer for a value. Raises NoSpace. Caller fills `ticket.target`, then
-        calls `commit` or `abort` exactly once. Waits up to `wait_s` for the in-flight bound.
-        `shared`: a new memfd (SHM_PUT: the client fills it); None when `self.shared` has none
-        to give (a bound reached), and then nothing was reserved or evicted."""
+        calls `commit` or `abort` exactly once. Waits up to `wait_s` for the in-flight bound."""
+        return self._begin_put(key, length, algo, checksum, wait_s, buffer_size_for(length), None)
+
+    def begin_shared_put(
+        self, key: bytes, length: int, algo: int, checksum: bytes, wait_s: float = 0.0
+    ) -> PutTicket | None:
+        """As `begin_put`, the buffer a new memfd (SHM_PUT: the client fills it, `SealedBuffer.seal`
+        before `commit`); None when `self.shared` has none to give (a bound reached), and then
+        nothing was reserved or evicted."""
         size = buffer_size_for(length)
-        sealed: SealedBuffer | None = None
-        if shared:
-            if self.shared is None or (sealed := self.shared.reserve(size)) is None:
-                return None
-            try:
-                return self._begin_put(key, length, algo, checksum, wait_s, size, sealed)
-            except BaseException:
-                self.shared.ended()
-                self.shared.freed(sealed)
-                raise
-        return self._begin_put(key, length, algo, checksum, wait_s, size, None)
+        if self.shared is None or (sealed := self.shared.reserve(size)) is None:
+            return None
+        try:
+            return self._begin_put(key, length, algo, checksum, wait_s, size, sealed)
+        except BaseException:
+            self.shared.ended()
+            self.shared.freed(sealed)
+            raise
 
     def _begin_put(
         self, key: bytes, length: int, algo: int, checksum: bytes, wait_s: float, size: int, sealed: SealedBuffer | None
@@ -533,7 +534,9 @@ class Store:
         if old is None or old.leases:
             return None
         buf = old.buf
-        reusable = reuse and isinstance(buf, ValueBuffer) and old.pins == 0 and size <= buf.size <= size * (1 + REUSE_SLACK)
+        reusable = (
+            reuse and isinstance(buf, ValueBuffer) and old.pins == 0 and size <= buf.size <= size * (1 + REUSE_SLACK)
+        )
         self._unlink(old, keep_buffer=reusable)
         return buf if reusable and isinstance(buf, ValueBuffer) else None
 
