@@ -1062,3 +1062,17 @@ def test_a_broken_codec_still_encodes_the_error_frame_that_explains_the_close_an
     error, _ = decode_one(client, server.encode_error(p.ErrorCode.BAD_MAC, "frame MAC mismatch"))
     assert error == p.ErrorReply(p.ErrorCode.BAD_MAC, "frame MAC mismatch")
     assert server.broken is not None  # still refuses everything else
+
+
+def test_a_hello_ok_of_the_arena_design_offers_no_shared_memory_to_this_client() -> None:
+    """A node of the earlier arena design says `"shared_memory": true`: a client of the sealed-memfd
+    design must not take that for its own SHM messages (other opcodes and layouts): it stays on
+    the socket. The new key is one such a node never sends."""
+    client, _ = session()
+    for body, offered in (({"shared_memory": True}, False), ({"shared_values": True}, True), ({}, False)):
+        wire = raw_frame(p.Opcode.HELLO_OK, json.dumps({"node_id": "n", "limits": {}, **body}).encode(), send_key=S2C_KEY)
+        msg, _ = decode_one(client, wire)
+        assert isinstance(msg, p.HelloOk) and msg.shared_memory is offered
+        client, _ = session()
+    _, server = session()
+    assert b'"shared_values": true' in server.encode(p.HelloOk("n", p.Limits(), "@x", True))
