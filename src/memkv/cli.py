@@ -399,7 +399,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
         flush=True,
     )
     if node.local_socket:
-        shared = ", values in shared memory they map" if node.shared is not None else ""
+        shared = ""
+        if node.shared is not None:
+            group = config.shared_memory_group
+            shared = ", values of 1 MiB and more as sealed memfds for clients of uid " + str(os.geteuid())
+            shared += f" or group {group}" if group is not None else ""
         print(f"memkv: same-host clients connect to {node.local_socket} (abstract Unix socket{shared})", flush=True)
     try:
         node.serve_forever()
@@ -682,6 +686,7 @@ def _status_row(
                 "capacity_bytes": s["capacity_bytes"],
                 "used_ratio": s["allocated_bytes"] / s["capacity_bytes"] if s["capacity_bytes"] else None,
                 "values": s["values"],
+                "shm_bytes": (s.get("shared_memory") or {}).get("bytes", 0),  # of allocated_bytes, in memfds
                 "hits": hits,
                 "misses": misses,
                 "hit_ratio": hits / (hits + misses) if hits + misses else None,
@@ -736,6 +741,7 @@ def _cluster_totals(rows: list[dict[str, Any]]) -> dict[str, Any]:
         "used_bytes": used,
         "allocated_bytes": used,
         "stored_bytes": sum(r["stored_bytes"] for r in up),
+        "shm_bytes": sum(r.get("shm_bytes", 0) for r in up),
         "capacity_bytes": capacity,
         "used_ratio": used / capacity if capacity else None,
         "values": sum(r["values"] for r in up),
@@ -844,8 +850,10 @@ def _used(r: dict[str, Any]) -> str:
     """Stored value bytes, then the buffer bytes allocated for them (stored values rounded up to
     pages, buffers pooled for reuse, PUTs in flight), out of the capacity."""
     pct = f" ({r['used_ratio']:.0%} allocated)" if r.get("used_ratio") is not None else ""
+    shm = f", {format_size(r['shm_bytes'])} in memfds" if r.get("shm_bytes") else ""
     return (
-        f"{format_size(r['stored_bytes'])} / {format_size(r['used_bytes'])} / {format_size(r['capacity_bytes'])}{pct}"
+        f"{format_size(r['stored_bytes'])} / {format_size(r['used_bytes'])} / {format_size(r['capacity_bytes'])}"
+        f"{pct}{shm}"
     )
 
 
