@@ -14,6 +14,8 @@ Behaviour under test:
   (its memfds' pages, counted in shm_bytes and allocated_bytes) within --capacity, status and
   metrics truthful; reservations are bounded per request (the in-flight bound) and one never
   committed is reclaimed after io_timeout_s (memfds closed, bytes back);
+* bounds: memfds fit the descriptor limit beside --max-connections (a WARNING when that leaves
+  few); past it SHM_PUT answers NOT_SHARED and the value is stored over the socket;
 * uid policy: a client process of another uid is served over the socket and gets no memfd
   (SHM_PUT refused); with `--shared-memory-group` naming its group it gets them.
 """
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import json
 import os
+import resource
 import subprocess
 import sys
 
@@ -219,3 +222,25 @@ def test_an_unknown_checksum_algorithm_is_refused_naming_it(start_node, auth_key
     finally:
         conn.close()
     assert status_of(node)["shared_memory"]["values"] == 0
+
+
+def test_memfd_values_fit_the_descriptor_limit_and_the_rest_go_over_the_socket(start_node, make_client):
+    """The node's memfds are bounded by its descriptor limit beside --max-connections: past the
+    bound SHM_PUT answers NOT_SHARED and the client stores over the socket, every value kept."""
+    limit, connections = 512, 128
+
+    def low_nofile() -> None:  # in the child, before exec
+        resource.setrlimit(resource.RLIMIT_NOFILE, (limit, limit))
+
+    node = start_node(capacity="256MiB", extra_args=["--max-connections", str(connections)], preexec_fn=low_nofile)
+    bound = status_of(node)["shared_memory"]["max_values"]
+    assert bound == (limit - connections - 256) // 2 == 64
+    assert f"RLIMIT_NOFILE is {limit}: room for only {bound} values in shared memory" in "".join(node.output)
+    client = make_client([node])
+    values = [(f"v{i}", os.urandom(MiB)) for i in range(bound + 16)]
+    assert client.batch_put_views(values) == [True] * len(values)
+    assert status_of(node)["shared_memory"]["values"] == bound
+    assert metric(node, "memkv_node_shm_puts_refused_total") == 16
+    targets = [(k, bytearray(MiB)) for k, _ in values]
+    assert client.batch_get_into(targets) == [True] * len(values)
+    assert [bytes(b) for _, b in targets] == [v for _, v in values]

@@ -140,6 +140,7 @@ def fit_connections_to_fd_limit(max_connections: int) -> int:
     return capped
 
 
+MIN_SHARED_VALUES = 1024  # fewer memfd values than this: a WARNING at start
 PEERCRED = struct.Struct("=iII")  # struct ucred: pid, uid, gid
 SO_PEERGROUPS = getattr(socket, "SO_PEERGROUPS", 59)  # Linux 4.13: the peer's supplementary groups
 MAX_PEER_GROUPS = 256  # Python reads at most 1024 bytes of a socket option
@@ -211,7 +212,17 @@ class Node:
         self._conns_lock = threading.Lock()
         self.max_connections = fit_connections_to_fd_limit(config.max_connections)
         if self.shared is not None:  # its memfds need descriptors too, beside the connections'
-            self.shared.fit_fd_limit(resource.getrlimit(resource.RLIMIT_NOFILE)[0], self.max_connections)
+            soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+            self.shared.fit_fd_limit(soft, self.max_connections)
+            if self.shared.max_values < MIN_SHARED_VALUES:
+                log.warning(
+                    "RLIMIT_NOFILE is %d: room for only %d values in shared memory beside %d connections "
+                    "(later SHM_PUTs go over the socket); raise the limit (ulimit -n, systemd LimitNOFILE=) "
+                    "or lower --max-connections",
+                    soft,
+                    self.shared.max_values,
+                    self.max_connections,
+                )
         self._slots = threading.BoundedSemaphore(self.max_connections)
         self._spare_fd: int | None = os.open(os.devnull, os.O_RDONLY)  # given up to shed on EMFILE
         self.started_at = time.time()
