@@ -56,8 +56,10 @@ COPY_PIECE = 256 << 10
 SEALS_NEEDED = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_WRITE
 SEALS_OPEN = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW
 # Mappings of stored values kept, per node process: far below vm.max_map_count (65530 by default).
-MAX_MAPPED_VALUES = 4096
-MAX_MAPPED_BYTES = 64 << 30  # address space; the pages are the node's values (and this writer's)
+# A kept mapping of a value the node has dropped keeps its pages alive (charged to this process)
+# until the next load of that key or the LRU drops it: the byte bound caps that memory.
+MAX_MAPPED_VALUES = 1024
+MAX_MAPPED_BYTES = 2 << 30
 
 
 class SealError(OSError):
