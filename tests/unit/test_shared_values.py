@@ -8,7 +8,7 @@ Behaviour under test (real memfds, no node process):
   another value (private buffers are pooled, memfds closed), and after a fill-evict-delete cycle
   holds none; a memfd bound reached makes `begin_shared_put` answer None without evicting;
 * `write_value` leaves no writable mapping (the seal then succeeds) and keeps a read-only one;
-  `check_sealed` refuses a memfd without its seals; `copy_verified` copies whole and verified,
+  `check_sealed` refuses a memfd without its seals or of another size than the value's buffer; `copy_verified` copies whole and verified,
   and fails a checksum of other bytes; `MappedValues` stays within its bounds.
 """
 
@@ -111,8 +111,9 @@ def test_write_value_leaves_no_writable_mapping_and_keeps_a_read_only_one() -> N
         assert target == value
         unmap(*kept)
         assert check_sealed(buf.fd, len(value)) == 2 * MiB
-        with pytest.raises(SealError):
-            check_sealed(buf.fd, 2 * MiB + 1)
+        for length in (2 * MiB + 1, MiB, 0):  # a memfd is exactly the value's buffer: no larger mapping
+            with pytest.raises(SealError):
+                check_sealed(buf.fd, length)
     finally:
         buf.free()
 

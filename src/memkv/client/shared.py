@@ -67,13 +67,14 @@ class SealError(OSError):
 
 
 def check_sealed(fd: int, length: int, seals: int = SEALS_NEEDED) -> int:
-    """The size of the memfd `fd` when it holds `length` bytes and carries `seals`; else SealError."""
+    """The size of the memfd `fd` when it is the buffer of a `length`-byte value (the length
+    rounded up to a page) and carries `seals`; else SealError."""
     try:
         info = os.fstat(fd)
         have = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
     except OSError as exc:
         raise SealError(exc.errno or errno.EINVAL, f"not a sealable memfd: {exc.strerror}") from None
-    if not stat.S_ISREG(info.st_mode) or info.st_size < length or length <= 0:
+    if not stat.S_ISREG(info.st_mode) or not 0 < length <= info.st_size < length + PAGE:
         raise SealError(errno.EINVAL, f"a memfd of {info.st_size} bytes for a {length}-byte value")
     if have & seals != seals:
         raise SealError(errno.EPERM, f"a memfd without its seals (has 0x{have:x}, needs 0x{seals:x})")
