@@ -14,8 +14,8 @@ slow state, so only same-repetition ratios mean anything):
     same-host clients take by default (docs/protocol.md section 2.6). "memkv" is the client over
     the node's Unix socket with shared_memory off, "memkv-tcp" the same client with
     local_socket off (loopback TCP), "memkv-shm" the client as configured by default, shared_memory
-    on (docs/protocol.md section 13: its GETs copy from the node's memory, its PUTs of values of
-    1 MiB and more write into it, SHM_PUT/SHM_COMMIT). Each MemKV client reads back its own keys. Same-family pairs (memkv/raw-unix, memkv-tcp/raw) price what
+    on (docs/protocol.md section 13: its PUTs of values of 1 MiB and more write each into a sealed
+    memfd of its own, SHM_PUT/SHM_COMMIT, and its GETs copy them back from there). Each MemKV client reads back its own keys. Same-family pairs (memkv/raw-unix, memkv-tcp/raw) price what
     MemKV adds; memkv/raw is what a user gets against the raw TCP design.
   * redis: a real `redis-server` started by the bench (skipped if not installed; `apt-get
     install redis-server`), driven by redis-py with SET/GET of the same values.
@@ -300,7 +300,7 @@ def measure(
     raw, raw_port, raw_unix = start_raw(value_bytes, n)
     key = new_key_hex()
     # Three sets of values: each MemKV client reads back what it stored itself (a shared-memory
-    # client copies only values it stored; memkv/client/shared.py).
+    # client then copies from the read-only mappings it kept of them; memkv/client/shared.py).
     capacity = str(int(3 * value_bytes * n * 1.3 / n_nodes) + (64 << 20))
     nodes = [LocalNode(key, capacity=capacity, env=NODE_ENV) for _ in range(n_nodes)]
     redis_proc, rclient, redis_note = start_redis(value_bytes) if with_redis else (None, None, "not run")

@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import grp
 import hashlib
 import http.client
 import json
@@ -201,6 +202,13 @@ def _parser() -> argparse.ArgumentParser:
         help="keep values in private memory (default: values of 1 MiB and more in memory that clients on the "
         "same-host socket map and copy from; docs/operations.md, 'Same-host clients')",
     )
+    s.add_argument(
+        "--shared-memory-group",
+        default=None,
+        metavar="GROUP",
+        help="also offer shared memory to same-host clients in this group (name or gid; default: only to "
+        "processes of the node's own uid; docs/operations.md, 'Same-host clients')",
+    )
     t = s.add_argument_group("TLS (docs/operations.md, 'Encryption in transit'); SIGHUP re-reads the files")
     t.add_argument("--tls-cert", default=None, metavar="FILE", help="PEM certificate (chain) of the node: turns TLS on")
     t.add_argument("--tls-key", default=None, metavar="FILE", help="PEM private key of --tls-cert")
@@ -298,6 +306,18 @@ def _parser() -> argparse.ArgumentParser:
 # -- serve ------------------------------------------------------------------------------------------
 
 
+def _group_id(name: str | None) -> int | None:
+    """--shared-memory-group: a group name or a numeric gid."""
+    if name is None:
+        return None
+    if name.isdigit():
+        return int(name)
+    try:
+        return grp.getgrnam(name).gr_gid
+    except KeyError:
+        raise ConfigError(f"--shared-memory-group: no group named {name!r}") from None
+
+
 def _server_key(args: argparse.Namespace) -> AuthKey:
     if env_value(os.environ, ENV_AUTH_KEY) is not None:
         return AuthKey.from_hex(os.environ[ENV_AUTH_KEY], ENV_AUTH_KEY)
@@ -356,6 +376,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         tls_listen=parse_address(args.tls_listen, "--tls-listen") if args.tls_listen else None,
         local_socket=args.local_socket,
         shared_memory=args.shared_memory,
+        shared_memory_group=_group_id(args.shared_memory_group),
     )
     key = _server_key(args)
     try:
@@ -385,7 +406,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
         flush=True,
     )
     if node.local_socket:
-        shared = ", values in shared memory they map" if node.shared is not None else ""
+        shared = ""
+        if node.shared is not None:
+            group = config.shared_memory_group
+            shared = ", values of 1 MiB and more as sealed memfds for clients of uid " + str(os.geteuid())
+            shared += f" or group {group}" if group is not None else ""
         print(f"memkv: same-host clients connect to {node.local_socket} (abstract Unix socket{shared})", flush=True)
     try:
         node.serve_forever()
@@ -668,6 +693,7 @@ def _status_row(
                 "capacity_bytes": s["capacity_bytes"],
                 "used_ratio": s["allocated_bytes"] / s["capacity_bytes"] if s["capacity_bytes"] else None,
                 "values": s["values"],
+                "shm_bytes": (s.get("shared_memory") or {}).get("bytes", 0),  # of allocated_bytes, in memfds
                 "hits": hits,
                 "misses": misses,
                 "hit_ratio": hits / (hits + misses) if hits + misses else None,
@@ -722,6 +748,7 @@ def _cluster_totals(rows: list[dict[str, Any]]) -> dict[str, Any]:
         "used_bytes": used,
         "allocated_bytes": used,
         "stored_bytes": sum(r["stored_bytes"] for r in up),
+        "shm_bytes": sum(r.get("shm_bytes", 0) for r in up),
         "capacity_bytes": capacity,
         "used_ratio": used / capacity if capacity else None,
         "values": sum(r["values"] for r in up),
@@ -830,8 +857,10 @@ def _used(r: dict[str, Any]) -> str:
     """Stored value bytes, then the buffer bytes allocated for them (stored values rounded up to
     pages, buffers pooled for reuse, PUTs in flight), out of the capacity."""
     pct = f" ({r['used_ratio']:.0%} allocated)" if r.get("used_ratio") is not None else ""
+    shm = f", {format_size(r['shm_bytes'])} in memfds" if r.get("shm_bytes") else ""
     return (
-        f"{format_size(r['stored_bytes'])} / {format_size(r['used_bytes'])} / {format_size(r['capacity_bytes'])}{pct}"
+        f"{format_size(r['stored_bytes'])} / {format_size(r['used_bytes'])} / {format_size(r['capacity_bytes'])}"
+        f"{pct}{shm}"
     )
 
 

@@ -647,9 +647,11 @@ class ServerConfig:
     # Same-host clients over an abstract AF_UNIX socket named in HELLO_OK (memkv/server/node.py);
     # off with TLS on the data port. `memkv serve --no-local-socket` turns it off.
     local_socket: bool = True
-    # Values of 1 MiB and more in memfd arenas that same-host clients map and copy from
+    # Values of 1 MiB and more that same-host clients store and load as sealed memfds
     # (memkv/server/shared.py); needs the same-host socket. `--no-shared-memory` turns it off.
     shared_memory: bool = True
+    # Besides peers of the node's own uid, peers in this group (a gid) get shared memory too.
+    shared_memory_group: int | None = None
 
     def __post_init__(self) -> None:
         self._check_tls()

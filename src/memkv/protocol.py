@@ -105,11 +105,10 @@ class Opcode(enum.IntEnum):
     RELEASE = 0x16  # end leases early
     RDMA_ATTACH = 0x20  # client -> node: the client's RDMA metadata (section 10 of docs/protocol.md)
     RDMA_GET = 0x21  # client -> node: WRITE these values into these slots of the client's pool
-    SHM_ATTACH = 0x30  # same-host socket: the descriptors of these shared arenas (section 13)
-    SHM_GET = 0x31  # same-host socket: where these values lie in shared memory; pins them
-    SHM_PLACE = 0x32  # as SHM_GET, for a client to fill its page tables, not to read: counts no read
-    SHM_PUT = 0x33  # same-host socket: reserve slots for these values; the client writes them itself
-    SHM_COMMIT = 0x34  # the next frame after an SHM_PUT: make the values written visible
+    # 0x30-0x34: the shared-arena messages of earlier nodes (SHM_ATTACH, SHM_PLACE...), retired.
+    SHM_GET = 0x35  # same-host socket: these values' sealed memfds (section 13)
+    SHM_PUT = 0x36  # same-host socket: a memfd per value to write; the client writes them itself
+    SHM_COMMIT = 0x37  # the next frame after an SHM_PUT: seal the memfds written, store the values
     ERROR = 0x7F  # server -> client; the connection closes after it
     REPLY = 0x80  # or-ed into the request opcode
 
@@ -144,7 +143,8 @@ class ItemStatus(enum.IntEnum):
     NO_SPACE = 3  # PUT: cannot fit even after eviction (value larger than its lane, all pinned)
     TRANSFER_FAILED = 4  # RDMA_GET: the node's WRITE failed or did not complete within the window
     LEASED = 5  # PUT / DELETE of a leased key: the leased value stays (DELETE: removed when its leases end)
-    NOT_SHARED = 6  # SHM_GET / SHM_PUT: not in shared memory (private memory, in-flight bound): use the socket
+    NOT_SHARED = 6  # SHM_GET / SHM_PUT: not in shared memory (private memory, a bound reached): use the socket
+    STILL_MAPPED = 7  # SHM_COMMIT: the memfd is still mapped writable somewhere: not stored
 
 
 class ChecksumAlgo(enum.IntEnum):
@@ -207,8 +207,9 @@ class HelloOk:
 
     `local_socket`: the name of the node's same-host socket (`@` + an abstract AF_UNIX name,
     random per node process; docs/protocol.md section 2.6), or None when it serves none.
-    `shared_memory`: this connection may map the node's value memory (SHM_* requests; only on
-    the same-host socket, section 13)."""
+    `shared_memory`: this connection may exchange values as sealed memfds (SHM_* requests; only
+    on the same-host socket, section 13). Its JSON key is `shared_values`: a client that knows
+    only the earlier arena design (`shared_memory`) never sees it and stays on the socket."""
 
     node_id: str
     limits: Limits
@@ -395,62 +396,48 @@ class RdmaGetReply:
 
 
 # --------------------------------------------------------------------------------------------
-# Shared memory (docs/protocol.md section 13): on the same-host socket only. The node keeps
-# large values in memfd arenas; SHM_ATTACH hands the client their descriptors (SCM_RIGHTS, on
-# the reply frame), SHM_GET says where each value lies and pins it until the connection's next
-# frame, its end, or SHM_PIN_S, whichever comes first. The client copies and
-# verifies each value itself: what it copied is what it verified, so a value the node reused
-# meanwhile is a checksum miss, never wrong bytes.
+# Shared memory (docs/protocol.md section 13): on the same-host socket only. A value stored by
+# SHM_PUT lives in a memfd of its own, sealed against shrinking and growing from its creation and
+# against writing once committed; descriptors travel with the reply frame (SCM_RIGHTS). The
+# client copies and verifies each value itself; a committed memfd never changes, so nothing is
+# pinned while a client copies.
 # --------------------------------------------------------------------------------------------
 
-SHM_PIN_S = 2.0  # at most this long after an SHM_GET reply (a copy of 8 x 16 MiB takes ~30 ms)
-SHM_MIN_VALUE = 1 << 20  # values this large and larger may lie in shared memory; smaller ones never
-MAX_SHM_ATTACH = 64  # arenas per SHM_ATTACH (the kernel passes at most 253 descriptors a message)
-_ARENA_COUNT = struct.Struct(">I")
-
-
-@dataclasses.dataclass(frozen=True)
-class ShmAttachRequest:
-    arenas: tuple[int, ...]  # arena ids (u32) as SHM_GET replies name them
-
-
-@dataclasses.dataclass(frozen=True)
-class ShmAttachReply:
-    """Per requested arena its size in bytes, 0 for an id that is no arena. The frame carries
-    one descriptor per arena of size > 0, in this order."""
-
-    arenas: tuple[int, ...]
-    sizes: tuple[int, ...]
+SHM_MIN_VALUE = 1 << 20  # values this large and larger may live in memfds; smaller ones never
+MAX_SHM_FDS = 250  # descriptors per reply frame (the kernel passes at most 253 a message)
 
 
 @dataclasses.dataclass(frozen=True)
 class ShmGetRequest:
-    """SHM_GET, or SHM_PLACE (`opcode`): the same request and reply; a node counts an SHM_PLACE
-    as no read (no hits, no bytes sent): the client asks only to fill its page tables."""
+    """SHM_GET: per key, whether to pass the value's memfd (`want[i]` 1) or only its status and
+    checksum (0: the client still maps that value, e.g. one it stored itself)."""
 
     keys: tuple[bytes, ...]
     expected_lengths: tuple[int, ...]  # as GET: exactly this length or a miss (ANY_LENGTH: any)
-    opcode: int = Opcode.SHM_GET
+    want: bytes = b""  # one flag per key; empty: 1 for every key
+
+    def __post_init__(self) -> None:
+        if not self.want:
+            object.__setattr__(self, "want", bytes([1]) * len(self.keys))
 
 
 @dataclasses.dataclass(frozen=True)
 class ShmPutRequest:
-    """SHM_PUT: a PUT's items without their values. The node reserves a slot per item and says
-    where (ShmGetReply, opcode SHM_PUT); the client writes each value there, then sends SHM_COMMIT
-    as the connection's very next frame. The items' checksum fields are not used (a client
-    hashes each value as it writes it: SHM_COMMIT brings the checksums); MemKV's client sends
-    zeros."""
+    """SHM_PUT: a PUT's items without their values. The node creates a memfd per item and passes
+    it (ShmGetReply, opcode SHM_PUT); the client writes each value there, unmaps it, then sends
+    SHM_COMMIT as the connection's very next frame. The items' algo must be a known one; their
+    checksum fields are not used (SHM_COMMIT brings the checksums); MemKV's client sends zeros."""
 
     items: tuple[PutItem, ...]
 
 
 @dataclasses.dataclass(frozen=True)
 class ShmCommitRequest:
-    """SHM_COMMIT: one flag per slot the preceding SHM_PUT placed (its OK items, in order): 1 the
-    client wrote the value (make it visible), 0 it did not (drop the slot); and per flag the
+    """SHM_COMMIT: one flag per memfd the preceding SHM_PUT passed (its OK items, in order): 1 the
+    client wrote the value (seal it and store it), 0 it did not (drop it); and per flag the
     checksum of the bytes written (by the SHM_PUT item's algo; zeros for flag 0). Reply:
     StatusReply, one status per flag: OK stored, LEASED (leased meanwhile: the leased value
-    stays), MISS (0)."""
+    stays), STILL_MAPPED (a writable mapping of the memfd exists: not stored), MISS (0)."""
 
     written: bytes
     checksums: tuple[bytes, ...]
@@ -458,13 +445,11 @@ class ShmCommitRequest:
 
 @dataclasses.dataclass(frozen=True)
 class ShmGetReply:
-    """SHM_GET, SHM_PLACE and SHM_PUT replies: as a GET reply's items, no payload; an OK value
-    lies (SHM_PUT: is to be written) at `offsets[i]` of arena `arenas[i]` (both 0 for other
-    statuses)."""
+    """SHM_GET and SHM_PUT replies: as a GET reply's items, no payload; `passed[i]` 1 when item
+    i's memfd rides on this frame (SCM_RIGHTS, in item order; only OK items, at most MAX_SHM_FDS)."""
 
     items: tuple[GetReplyItem, ...]
-    arenas: tuple[int, ...]
-    offsets: tuple[int, ...]
+    passed: bytes
     opcode: int = Opcode.SHM_GET
 
 
@@ -480,7 +465,6 @@ Request = (
     | ReleaseRequest
     | RdmaAttachRequest
     | RdmaGetRequest
-    | ShmAttachRequest
     | ShmGetRequest
     | ShmPutRequest
     | ShmCommitRequest
@@ -495,7 +479,6 @@ Reply = (
     | ErrorReply
     | RdmaAttachReply
     | RdmaGetReply
-    | ShmAttachReply
     | ShmGetReply
 )
 Message = Request | Reply
@@ -562,9 +545,9 @@ def _check_rdma_metadata(size: int, err: _ErrorClass) -> None:
         raise err(f"RDMA metadata of {size} bytes: must be 1..{MAX_RDMA_METADATA_BYTES}", ErrorCode.FRAME_TOO_LARGE)
 
 
-def _check_shm_attach(n: int, err: _ErrorClass) -> None:
-    if not 1 <= n <= MAX_SHM_ATTACH:
-        raise err(f"SHM_ATTACH of {n} arenas: must be 1..{MAX_SHM_ATTACH}", ErrorCode.BATCH_TOO_LARGE)
+def _check_flags(flags: bytes, n: int, what: str, err: _ErrorClass) -> None:
+    if len(flags) != n or any(f > 1 for f in flags):
+        raise err(f"{what}: one flag (0 or 1) per item, {n} items", ErrorCode.MALFORMED)
 
 
 def _check_lease_ttl(ttl_ms: int, err: _ErrorClass) -> None:
@@ -635,7 +618,6 @@ _VALIDATORS: dict[type, Callable[[Any, Limits], None]] = {
     ShmGetRequest: _validate_keys,
     ShmPutRequest: _validate_put,
     ShmCommitRequest: lambda msg, limits: _check_batch(len(msg.written), limits, LocalProtocolError),
-    ShmAttachRequest: lambda msg, limits: _check_shm_attach(len(msg.arenas), LocalProtocolError),
     ListRequest: _validate_list,
     ListReply: _validate_list_reply,
     LeaseRequest: _validate_lease,
@@ -696,7 +678,7 @@ def _encode_hello_ok(msg: HelloOk) -> _Encoded:
     if msg.local_socket is not None:  # absent, not null: a client that predates it ignores the key
         body["local_socket"] = msg.local_socket
     if msg.shared_memory:
-        body["shared_memory"] = True
+        body["shared_values"] = True
     return Opcode.HELLO_OK, 0, json.dumps(body).encode()
 
 
@@ -803,42 +785,16 @@ def _encode_rdma_get_reply(msg: RdmaGetReply) -> _Encoded:
     return Opcode.RDMA_GET | Opcode.REPLY, 0, _pack_items(msg.items)
 
 
-def _encode_shm_attach(msg: ShmAttachRequest) -> _Encoded:
-    n = len(msg.arenas)
-    return Opcode.SHM_ATTACH, 0, _ARENA_COUNT.pack(n) + struct.pack(f">{n}I", *msg.arenas)
-
-
-def _encode_shm_attach_reply(msg: ShmAttachReply) -> _Encoded:
-    n = len(msg.arenas)
-    if len(msg.sizes) != n:
-        raise LocalProtocolError("an SHM_ATTACH reply needs one size per arena", ErrorCode.MALFORMED)
-    return (
-        Opcode.SHM_ATTACH | Opcode.REPLY,
-        0,
-        _ARENA_COUNT.pack(n) + struct.pack(f">{n}I{n}Q", *msg.arenas, *msg.sizes),
-    )
-
-
-def _shm_get_opcode(opcode: int, replies: tuple[int, ...] = (Opcode.SHM_GET, Opcode.SHM_PLACE)) -> int:
-    if opcode not in replies:
-        names = " or ".join(Opcode(o).name for o in replies)
-        raise LocalProtocolError(f"opcode 0x{opcode:02x} is not {names}", ErrorCode.MALFORMED)
-    return opcode
-
-
 def _encode_shm_get(msg: ShmGetRequest) -> _Encoded:
-    return _shm_get_opcode(msg.opcode), 0, _pack_get(msg)
+    _check_flags(msg.want, len(msg.keys), "SHM_GET", LocalProtocolError)
+    return Opcode.SHM_GET, 0, _pack_get(msg) + msg.want
 
 
 def _encode_shm_get_reply(msg: ShmGetReply) -> _Encoded:
-    n = len(msg.items)
-    if not len(msg.arenas) == len(msg.offsets) == n:
-        raise LocalProtocolError("an SHM_GET reply needs one arena and one offset per item", ErrorCode.MALFORMED)
-    return (
-        _shm_get_opcode(msg.opcode, (Opcode.SHM_GET, Opcode.SHM_PLACE, Opcode.SHM_PUT)) | Opcode.REPLY,
-        0,
-        _pack_items(msg.items) + struct.pack(f">{n}I{n}Q", *msg.arenas, *msg.offsets),
-    )
+    if msg.opcode not in (Opcode.SHM_GET, Opcode.SHM_PUT):
+        raise LocalProtocolError(f"opcode 0x{msg.opcode:02x} is not SHM_GET or SHM_PUT", ErrorCode.MALFORMED)
+    _check_flags(msg.passed, len(msg.items), "SHM_GET reply", LocalProtocolError)
+    return msg.opcode | Opcode.REPLY, 0, _pack_items(msg.items) + msg.passed
 
 
 def _encode_shm_put(msg: ShmPutRequest) -> _Encoded:
@@ -873,8 +829,6 @@ _ENCODERS: dict[type, Callable[[Any], _Encoded]] = {
     RdmaAttachReply: _encode_rdma_attach_reply,
     RdmaGetRequest: _encode_rdma_get,
     RdmaGetReply: _encode_rdma_get_reply,
-    ShmAttachRequest: _encode_shm_attach,
-    ShmAttachReply: _encode_shm_attach_reply,
     ShmGetRequest: _encode_shm_get,
     ShmGetReply: _encode_shm_get_reply,
     ShmPutRequest: _encode_shm_put,
@@ -958,9 +912,9 @@ def _decode_error(status: int, meta: memoryview, limits: Limits) -> _Decoded:
 
 def _decode_hello_ok(status: int, meta: memoryview, limits: Limits) -> _Decoded:
     body = json.loads(bytes(meta))
-    shared = body.get("shared_memory", False)
+    shared = body.get("shared_values", False)
     if not isinstance(shared, bool):
-        raise RemoteProtocolError(f"HELLO_OK: shared_memory must be true or false, got {shared!r}", ErrorCode.MALFORMED)
+        raise RemoteProtocolError(f"HELLO_OK: shared_values must be true or false, got {shared!r}", ErrorCode.MALFORMED)
     return HelloOk(str(body["node_id"]), Limits(**body["limits"]), body.get("local_socket"), shared), len(meta)
 
 
@@ -1137,34 +1091,23 @@ def _decode_rdma_get_reply(status: int, meta: memoryview, limits: Limits) -> _De
     return RdmaGetReply(items), off
 
 
-def _decode_shm_attach(status: int, meta: memoryview, limits: Limits) -> _Decoded:
-    (n,) = _ARENA_COUNT.unpack_from(meta, 0)
-    _check_shm_attach(n, RemoteProtocolError)
-    arenas = struct.unpack_from(f">{n}I", meta, _ARENA_COUNT.size)
-    return ShmAttachRequest(arenas), _ARENA_COUNT.size + 4 * n
+def _decode_shm_get(status: int, meta: memoryview, limits: Limits) -> _Decoded:
+    keys, lengths, off = _read_get(meta, limits)
+    want = bytes(meta[off : off + len(keys)])
+    _check_flags(want, len(keys), "SHM_GET", RemoteProtocolError)
+    return ShmGetRequest(keys, lengths, want), off + len(keys)
 
 
-def _decode_shm_attach_reply(status: int, meta: memoryview, limits: Limits) -> _Decoded:
-    (n,) = _ARENA_COUNT.unpack_from(meta, 0)
-    _check_shm_attach(n, RemoteProtocolError)
-    fields = struct.unpack_from(f">{n}I{n}Q", meta, _ARENA_COUNT.size)
-    return ShmAttachReply(fields[:n], fields[n:]), _ARENA_COUNT.size + 12 * n
-
-
-def _shm_get_decoders(opcode: Opcode) -> dict[int, Callable[[int, memoryview, Limits], _Decoded]]:
-    """SHM_GET's and SHM_PLACE's request and reply decoders (one layout; SHM_PUT's reply too)."""
-
-    def request(status: int, meta: memoryview, limits: Limits) -> _Decoded:
-        keys, lengths, off = _read_get(meta, limits)
-        return ShmGetRequest(keys, lengths, opcode), off
+def _shm_reply_decoder(opcode: Opcode) -> Callable[[int, memoryview, Limits], _Decoded]:
+    """SHM_GET's and SHM_PUT's replies (one layout)."""
 
     def reply(status: int, meta: memoryview, limits: Limits) -> _Decoded:
         items, off = _read_items(meta, limits)
-        n = len(items)
-        fields = struct.unpack_from(f">{n}I{n}Q", meta, off)
-        return ShmGetReply(items, fields[:n], fields[n:], opcode), off + 12 * n
+        passed = bytes(meta[off : off + len(items)])
+        _check_flags(passed, len(items), f"{opcode.name} reply", RemoteProtocolError)
+        return ShmGetReply(items, passed, opcode), off + len(items)
 
-    return {opcode: request, opcode | Opcode.REPLY: reply}
+    return reply
 
 
 _DECODERS: dict[int, Callable[[int, memoryview, Limits], _Decoded]] = {
@@ -1190,12 +1133,10 @@ _DECODERS: dict[int, Callable[[int, memoryview, Limits], _Decoded]] = {
     Opcode.RDMA_ATTACH | Opcode.REPLY: _decode_rdma_attach_reply,
     Opcode.RDMA_GET: _decode_rdma_get,
     Opcode.RDMA_GET | Opcode.REPLY: _decode_rdma_get_reply,
-    Opcode.SHM_ATTACH: _decode_shm_attach,
-    Opcode.SHM_ATTACH | Opcode.REPLY: _decode_shm_attach_reply,
-    **_shm_get_decoders(Opcode.SHM_GET),
-    **_shm_get_decoders(Opcode.SHM_PLACE),
+    Opcode.SHM_GET: _decode_shm_get,
+    Opcode.SHM_GET | Opcode.REPLY: _shm_reply_decoder(Opcode.SHM_GET),
     Opcode.SHM_PUT: _decode_shm_put,
-    Opcode.SHM_PUT | Opcode.REPLY: _shm_get_decoders(Opcode.SHM_PUT)[Opcode.SHM_PUT | Opcode.REPLY],
+    Opcode.SHM_PUT | Opcode.REPLY: _shm_reply_decoder(Opcode.SHM_PUT),
     Opcode.SHM_COMMIT: _decode_shm_commit,
     Opcode.SHM_COMMIT | Opcode.REPLY: _status_reply_decoder(Opcode.SHM_COMMIT),
 }

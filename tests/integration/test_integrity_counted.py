@@ -10,9 +10,9 @@ stores what it was sent) is, on each read path,
 
 Paths: `Client.get` and `batch_get_into`, each over TCP and over the same-host socket, the
 latter with shared memory on (a 1 MiB value, the size shared memory takes, stored by another
-connection: it comes over the socket); and a copy out of shared memory of a value this client
-stored there, one of whose bytes then rotted in the node's memory (flipped through
-/proc/<pid>/mem). RDMA loads are covered in tests/rdma/test_rdma_loads.py.
+connection: it comes over the socket). The copy out of a value's memfd is covered in
+tests/integration/test_shared_memory.py (a commit whose checksum is not of the bytes written),
+RDMA loads in tests/rdma/test_rdma_loads.py.
 """
 
 from __future__ import annotations
@@ -79,40 +79,3 @@ def test_a_checksum_failure_is_a_miss_and_counted_on_every_read_path(start_node,
     assert read(client, b"good", size) is True
     assert [h["up"] for h in client.health()] == [True], "a checksum failure is not a node failure"
     assert integrity_failures(server) == before + 3
-
-
-def _flip_byte_in_arena(pid: int, arena: int, offset: int) -> None:
-    """Flip one byte of the node's arena `arena` at `offset`, in the node's own mapping: bytes
-    that rotted in the node's memory after they were committed."""
-    name = f"/memfd:memkv-arena-{arena} "
-    with open(f"/proc/{pid}/maps") as maps:
-        starts = [int(line.split("-", 1)[0], 16) for line in maps if name in line + " "]
-    assert len(starts) == 1, f"the node maps arena {arena} once"
-    with open(f"/proc/{pid}/mem", "r+b", buffering=0) as mem:
-        mem.seek(starts[0] + offset)
-        byte = mem.read(1)
-        mem.seek(starts[0] + offset)
-        mem.write(bytes([byte[0] ^ 0xFF]))
-
-
-def test_a_value_that_rotted_in_shared_memory_is_a_miss_and_counted(start_node, make_client):
-    node = start_node(capacity="64MiB")
-    client = make_client([node])
-    server = f"{node.host}:{node.port}"
-    value = os.urandom(MiB)
-    assert client.batch_put_views([("shm/rotten", value)]) == [True]
-    assert client.shared_memory_servers() == [server]
-    memory = client._nodes[0]._memory
-    assert memory is not None and b"shm/rotten" in memory._warm_keys, "stored through shared memory, warm here"
-    arena, offset = memory._warm_keys[b"shm/rotten"]
-    buf = bytearray(MiB)
-    assert client.batch_get_into([("shm/rotten", buf)]) == [True] and buf == value
-
-    _flip_byte_in_arena(node.pid, arena, offset + 1000)
-    before = integrity_failures(server)
-    requests = {op: metric_value(metrics_of(node), "memkv_node_requests_total", op=op) for op in ("get", "shm_get")}
-    assert client.batch_get_into([("shm/rotten", buf)]) == [False], "a copy that fails its checksum is a miss"
-    assert integrity_failures(server) == before + 1
-    after = {op: metric_value(metrics_of(node), "memkv_node_requests_total", op=op) for op in ("get", "shm_get")}
-    assert after == {"get": requests["get"], "shm_get": requests["shm_get"] + 1}, "copied from shared memory"
-    assert [h["up"] for h in client.health()] == [True]

@@ -1,44 +1,45 @@
 """Shared memory for same-host clients (docs/protocol.md section 13, memkv/client/shared.py).
 
 Behaviour under test, against real `memkv serve` processes on 127.0.0.1:
-* with `shared_memory` on, a client's loads from a same-host node copy values of 1 MiB and more
-  from the node's memory (SHM_GET, SHM_ATTACH counted by the node) byte-exact, with the compiled
-  copy loop and with the pure-Python one, xxh3 and blake3 alike; smaller values in the same
-  batch come over the socket (NOT_SHARED);
-* a client copies from there only the values it stored itself (it fills its page tables for
-  them right after the PUT: SHM_PLACE, counted by the node as no read); another client's values,
-  and its own once replaced by another client, come over the socket; every byte is counted as
-  sent once;
+* with `shared_memory` on, a client stores values of 1 MiB and more into memfds the node passes
+  (SHM_PUT, SHM_COMMIT) and loads them from there (SHM_GET) byte-exact, with the compiled copy
+  loop and with the pure-Python one, xxh3 and blake3 alike; smaller values in the same batch
+  come over the socket (NOT_SHARED);
+* every client loads such values through shared memory: the writer from the mapping it kept
+  (the node passes no descriptor), the others from the memfd the node passes; a value replaced
+  by another client comes over the socket once and the stale mapping goes; every byte is
+  counted as sent once;
 * it is on by default on the client; `shared_memory` off there, or `memkv serve
   --no-shared-memory`, sends no SHM request: values then all come over the socket;
-* a value the client was told about stays whole while pinned, even when its key is replaced;
-  once the pins ended and the buffer holds another value, a copy from the old place fails its
-  checksum: a miss, never wrong bytes;
-* a client that stays silent after an SHM_GET holds its pins no longer than SHM_PIN_S: a full
-  node then evicts those values for new ones;
-* a node restarted on the same port (same node_id) is mapped anew, and the mapping of the dead
-  process is released;
-* SHM requests off the same-host socket are refused with an error naming it; an arena id that
-  is none is answered without a descriptor, and the client says so.
+* nothing is pinned: a value replaced or deleted while a client copies it reads its committed
+  bytes whole; afterwards a new SHM_GET answers MISS and the node holds no memfd of it; silent
+  readers never keep a PUT from storing (it evicts what they read);
+* a node restarted on the same port (same node_id) is used anew, and the mappings of the dead
+  process are released;
+* SHM requests off the same-host socket are refused with an error naming it; memfds this
+  process refuses turn shared memory off for that node process, nothing lost;
+* SHM_COMMIT must be the frame after SHM_PUT; it stores what was written and drops the rest; a
+  wrong declared checksum is a miss for every reader.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import time
 import urllib.request
 
 import pytest
 
 from memkv import protocol as p
+from memkv.client import node as client_node
 from memkv.client import shared
 from memkv.client.node import NodeConnection, local_connect
-from memkv.client.shared import NodeMemory, copy_verified
+from memkv.client.shared import SealError, copy_verified, map_value, unmap, write_value
 from memkv.config import AuthKey, ServerAddress
-from memkv.errors import LocalProtocolError, MemKVError, RemoteProtocolError, ServerError
+from memkv.errors import LocalProtocolError, ServerError
 from memkv.integrity import Checksummer
 from tests.faults.nodeops import restart_empty
+from tests.integration.test_integrity_counted import integrity_failures
 
 pytestmark = pytest.mark.integration
 
@@ -83,21 +84,23 @@ def test_values_are_copied_from_the_nodes_memory_byte_exact(start_node, make_cli
     targets = [(key, bytearray(len(value))) for key, value in values.items()]
     assert client.batch_get_into(targets) == [True] * len(values)
     assert all(buf == values[key] for key, buf in targets)
-    assert requests_of(node, "shm_get") >= 1 and requests_of(node, "shm_attach") >= 1
+    assert requests_of(node, "shm_get") >= 1 and requests_of(node, "shm_put") >= 1
     assert requests_of(node, "get") > gets_before, "the small values came over the socket (NOT_SHARED)"
-    assert status_of(node)["shared_memory"]["arenas"] >= 1
+    assert status_of(node)["shared_memory"]["values"] == 3
     assert [n.shared for n in client._nodes] == [True]
 
 
-def test_a_client_copies_what_it_stored_and_receives_the_rest(start_node, make_client):
+def test_every_client_loads_shared_values_from_memfds_the_writer_from_its_own_mapping(start_node, make_client):
     node = start_node(capacity="256MiB")
-    own, other = (make_client([node], shared_memory=True) for _ in range(2))  # two mappings
+    own, other = (make_client([node], shared_memory=True) for _ in range(2))
     mine, theirs = os.urandom(4 * MiB), os.urandom(4 * MiB)
     sent = metric(node, "memkv_node_sent_bytes_total")
     assert own.batch_put_views([("mine", mine)]) == [True]
     assert other.batch_put_views([("theirs", theirs)]) == [True]
-    assert requests_of(node, "shm_put") == 2, "each writer wrote its value into the node's memory itself"
+    assert requests_of(node, "shm_put") == 2, "each writer wrote its value into a memfd itself"
     assert metric(node, "memkv_node_sent_bytes_total") == sent, "a store reads nothing"
+    (own_node,) = own._nodes
+    assert own_node._memory is not None and own_node._memory.mapped == 1, "the writer keeps a mapping"
 
     def load(client, keys):
         before = {op: requests_of(node, op) for op in ("get", "shm_get")}
@@ -106,18 +109,18 @@ def test_a_client_copies_what_it_stored_and_receives_the_rest(start_node, make_c
         return [bytes(t) for t in targets], {op: requests_of(node, op) - n for op, n in before.items()}
 
     got, ops = load(own, ["mine", "theirs"])
-    assert got == [mine, theirs]
-    assert ops == {"shm_get": 1, "get": 1}, "its own value copied, the other one received"
+    assert got == [mine, theirs] and ops == {"shm_get": 1, "get": 0}
     got, ops = load(other, ["mine", "theirs"])
-    assert got == [mine, theirs] and ops == {"shm_get": 1, "get": 1}
+    assert got == [mine, theirs] and ops == {"shm_get": 1, "get": 0}
     assert metric(node, "memkv_node_sent_bytes_total") == sent + 16 * MiB, "each byte counted once"
 
     replaced = os.urandom(4 * MiB)
-    assert other.batch_put_views([("mine", replaced)]) == [True]  # another slot, which `own` never filled
+    assert other.batch_put_views([("mine", replaced)]) == [True]
     got, ops = load(own, ["mine"])
-    assert got == [replaced] and ops == {"shm_get": 1, "get": 1}, "placed, found cold, received"
-    got, ops = load(other, ["mine"])
-    assert got == [replaced] and ops == {"shm_get": 1, "get": 0}
+    assert got == [replaced] and ops == {"shm_get": 1, "get": 1}, "its mapping is of the old value: received"
+    assert own_node._memory.mapped == 0, "and the stale mapping is gone"
+    got, ops = load(own, ["mine"])
+    assert got == [replaced] and ops == {"shm_get": 1, "get": 0}, "then passed as a memfd"
 
 
 def test_on_by_default_off_with_the_client_switch_or_on_a_private_node(start_node, make_client):
@@ -147,64 +150,68 @@ def test_on_by_default_off_with_the_client_switch_or_on_a_private_node(start_nod
     assert client.shared_memory_servers() == [] and client.local_servers(), "the same-host socket stays on"
 
 
-def _place(conn: NodeConnection, key: bytes, length: int) -> tuple[p.GetReplyItem, int, int]:
-    reply = conn.request(p.ShmGetRequest((key,), (length,)))
-    assert isinstance(reply, p.ShmGetReply)
-    (item,), (arena,), (offset,) = reply.items, reply.arenas, reply.offsets
-    assert item.status == p.ItemStatus.OK
-    return item, arena, offset
+def _shm_get(conn: NodeConnection, keys: list[bytes], length: int) -> tuple[p.ShmGetReply, list[int]]:
+    return conn._shm_request(p.ShmGetRequest(tuple(keys), (length,) * len(keys)), p.Opcode.SHM_GET)
 
 
-def test_a_pinned_value_stays_whole_and_a_reused_buffer_is_a_miss(start_node, make_client, auth_key_hex):
+def node_memfds(node) -> int:
+    """Memfds of values the node process holds open."""
+    fd_dir = f"/proc/{node.pid}/fd"
+    inodes = set()
+    for name in os.listdir(fd_dir):
+        try:
+            if os.readlink(f"{fd_dir}/{name}").startswith("/memfd:memkv-value"):
+                inodes.add(os.stat(f"{fd_dir}/{name}").st_ino)
+        except OSError:
+            pass
+    return len(inodes)
+
+
+def test_a_value_replaced_or_deleted_mid_copy_reads_whole_and_is_gone_after(start_node, make_client, auth_key_hex):
     node = start_node(capacity="256MiB")
     writer = make_client([node])
-    v1, v2, v3 = (os.urandom(4 * MiB) for _ in range(3))
+    v1, v2 = os.urandom(4 * MiB), os.urandom(4 * MiB)
     assert writer.batch_put_views([("k", v1)]) == [True]
     conn = raw_connection(node, auth_key_hex)
-    memory = NodeMemory(status_of(node)["local_socket"])
     checksummer = Checksummer(AuthKey.from_hex(auth_key_hex, "test").raw)
     try:
-        assert conn.hello.shared_memory
-        item, arena, offset = _place(conn, b"k", len(v1))
-        conn._attach(memory, [arena])
-        # Replaced while pinned: the old value keeps its buffer until the pins end.
+        reply, (fd,) = _shm_get(conn, [b"k"], len(v1))
+        (item,) = reply.items
+        addr = map_value(fd, os.fstat(fd).st_size)
+        # Replaced and then deleted while this client holds it: nothing was pinned.
         assert writer.batch_put_views([("k", v2)]) == [True]
+        assert writer.delete("k")
         target = bytearray(len(v1))
-        assert memory.warm(b"k", arena, offset, len(v1), item.checksum)
-        address, warm = memory.source(arena, offset, len(v1), item.checksum)
-        assert warm
-        assert copy_verified(memoryview(target), address, item.algo, item.checksum, checksummer)
-        assert target == v1
-        conn.request(p.PingRequest())  # the next frame ends the pins: v1's buffer is free now
-        assert writer.batch_put_views([("other", v3)]) == [True]  # a value of that size takes it
-        target = bytearray(len(v1))
-        assert not copy_verified(memoryview(target), address, item.algo, item.checksum, checksummer)
-        assert writer.get("k") == v2 and writer.get("other") == v3
+        assert copy_verified(memoryview(target), addr, item.algo, item.checksum, checksummer)
+        assert target == v1, "the committed bytes, whole"
+        unmap(addr, os.fstat(fd).st_size)
+        os.close(fd)
+        reply, fds = _shm_get(conn, [b"k"], len(v1))
+        assert [it.status for it in reply.items] == [p.ItemStatus.MISS] and fds == []
     finally:
         conn.close()
-        memory.retire()
+    assert node_memfds(node) == 0, "the node holds no memfd of a deleted value"
+    assert status_of(node)["allocated_bytes"] == 0
 
 
-def test_a_silent_client_holds_its_pins_no_longer_than_the_bound(start_node, make_client, auth_key_hex, wait_until):
+def test_silent_readers_pin_nothing_a_put_still_stores(start_node, make_client, auth_key_hex):
     node = start_node(capacity="8MiB", extra_args=["--max-value-size", "4MiB"])
     writer = make_client([node])
-    assert writer.batch_put_views([("a", os.urandom(4 * MiB)), ("b", os.urandom(4 * MiB))]) == [True, True]
-    conn = raw_connection(node, auth_key_hex)
+    a, b = os.urandom(4 * MiB), os.urandom(4 * MiB)
+    assert writer.batch_put_views([("a", a), ("b", b)]) == [True, True]
+    readers = [raw_connection(node, auth_key_hex) for _ in range(4)]
     try:
-        reply = conn.request(p.ShmGetRequest((b"a", b"b"), (4 * MiB, 4 * MiB)))
-        assert [it.status for it in reply.items] == [p.ItemStatus.OK, p.ItemStatus.OK]
-        pinned_at = time.monotonic()
-        # Both values are pinned by a client that says nothing more: nothing can be evicted.
-        assert writer.batch_put_views([("c", os.urandom(4 * MiB))]) == [False]
-        wait_until(
-            lambda: writer.batch_put_views([("c", b"c" * (4 * MiB))]) == [True],
-            p.SHM_PIN_S + 5.0,
-            what="the pins to end",
-        )
-        assert time.monotonic() - pinned_at >= p.SHM_PIN_S * 0.9
+        for conn in readers:  # each holds both memfds and says nothing more
+            reply, fds = _shm_get(conn, [b"a", b"b"], 4 * MiB)
+            assert [it.status for it in reply.items] == [p.ItemStatus.OK] * 2 and len(fds) == 2
+            for fd in fds:
+                os.close(fd)
+        assert writer.batch_put_views([("c", b"c" * (4 * MiB))]) == [True], "evicts what they read"
         assert writer.get("c") == b"c" * (4 * MiB)
+        assert status_of(node)["allocated_bytes"] <= 8 * MiB
     finally:
-        conn.close()
+        for conn in readers:
+            conn.close()
 
 
 def test_a_node_restarted_on_the_same_port_is_mapped_anew(start_node, make_client, wait_until):
@@ -216,7 +223,7 @@ def test_a_node_restarted_on_the_same_port_is_mapped_anew(start_node, make_clien
     assert client.batch_get_into([("v", buf)]) == [True] and buf == value
     (node_client,) = client._nodes
     old = node_client._memory
-    assert old is not None and old.arenas >= 1
+    assert old is not None and old.mapped >= 1
     node_id = status_of(node)["node_id"]
     fresh = restart_empty(node, capacity="128MiB")
     start_node.nodes.append(fresh)
@@ -226,7 +233,7 @@ def test_a_node_restarted_on_the_same_port_is_mapped_anew(start_node, make_clien
     buf = bytearray(len(other))
     assert client.batch_get_into([("w", buf)]) == [True] and buf == other
     assert node_client._memory is not old and node_client.shared
-    assert old.arenas == 0, "the dead process's memory is no longer mapped here"
+    assert old.mapped == 0, "the dead process's memory is no longer mapped here"
 
 
 def test_shm_requests_are_refused_off_the_same_host_socket(start_node, auth_key_hex):
@@ -246,45 +253,29 @@ def test_shm_requests_are_refused_off_the_same_host_socket(start_node, auth_key_
         conn.close()
 
 
-def test_an_arena_that_is_none_comes_without_a_descriptor(start_node, auth_key_hex):
-    node = start_node(capacity="64MiB")
-    conn = raw_connection(node, auth_key_hex)
-    memory = NodeMemory("test")
-    try:
-        with pytest.raises(RemoteProtocolError, match="does not give the arenas asked for"):
-            conn._attach(memory, [999])
-        assert memory.arenas == 0
-    finally:
-        conn.close()
-
-
-def test_arenas_that_cannot_be_mapped_turn_shared_memory_off_for_that_node_process(
-    start_node, make_client, monkeypatch, caplog
-):
-    """mmap refused here (vm.max_map_count, address space; or a bad descriptor): the node is not
+def test_memfds_refused_here_turn_shared_memory_off_for_that_node_process(start_node, make_client, monkeypatch, caplog):
+    """A memfd this process refuses (not sealed as it must be, mmap refused): the node is not
     marked down, no value is lost, and its values come over the socket from then on."""
     node = start_node(capacity="128MiB")
     client = make_client([node], shared_memory=True)
 
-    def refuse(self, arena, fd, size):
-        os.close(fd)
-        raise shared.ArenaError(12, f"arena {arena}: mmap failed: Cannot allocate memory")
+    def refuse(fd, length, seals=shared.SEALS_NEEDED):
+        raise SealError(1, "a memfd without its seals (has 0x0, needs 0xc)")
 
-    monkeypatch.setattr(NodeMemory, "add", refuse)
+    monkeypatch.setattr(shared, "check_sealed", refuse)
+    monkeypatch.setattr(client_node, "check_sealed", refuse)
     values = [(f"k{i}", os.urandom(2 * MiB)) for i in range(3)]
     with caplog.at_level("WARNING", logger="memkv.client"):
         assert client.batch_put_views(values[:1]) == [True]  # SHM_PUT meets the refusal: sent by socket
-    assert "shared memory off for this node process: arena 0: mmap failed" in caplog.text
-    assert requests_of(node, "put") == 1 and metric(node, "memkv_node_shm_slots_quarantined_total") == 0
+    assert "shared memory off for this node process: a memfd without its seals" in caplog.text
+    assert requests_of(node, "put") == 1 and status_of(node)["shared_memory"]["values"] == 0
     assert client.batch_put_views(values[1:]) == [True, True]
-    places = requests_of(node, "shm_put")
     gets = requests_of(node, "get")
     targets = [(key, bytearray(len(value))) for key, value in values]
     assert client.batch_get_into(targets) == [True] * 3
     assert [bytes(buf) for _, buf in targets] == [value for _, value in values]
     assert requests_of(node, "get") == gets + 1 and requests_of(node, "shm_get") == 0
-    assert requests_of(node, "shm_put") == places == 1, "no more SHM requests for that process"
-    assert requests_of(node, "shm_place") == 0
+    assert requests_of(node, "shm_put") == 1, "no more SHM requests for that process"
     assert client.shared_memory_servers() == [] and client.local_servers(), "still the same-host socket"
     assert not any(n.is_down for n in client._nodes)
 
@@ -310,7 +301,6 @@ def test_a_store_writes_large_values_into_the_nodes_memory_and_sends_the_rest(st
     assert writer.batch_put_views([("bytes", values["k2"])]) == [True]  # read-only values too
     assert requests_of(node, "shm_put") == 2 and requests_of(node, "shm_commit") == 2
     assert requests_of(node, "put") == 1, "only the 1000-byte value went over the socket"
-    assert requests_of(node, "shm_place") == 0, "a value the client wrote itself needs no warm-up"
     assert metric(node, "memkv_node_received_bytes_total") == sum(map(len, values.values())) + len(values["k2"])
     for client in (reader, writer):
         targets = [(key, bytearray(len(value))) for key, value in values.items()]
@@ -319,36 +309,13 @@ def test_a_store_writes_large_values_into_the_nodes_memory_and_sends_the_rest(st
     gets = requests_of(node, "get")
     targets = [(key, bytearray(len(values[key]))) for key in ("k1", "k2", "k3")]
     assert writer.batch_get_into(targets) == [True] * 3 and all(buf == values[key] for key, buf in targets)
-    assert requests_of(node, "get") == gets, "the writer copied its own values from shared memory"
+    assert requests_of(node, "get") == gets, "the writer copied its own values from its mappings"
 
 
-def _reserve(conn: NodeConnection, key: bytes, value: bytes) -> p.ShmGetReply:
-    reply = conn.request(p.ShmPutRequest((_item(key, value),)))
-    assert isinstance(reply, p.ShmGetReply) and reply.opcode == p.Opcode.SHM_PUT
-    assert [it.status for it in reply.items] == [p.ItemStatus.OK]
-    return reply
-
-
-def test_an_shm_put_never_committed_is_quarantined_and_never_stored(start_node, make_client, auth_key_hex, wait_until):
-    """A client that reserved a slot and then says nothing (stalled, or gone mid-copy): after
-    io_timeout_s the node ends the connection, the value is a miss, and the slot never serves
-    again (a late write lands in no value)."""
-    node = start_node(capacity="64MiB", extra_args=["--io-timeout", "1"])
-    client = make_client([node], shared_memory=False)
-    value = os.urandom(2 * MiB)
-    conn = raw_connection(node, auth_key_hex)
-    try:
-        _reserve(conn, b"k", value)
-        reserved = metric(node, "memkv_node_inflight_bytes")
-        assert reserved >= len(value), "the slot is reserved while the client writes"
-        wait_until(lambda: metric(node, "memkv_node_shm_slots_quarantined_total") == 1, 10.0, what="the quarantine")
-        with pytest.raises(MemKVError):
-            conn.request(p.PingRequest())  # the node ended the connection
-    finally:
-        conn.close()
-    assert metric(node, "memkv_node_inflight_bytes") == 0
-    assert client.get("k") is None
-    assert client.batch_put_views([("k", value)]) == [True] and client.get("k") == value
+def _reserve(conn: NodeConnection, items: list[tuple[bytes, bytes]]) -> list[int]:
+    reply, fds = conn._shm_request(p.ShmPutRequest(tuple(_item(k, v) for k, v in items)), p.Opcode.SHM_PUT)
+    assert [it.status for it in reply.items] == [p.ItemStatus.OK] * len(items) and len(fds) == len(items)
+    return fds
 
 
 def test_a_frame_other_than_the_commit_ends_the_connection_and_stores_nothing(start_node, make_client, auth_key_hex):
@@ -357,13 +324,15 @@ def test_a_frame_other_than_the_commit_ends_the_connection_and_stores_nothing(st
     value = os.urandom(2 * MiB)
     conn = raw_connection(node, auth_key_hex)
     try:
-        _reserve(conn, b"k", value)
+        (fd,) = _reserve(conn, [(b"k", value)])
+        os.close(fd)
         with pytest.raises(ServerError, match="PingRequest after an SHM_PUT: the next frame must be its SHM_COMMIT"):
             conn.request(p.PingRequest())
     finally:
         conn.close()
-    assert metric(node, "memkv_node_shm_slots_quarantined_total") == 1
     assert client.get("k") is None
+    assert metric(node, "memkv_node_shm_reservations_reclaimed_total") == 1
+    assert status_of(node)["allocated_bytes"] == 0
 
 
 def test_a_commit_stores_what_was_written_and_drops_what_was_not(start_node, make_client, auth_key_hex):
@@ -371,32 +340,24 @@ def test_a_commit_stores_what_was_written_and_drops_what_was_not(start_node, mak
     client = make_client([node], shared_memory=False)
     written, skipped = os.urandom(2 * MiB), os.urandom(2 * MiB)
     conn = raw_connection(node, auth_key_hex)
-    memory = NodeMemory(status_of(node)["local_socket"])
+    checksummer = Checksummer(bytes(32))
     try:
-        reply = conn.request(p.ShmPutRequest((_item(b"w", written), _item(b"s", skipped))))
-        assert [it.status for it in reply.items] == [p.ItemStatus.OK, p.ItemStatus.OK]
-        conn._attach(memory, sorted(set(reply.arenas)))
-        assert memory.use()
-        checksummer = Checksummer(bytes(32))
-        algo = checksummer.algo
-        checksum = memory.write_value(reply.arenas[0], reply.offsets[0], memoryview(bytearray(written)), algo, checksummer)
-        assert checksum == checksummer.compute(memoryview(written)), "the checksum of the bytes written"
-        with pytest.raises(ValueError, match="not inside a mapped arena"):
-            memory.write_value(reply.arenas[0], 1 << 40, memoryview(written), algo, checksummer)
-        memory.unuse()
+        fd_w, fd_s = _reserve(conn, [(b"w", written), (b"s", skipped)])
+        os.close(fd_s)
+        checksum, kept = write_value(fd_w, memoryview(bytearray(written)), checksummer.algo, checksummer, keep=False)
+        assert checksum == checksummer.compute(memoryview(written)) and kept is None, "the checksum of the bytes written"
         with pytest.raises(LocalProtocolError, match="flags must be 0 or 1"):
             conn.codec.encode(p.ShmCommitRequest(b"\x02\x01", (checksum, bytes(32))))
         done = conn.request(p.ShmCommitRequest(b"\x01\x00", (checksum, bytes(32))))
         assert done.statuses == bytes([p.ItemStatus.OK, p.ItemStatus.MISS])
         assert isinstance(conn.request(p.PingRequest()), p.PingReply), "the connection goes on"
-        with pytest.raises(ServerError, match="SHM_COMMIT of 1 flags for the 0 slots"):
+        with pytest.raises(ServerError, match="SHM_COMMIT of 1 flags for the 0 memfds"):
             conn.request(p.ShmCommitRequest(b"\x01", (checksum,)))  # no SHM_PUT before it
     finally:
         conn.close()
-        memory.retire()
     assert client.get("w") == written and client.get("s") is None
-    assert metric(node, "memkv_node_shm_slots_quarantined_total") == 0
     assert metric(node, "memkv_node_inflight_bytes") == 0
+    assert status_of(node)["shared_memory"]["values"] == 1 and status_of(node)["shared_memory"]["pending"] == 0
 
 
 def test_a_commit_whose_checksum_is_not_of_the_bytes_written_is_a_miss_for_every_reader(
@@ -410,20 +371,20 @@ def test_a_commit_whose_checksum_is_not_of_the_bytes_written_is_a_miss_for_every
     socket_reader = make_client([node], shared_memory=False)
     value = os.urandom(2 * MiB)
     conn = raw_connection(node, auth_key_hex)
-    memory = NodeMemory(status_of(node)["local_socket"])
     checksummer = Checksummer(bytes(32))
     try:
-        reply = _reserve(conn, b"k", value)
-        conn._attach(memory, sorted(set(reply.arenas)))
-        assert memory.use()
-        memory.write_value(reply.arenas[0], reply.offsets[0], memoryview(value), checksummer.algo, checksummer)
-        memory.unuse()
+        (fd,) = _reserve(conn, [(b"k", value)])
+        write_value(fd, memoryview(value), checksummer.algo, checksummer, keep=False)
         wrong = checksummer.compute(memoryview(value[:-1] + bytes([value[-1] ^ 1])))
         done = conn.request(p.ShmCommitRequest(b"\x01", (wrong,)))
         assert done.statuses == bytes([p.ItemStatus.OK])
     finally:
         conn.close()
-        memory.retire()
     assert socket_reader.get("k") is None
     shm_reader = make_client([node])
+    server = f"{node.host}:{node.port}"
+    before = integrity_failures(server)
     assert shm_reader.batch_get_into([("k", bytearray(len(value)))]) == [False]
+    assert shm_reader.shared_memory_servers() == [server], "copied from the value's memfd"
+    assert integrity_failures(server) == before + 1, "a copy that fails its checksum is counted"
+    assert [h["up"] for h in shm_reader.health()] == [True], "a checksum failure is not a node failure"

@@ -141,3 +141,15 @@ def test_ambiguous_units_and_semicolons_are_refused_naming_the_fix(memkv_cli, en
     assert proc.returncode == 2 and "512MiB (binary) or 512MB (decimal)" in err, err
     proc = memkv_cli("probe", env={**env, "MEMKV_SERVERS": "127.0.0.1:9900;127.0.0.1:9901"})
     assert proc.returncode == 2 and "separated by ','" in proc.stderr.decode()
+
+
+def test_status_names_the_bytes_held_in_memfds(memkv_cli, env) -> None:
+    """A value stored through shared memory (the CLI is a same-host client) lives in a memfd:
+    `status` says how many of the allocated bytes those are."""
+    assert memkv_cli("put", "truth/shm", "-", stdin=b"m" * (2 << 20), env=env).returncode == 0
+    row = as_json(memkv_cli("status", "--json", env=env))["servers"][0]
+    assert row["allocated_bytes"] >= row["shm_bytes"] >= 2 << 20
+    out = memkv_cli("status", env={**env, "COLUMNS": "250"}).stdout.decode()
+    assert "in memfds" in out
+    memkv_cli("del", "truth/shm", env=env)
+    assert as_json(memkv_cli("status", "--json", env=env))["servers"][0]["shm_bytes"] == 0

@@ -218,34 +218,21 @@ MESSAGES = [
         ),
         b"",  # RDMA values never travel in the frame
     ),
-    ("shm-attach", "c2s", p.ShmAttachRequest((0, 7, 2**32 - 1)), b""),
-    ("shm-attach-reply", "s2c", p.ShmAttachReply((0, 7), (1 << 30, 0)), b""),  # the descriptors ride beside
     ("shm-get", "c2s", p.ShmGetRequest((b"a", b"b" * 480), (16 << 20, p.ANY_LENGTH)), b""),
+    ("shm-get-mapped", "c2s", p.ShmGetRequest((b"a", b"b"), (16 << 20, 1 << 20), b"\x00\x01"), b""),
     (
         "shm-get-reply",
         "s2c",
         p.ShmGetReply(
             (
                 p.GetReplyItem(p.ItemStatus.OK, 16 << 20, p.ChecksumAlgo.XXH3_128, _SUMS.compute(b"x")),
+                p.GetReplyItem(p.ItemStatus.OK, 1 << 20, p.ChecksumAlgo.XXH3_128, _SUMS.compute(b"y")),
                 p.GetReplyItem(p.ItemStatus.NOT_SHARED, 0, 0, bytes(32)),
                 p.GetReplyItem(p.ItemStatus.MISS, 0, 0, bytes(32)),
             ),
-            (3, 0, 0),
-            ((1 << 30) - (16 << 20), 0, 0),
+            b"\x01\x00\x00\x00",
         ),
-        b"",  # values are copied from the node's memory, never sent
-    ),
-    ("shm-place", "c2s", p.ShmGetRequest((b"a",), (16 << 20,), p.Opcode.SHM_PLACE), b""),
-    (
-        "shm-place-reply",
-        "s2c",
-        p.ShmGetReply(
-            (p.GetReplyItem(p.ItemStatus.OK, 16 << 20, p.ChecksumAlgo.XXH3_128, _SUMS.compute(b"x")),),
-            (1,),
-            (16 << 20,),
-            p.Opcode.SHM_PLACE,
-        ),
-        b"",
+        b"",  # the memfds ride beside the frame (SCM_RIGHTS); values are never sent
     ),
     (
         "shm-put",
@@ -267,15 +254,14 @@ MESSAGES = [
                 p.GetReplyItem(p.ItemStatus.OK, 16 << 20, p.ChecksumAlgo.XXH3_128, _SUMS.compute(b"x")),
                 p.GetReplyItem(p.ItemStatus.NOT_SHARED, 0, 0, bytes(32)),
             ),
-            (2, 0),
-            (1 << 20, 0),
+            b"\x01\x00",
             p.Opcode.SHM_PUT,
         ),
         b"",
     ),
     ("shm-commit", "c2s", p.ShmCommitRequest(b"\x01\x00\x01", (_SUMS.compute(b"x"), bytes(32), b"\xff" * 32)), b""),
     ("shm-commit-empty", "c2s", p.ShmCommitRequest(b"", ()), b""),
-    ("shm-commit-reply", "s2c", p.StatusReply(p.Opcode.SHM_COMMIT, bytes([p.ItemStatus.OK, p.ItemStatus.MISS])), b""),
+    ("shm-commit-reply", "s2c", p.StatusReply(p.Opcode.SHM_COMMIT, bytes([p.ItemStatus.OK, p.ItemStatus.MISS, p.ItemStatus.STILL_MAPPED])), b""),
 ]
 
 
@@ -312,15 +298,19 @@ def test_reply_opcode_is_request_opcode_with_high_bit() -> None:
     assert server.encode(p.PingReply())[3] == 0x81
     assert server.encode(p.GetReply(()))[3] == 0x91
     assert server.encode(p.ListReply((), (), False))[3] == p.Opcode.LIST | 0x80 == 0x94
-    assert server.encode(p.ShmGetReply((), (), (), p.Opcode.SHM_PLACE))[3] == 0xB2
+    assert server.encode(p.ShmGetReply((), b"", p.Opcode.SHM_PUT))[3] == 0xB6
 
 
-def test_an_shm_get_shaped_message_is_shm_get_or_shm_place_only() -> None:
+def test_an_shm_reply_is_shm_get_or_shm_put_only_with_one_flag_per_item() -> None:
     client, server = session()
-    with pytest.raises(LocalProtocolError, match="opcode 0x11 is not SHM_GET or SHM_PLACE"):
-        client.encode(p.ShmGetRequest((b"k",), (1,), p.Opcode.GET))
-    with pytest.raises(LocalProtocolError, match="opcode 0x10 is not SHM_GET or SHM_PLACE"):
-        server.encode(p.ShmGetReply((), (), (), p.Opcode.PUT))
+    with pytest.raises(LocalProtocolError, match="opcode 0x10 is not SHM_GET or SHM_PUT"):
+        server.encode(p.ShmGetReply((), b"", p.Opcode.PUT))
+    ok = p.GetReplyItem(p.ItemStatus.OK, 1, 1, bytes(32))
+    for passed in (b"", b"\x02", b"\x01\x01"):
+        with pytest.raises(LocalProtocolError, match="one flag"):
+            server.encode(p.ShmGetReply((ok,), passed))
+    with pytest.raises(LocalProtocolError, match="one flag"):
+        client.encode(p.ShmGetRequest((b"k",), (1,), b"\x03"))
 
 
 def test_an_shm_commit_flag_other_than_0_or_1_is_refused_on_both_sides() -> None:
@@ -651,9 +641,11 @@ MALFORMED = [
     ("list-limit-4097", raw_frame(p.Opcode.LIST, struct.pack(">IH", 4097, 0)), p.ErrorCode.BATCH_TOO_LARGE),
     ("list-limit-2**32-1", raw_frame(p.Opcode.LIST, struct.pack(">IH", 2**32 - 1, 0)), p.ErrorCode.BATCH_TOO_LARGE),
     ("list-prefix-over-480-bytes", raw_frame(p.Opcode.LIST, struct.pack(">IH", 1, 481) + b"k" * 481), p.ErrorCode.KEY_TOO_LONG),
-    ("shm-attach-none", raw_frame(p.Opcode.SHM_ATTACH, struct.pack(">I", 0)), p.ErrorCode.BATCH_TOO_LARGE),
-    ("shm-attach-too-many", raw_frame(p.Opcode.SHM_ATTACH, struct.pack(">I", 65) + bytes(4 * 65)), p.ErrorCode.BATCH_TOO_LARGE),
-    ("shm-attach-truncated", raw_frame(p.Opcode.SHM_ATTACH, struct.pack(">II", 2, 0)), p.ErrorCode.MALFORMED),
+    # The retired arena messages (SHM_ATTACH, SHM_GET and SHM_PLACE of the arena design) are no requests.
+    ("retired-shm-attach", raw_frame(0x30, struct.pack(">II", 1, 0)), p.ErrorCode.UNKNOWN_OPCODE),
+    ("retired-shm-place", raw_frame(0x32, keys_meta([b"a"]) + struct.pack(">I", 1)), p.ErrorCode.UNKNOWN_OPCODE),
+    ("shm-get-without-flags", raw_frame(p.Opcode.SHM_GET, keys_meta([b"a"]) + struct.pack(">I", 1 << 20)), p.ErrorCode.MALFORMED),
+    ("shm-get-flag-2", raw_frame(p.Opcode.SHM_GET, keys_meta([b"a"]) + struct.pack(">IB", 1 << 20, 2)), p.ErrorCode.MALFORMED),
 ]
 
 MALFORMED_REPLIES = [
@@ -668,10 +660,9 @@ MALFORMED_REPLIES = [
     ("hello-ok-local-socket-empty", raw_frame(p.Opcode.HELLO_OK, json.dumps({"node_id": "n", "limits": {}, "local_socket": "@"}).encode(), send_key=S2C_KEY), p.ErrorCode.MALFORMED),
     ("hello-ok-local-socket-not-a-string", raw_frame(p.Opcode.HELLO_OK, json.dumps({"node_id": "n", "limits": {}, "local_socket": 1}).encode(), send_key=S2C_KEY), p.ErrorCode.MALFORMED),
     ("hello-ok-local-socket-too-long", raw_frame(p.Opcode.HELLO_OK, json.dumps({"node_id": "n", "limits": {}, "local_socket": "@" + "a" * 101}).encode(), send_key=S2C_KEY), p.ErrorCode.MALFORMED),
-    ("hello-ok-shared-memory-not-a-bool", raw_frame(p.Opcode.HELLO_OK, json.dumps({"node_id": "n", "limits": {}, "shared_memory": "yes"}).encode(), send_key=S2C_KEY), p.ErrorCode.MALFORMED),
-    # SHM_ATTACH asks for 1..MAX_SHM_ATTACH arenas; its reply and SHM_GET's carry every field per item.
-    ("shm-attach-reply-no-sizes", raw_frame(0xB0, struct.pack(">II", 1, 0), send_key=S2C_KEY), p.ErrorCode.MALFORMED),
-    ("shm-get-reply-no-places", raw_frame(0xB1, struct.pack(">I", 1) + b"\x00" + struct.pack(">I", 5) + b"\x01" + bytes(32), send_key=S2C_KEY), p.ErrorCode.MALFORMED),
+    ("hello-ok-shared-values-not-a-bool", raw_frame(p.Opcode.HELLO_OK, json.dumps({"node_id": "n", "limits": {}, "shared_values": "yes"}).encode(), send_key=S2C_KEY), p.ErrorCode.MALFORMED),
+    # SHM_GET's reply carries one descriptor flag per item.
+    ("shm-get-reply-no-flags", raw_frame(0xB5, struct.pack(">I", 1) + b"\x00" + struct.pack(">I", 5) + b"\x01" + bytes(32), send_key=S2C_KEY), p.ErrorCode.MALFORMED),
     ("status-reply-truncated", raw_frame(0x92, struct.pack(">I", 3) + b"\x00", send_key=S2C_KEY), p.ErrorCode.MALFORMED),
     ("get-reply-truncated", raw_frame(0x91, struct.pack(">I", 1) + b"\x00" + struct.pack(">I", 0), send_key=S2C_KEY), p.ErrorCode.MALFORMED),
     ("list-reply-without-flag", raw_frame(0x94, keys_meta([b"a"]) + struct.pack(">I", 1), send_key=S2C_KEY), p.ErrorCode.MALFORMED),
@@ -1071,3 +1062,17 @@ def test_a_broken_codec_still_encodes_the_error_frame_that_explains_the_close_an
     error, _ = decode_one(client, server.encode_error(p.ErrorCode.BAD_MAC, "frame MAC mismatch"))
     assert error == p.ErrorReply(p.ErrorCode.BAD_MAC, "frame MAC mismatch")
     assert server.broken is not None  # still refuses everything else
+
+
+def test_a_hello_ok_of_the_arena_design_offers_no_shared_memory_to_this_client() -> None:
+    """A node of the earlier arena design says `"shared_memory": true`: a client of the sealed-memfd
+    design must not take that for its own SHM messages (other opcodes and layouts): it stays on
+    the socket. The new key is one such a node never sends."""
+    client, _ = session()
+    for body, offered in (({"shared_memory": True}, False), ({"shared_values": True}, True), ({}, False)):
+        wire = raw_frame(p.Opcode.HELLO_OK, json.dumps({"node_id": "n", "limits": {}, **body}).encode(), send_key=S2C_KEY)
+        msg, _ = decode_one(client, wire)
+        assert isinstance(msg, p.HelloOk) and msg.shared_memory is offered
+        client, _ = session()
+    _, server = session()
+    assert b'"shared_values": true' in server.encode(p.HelloOk("n", p.Limits(), "@x", True))

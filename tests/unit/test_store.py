@@ -69,9 +69,9 @@ def lanes(*specs: str) -> tuple[LaneSpec, ...]:
 class CountingBuffer(store_mod.ValueBuffer):
     made = 0
 
-    def __init__(self, size: int, shared=None) -> None:
+    def __init__(self, size: int) -> None:
         type(self).made += 1
-        super().__init__(size, shared)
+        super().__init__(size)
 
 
 @pytest.fixture

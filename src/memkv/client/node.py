@@ -33,7 +33,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 
 from memkv import protocol as p
-from memkv.client.shared import ArenaError, NodeMemory, copy_verified
+from memkv.client.shared import MappedValues, SealError, check_sealed, copy_verified, map_value, unmap, write_value
 from memkv.config import ServerAddress
 from memkv.errors import (
     AuthError,
@@ -158,9 +158,9 @@ class NodeConnection:
         self._unsent = bytearray()  # queued by queue_request, not yet taken by the socket
         self._rx = bytearray()  # the part of the next reply received by recv_ready so far
         self._rx_header: p.FrameHeader | None = None
-        # The node's value memory, mapped here: set by NodeClient on a same-host connection whose
-        # node offered it (HELLO_OK shared_memory); GETs then copy from it (`_get_shared`).
-        self.memory: NodeMemory | None = None
+        # Values exchanged as memfds: set by NodeClient on a same-host connection whose node
+        # offered it (HELLO_OK shared_memory); loads and stores then go through them.
+        self.memory: MappedValues | None = None
         self.local_name: str | None = None  # the same-host socket this connection went to (NodeClient)
         started = time.monotonic()
         try:
@@ -388,44 +388,45 @@ class NodeConnection:
         return results, bad_sums
 
     def _get_shared(
-        self, memory: NodeMemory, keys: Sequence[bytes], views: Sequence[memoryview], checksummer: Checksummer
+        self, memory: MappedValues, keys: Sequence[bytes], views: Sequence[memoryview], checksummer: Checksummer
     ) -> tuple[list[bool], int]:
-        """SHM_GET for the values this process warmed (`warm`): each copied from the node's shared
-        memory and verified here. The others (cold here, or NOT_SHARED: in the node's private
-        memory) come by GET (docs/protocol.md section 13)."""
-        warmed = [i for i, w in enumerate(memory.warmed(keys)) if w]
-        if not warmed:
+        """SHM_GET the values of SHM_MIN_VALUE and more: each copied from its sealed memfd (one
+        this process still maps, or one the node passes now) and verified here. The others
+        (smaller, or NOT_SHARED: in the node's private memory) come by GET (docs/protocol.md
+        section 13)."""
+        big = [i for i, v in enumerate(views) if len(v) >= p.SHM_MIN_VALUE]
+        if not big:
             return self._get_received(keys, views, checksummer)
         if not memory.use():  # the node process it maps is gone (see NodeClient._memory_for)
             self.memory = None
             return self._get_received(keys, views, checksummer)
         results = [False] * len(keys)
         bad_sums = 0
-        by_socket = sorted(set(range(len(keys))) - set(warmed))
+        by_socket = [i for i, v in enumerate(views) if len(v) < p.SHM_MIN_VALUE]
         try:
-            places = self._places(memory, [keys[i] for i in warmed], [len(views[i]) for i in warmed], p.Opcode.SHM_GET)
-            if memory.refused:  # an arena could not be mapped here (see _attach): all by socket
+            big_keys = [keys[i] for i in big]
+            want = bytes(not mapped for mapped in memory.has(big_keys))
+            request = p.ShmGetRequest(tuple(big_keys), tuple(len(views[i]) for i in big), want)
+            reply, fds = self._shm_request(request, p.Opcode.SHM_GET)
+            try:
+                for j, i in enumerate(big):
+                    item = reply.items[j]
+                    fd = fds.pop(0) if reply.passed[j] else None
+                    try:
+                        ok = self._copy_shared(memory, keys[i], item, fd, views[i], checksummer)
+                    finally:
+                        if fd is not None:
+                            os.close(fd)
+                    if ok is None:
+                        by_socket.append(i)
+                    else:
+                        bad_sums += not ok
+                        results[i] = ok
+            finally:
+                for fd in fds:
+                    os.close(fd)
+            if memory.refused:
                 self.memory = None
-                by_socket, places = list(range(len(keys))), []
-            for i, (item, arena, offset) in zip(warmed, places):
-                if item.status == p.ItemStatus.NOT_SHARED:
-                    by_socket.append(i)
-                if item.status != p.ItemStatus.OK:
-                    continue
-                source = memory.source(arena, offset, item.length, item.checksum)
-                if source is None:
-                    raise RemoteProtocolError(
-                        f"{self.name}: SHM_GET placed a value outside its arenas (arena {arena}, offset {offset})"
-                    )
-                address, warm = source
-                if not warm:  # replaced since (by another client): a first copy is slower than the socket
-                    by_socket.append(i)
-                    continue
-                ok = copy_verified(views[i], address, item.algo, item.checksum, checksummer)
-                bad_sums += not ok
-                results[i] = ok
-            # No message says the copies are done: the node unpins them at this connection's next
-            # frame (or after a bound); a round trip per batch cost a busy engine GIL re-acquires.
         finally:
             memory.unuse()
         if by_socket:
@@ -436,93 +437,123 @@ class NodeConnection:
             bad_sums += bad
         return results, bad_sums
 
-    def _places(
-        self, memory: NodeMemory, keys: Sequence[bytes], lengths: Sequence[int], opcode: p.Opcode
-    ) -> list[tuple[p.GetReplyItem, int, int]]:
-        """SHM_GET or SHM_PLACE `keys`: (item, arena, offset) per key, their arenas mapped here."""
-        op = opcode.name
-        reply = self.request(p.ShmGetRequest(tuple(keys), tuple(lengths), opcode))
-        if not isinstance(reply, p.ShmGetReply) or reply.opcode != opcode or len(reply.items) != len(keys):
-            raise RemoteProtocolError(f"{self.name}: {op} reply does not match the request")
-        places = list(zip(reply.items, reply.arenas, reply.offsets))
-        for (item, _, _), length in zip(places, lengths):
-            if item.status == p.ItemStatus.OK and item.length != length:
-                raise RemoteProtocolError(f"{self.name}: placed {item.length} bytes for a {length}-byte {op}")
-        missing = memory.missing({arena for item, arena, _ in places if item.status == p.ItemStatus.OK})
-        if missing:
-            self._attach(memory, missing)
-        return places
-
-    def warm(self, memory: NodeMemory, keys: Sequence[bytes], lengths: Sequence[int]) -> int:
-        """After a PUT of these values: fill this process's page tables for the ones the node keeps
-        in shared memory, so that loading them later copies from there at full speed (the fill costs
-        about 0.02 s per GiB; here it runs on the store's thread). Ends the pins with a PING: an
-        idle pooled connection would hold them for SHM_PIN_S. Returns how many were warmed."""
-        if not memory.use():
-            self.memory = None
-            return 0
-        warmed = 0
+    def _copy_shared(
+        self,
+        memory: MappedValues,
+        key: bytes,
+        item: p.GetReplyItem,
+        fd: int | None,
+        view: memoryview,
+        checksummer: Checksummer,
+    ) -> bool | None:
+        """One SHM_GET item into `view`: whether it verified (False also for a miss), or None when
+        it must come over the socket (NOT_SHARED, a mapping of another value, a refused memfd)."""
+        if item.status == p.ItemStatus.NOT_SHARED:
+            return None
+        if item.status != p.ItemStatus.OK:
+            memory.forget(key)  # gone from the node: the bytes this process still maps go too
+            return False
+        if item.length != len(view):
+            raise RemoteProtocolError(f"{self.name}: SHM_GET gave {item.length} bytes for a {len(view)}-byte GET")
+        if fd is None:
+            found = memory.find(key)
+            if found is None or found[1] != item.length or not hmac.compare_digest(found[2], item.checksum):
+                memory.forget(key)  # the node holds another value of this key now
+                return None
+            return copy_verified(view, found[0], item.algo, item.checksum, checksummer)
         try:
-            places = self._places(memory, keys, lengths, p.Opcode.SHM_PLACE)
-            if memory.refused:
-                self.memory, places = None, []
-            for key, (item, arena, offset) in zip(keys, places):
-                if item.status != p.ItemStatus.OK:
-                    continue
-                if not memory.warm(key, arena, offset, item.length, item.checksum):
-                    raise RemoteProtocolError(
-                        f"{self.name}: SHM_PLACE placed a value outside its arenas (arena {arena}, offset {offset})"
-                    )
-                warmed += 1
+            size = check_sealed(fd, item.length)
+            addr = map_value(fd, size)
+        except SealError as exc:
+            log.warning("MemKV: %s: shared memory off for this node process: %s", self.name, exc.strerror)
+            memory.refuse(str(exc.strerror))
+            return None
+        try:
+            return copy_verified(view, addr, item.algo, item.checksum, checksummer)
         finally:
-            memory.unuse()
-        if not isinstance(self.request(p.PingRequest()), p.PingReply):
-            raise RemoteProtocolError(f"{self.name}: unexpected reply to PING")
-        return warmed
+            unmap(addr, size)
+
+    def _shm_request(self, msg: p.ShmGetRequest | p.ShmPutRequest, opcode: p.Opcode) -> tuple[p.ShmGetReply, list[int]]:
+        """Send an SHM_GET or SHM_PUT; its reply and the descriptors it passed, exactly one per
+        item it flags (the caller closes them; none is left open on an error)."""
+        self.send(msg)
+        deadline = self._deadline()
+        with self._io("read"):
+            prefix, fds = recv_exactly_with_fds(self.sock, p.FRAME_PREFIX_BYTES, p.MAX_SHM_FDS, deadline)
+            try:
+                header = self.codec.parse_header(prefix)
+                meta, more = recv_exactly_with_fds(self.sock, header.meta_len, p.MAX_SHM_FDS, deadline)
+                fds += more
+            except BaseException:
+                for fd in fds:
+                    os.close(fd)
+                raise
+        try:
+            reply = self.codec.open(header, bytes(prefix), meta)
+            if isinstance(reply, p.ErrorReply):
+                raise ServerError(f"{self.name}: node error {p.error_name(reply.code)}: {reply.message}", reply.code)
+            if (
+                not isinstance(reply, p.ShmGetReply)
+                or reply.opcode != opcode
+                or len(reply.items) != len(msg.keys if isinstance(msg, p.ShmGetRequest) else msg.items)
+                or sum(reply.passed) != len(fds)
+                or any(passed and item.status != p.ItemStatus.OK for item, passed in zip(reply.items, reply.passed))
+            ):
+                raise RemoteProtocolError(f"{self.name}: {opcode.name} reply does not match the request")
+        except BaseException:
+            for fd in fds:
+                os.close(fd)
+            raise
+        return reply, fds
 
     def put_shared(
-        self, memory: NodeMemory, keys: Sequence[bytes], values: Sequence[memoryview], checksummer: Checksummer
+        self, memory: MappedValues, keys: Sequence[bytes], values: Sequence[memoryview], checksummer: Checksummer
     ) -> tuple[bytes, list[int]]:
-        """SHM_PUT `keys` (values of SHM_MIN_VALUE and more), write each value into the slot the
-        node reserved for it, hashing it as it is written (`NodeMemory.write_value`: one pass
-        over the bytes), SHM_COMMIT them with those checksums: (one status per key, the indexes
-        answered NOT_SHARED, which the caller PUTs over the socket). A value stored so is warm
-        here."""
+        """SHM_PUT `keys` (values of SHM_MIN_VALUE and more), write each value into the memfd the
+        node passed for it, hashing it as it is written (`write_value`: one pass over the bytes,
+        no writable mapping left after), SHM_COMMIT them with those checksums: (one status per
+        key, the indexes answered NOT_SHARED, which the caller PUTs over the socket). This
+        process keeps a read-only mapping of each value stored so (`MappedValues`)."""
         if not memory.use():
             self.memory = None
             return bytes([p.ItemStatus.NOT_SHARED]) * len(keys), list(range(len(keys)))
         algo = checksummer.algo
         no_sum = bytes(p.CHECKSUM_BYTES)
         items = [p.PutItem(k, len(v), algo, no_sum) for k, v in zip(keys, values)]
+        kept: dict[int, tuple[int, int]] = {}
         try:
-            reply = self.request(p.ShmPutRequest(tuple(items)))
-            if (
-                not isinstance(reply, p.ShmGetReply)
-                or reply.opcode != p.Opcode.SHM_PUT
-                or len(reply.items) != len(items)
-            ):
-                raise RemoteProtocolError(f"{self.name}: SHM_PUT reply does not match the request")
-            places = [i for i, item in enumerate(reply.items) if item.status == p.ItemStatus.OK]
-            missing = memory.missing({reply.arenas[i] for i in places})
-            if missing:
-                self._attach(memory, missing)
-            # Once the node has placed them, the next frame must be their SHM_COMMIT: a value not
-            # written (an arena this process cannot map) is committed as not written.
+            reply, fds = self._shm_request(p.ShmPutRequest(tuple(items)), p.Opcode.SHM_PUT)
+            places = [i for i, passed in enumerate(reply.passed) if passed]
+            # Once the node has passed them, the next frame must be their SHM_COMMIT: a value not
+            # written (a memfd this process refuses) is committed as not written.
             written = bytearray()
             checksums = []
-            for i in places:
-                if reply.items[i].length != items[i].length:
-                    raise RemoteProtocolError(
-                        f"{self.name}: SHM_PUT placed {reply.items[i].length} bytes for {items[i].length}"
-                    )
-                checksum = no_sum
-                if not memory.refused:
-                    try:
-                        checksum = memory.write_value(reply.arenas[i], reply.offsets[i], values[i], algo, checksummer)
-                    except ValueError as exc:
-                        raise RemoteProtocolError(f"{self.name}: SHM_PUT placed a value badly: {exc}") from None
-                written.append(not memory.refused)
-                checksums.append(checksum)
+            try:
+                for i in places:
+                    fd = fds.pop(0)
+                    checksum = no_sum
+                    if reply.items[i].length != items[i].length:
+                        os.close(fd)
+                        raise RemoteProtocolError(
+                            f"{self.name}: SHM_PUT passed {reply.items[i].length} bytes for {items[i].length}"
+                        )
+                    if memory.refused:
+                        os.close(fd)
+                    else:
+                        try:
+                            checksum, mapping = write_value(fd, values[i], algo, checksummer, keep=True)
+                            if mapping is not None:
+                                kept[i] = mapping
+                        except SealError as exc:
+                            log.warning(
+                                "MemKV: %s: shared memory off for this node process: %s", self.name, exc.strerror
+                            )
+                            memory.refuse(str(exc.strerror))
+                    written.append(i in kept)
+                    checksums.append(checksum)
+            finally:
+                for fd in fds:
+                    os.close(fd)
             statuses = bytearray(item.status for item in reply.items)
             if places:
                 done = self.request(p.ShmCommitRequest(bytes(written), tuple(checksums)))
@@ -531,58 +562,15 @@ class NodeConnection:
                 for i, ok, checksum, status in zip(places, written, checksums, done.statuses):
                     statuses[i] = status if ok else p.ItemStatus.NOT_SHARED
                     if ok and status == p.ItemStatus.OK:
-                        memory.committed(keys[i], reply.arenas[i], reply.offsets[i], checksum)
+                        addr, size = kept.pop(i)
+                        memory.add(keys[i], addr, size, items[i].length, checksum)
             if memory.refused:
                 self.memory = None
         finally:
+            for addr, size in kept.values():  # not stored: nothing to load from
+                unmap(addr, size)
             memory.unuse()
         return bytes(statuses), [i for i, s in enumerate(statuses) if s == p.ItemStatus.NOT_SHARED]
-
-    def _attach(self, memory: NodeMemory, arenas: list[int]) -> None:
-        """Map the node's arenas `arenas`: their descriptors come with the SHM_ATTACH reply."""
-        for start in range(0, len(arenas), p.MAX_SHM_ATTACH):
-            wanted = tuple(arenas[start : start + p.MAX_SHM_ATTACH])
-            self.send(p.ShmAttachRequest(wanted))
-            deadline = self._deadline()
-            with self._io("read"):
-                prefix, fds = recv_exactly_with_fds(self.sock, p.FRAME_PREFIX_BYTES, len(wanted), deadline)
-                try:
-                    header = self.codec.parse_header(prefix)
-                    meta, more = recv_exactly_with_fds(self.sock, header.meta_len, len(wanted), deadline)
-                    fds += more
-                    reply = self.codec.open(header, bytes(prefix), meta)
-                except BaseException:
-                    for fd in fds:
-                        os.close(fd)
-                    raise
-            sized = (
-                []
-                if not isinstance(reply, p.ShmAttachReply)
-                else [(a, n) for a, n in zip(reply.arenas, reply.sizes) if n > 0]
-            )
-            if (
-                not isinstance(reply, p.ShmAttachReply)
-                or reply.arenas != wanted
-                or len(sized) != len(fds)
-                or len(sized) != len(wanted)
-            ):
-                for fd in fds:
-                    os.close(fd)
-                if isinstance(reply, p.ErrorReply):
-                    raise ServerError(
-                        f"{self.name}: node error {p.error_name(reply.code)}: {reply.message}", reply.code
-                    )
-                raise RemoteProtocolError(f"{self.name}: SHM_ATTACH reply does not give the arenas asked for")
-            for (arena, size), fd in zip(sized, fds):
-                try:
-                    memory.add(arena, fd, size)  # closes fd
-                except ArenaError as exc:
-                    for rest in fds[fds.index(fd) + 1 :]:
-                        os.close(rest)
-                    # The reply was read whole: the connection stays usable, its values come by GET.
-                    log.warning("MemKV: %s: shared memory off for this node process: %s", self.name, exc.strerror)
-                    memory.refuse(str(exc.strerror))
-                    return
 
     def _recv_verified(
         self, view: memoryview, algo: int, checksum: bytes, checksummer: Checksummer, deadline: float
@@ -701,7 +689,7 @@ class NodeClient:
         self._local: tuple[str, str] | None = None
         self._local_refused: set[str] = set()  # names that were not (another host, another node)
         self._use_shared = shared_memory
-        self._memory: NodeMemory | None = None  # the node process's arenas mapped here
+        self._memory: MappedValues | None = None  # mappings of values stored on the node process
         self._closed = False
 
     # -- health ---------------------------------------------------------------------------------
@@ -820,16 +808,16 @@ class NodeClient:
             conn.memory = self._memory_for(name)
         return conn
 
-    def _memory_for(self, process: str) -> NodeMemory | None:
+    def _memory_for(self, process: str) -> MappedValues | None:
         """The mappings of one node process, named by its same-host socket (random per process:
-        a node restarted on the same port keeps its node_id, not its arenas); those of the
+        a node restarted on the same port keeps its node_id, not its values); those of the
         process it replaced go once no copy uses them (they keep that memory alive). None for a
-        process whose arenas could not be mapped here (NodeMemory.refuse)."""
+        process whose memfds were refused here (MappedValues.refuse)."""
         with self._lock:
             old = self._memory
             if old is not None and old.process == process:
                 return None if old.refused else old
-            self._memory = NodeMemory(process)
+            self._memory = MappedValues(process)
             new = self._memory
         if old is not None:
             old.retire()
@@ -956,9 +944,8 @@ class NodeClient:
     def put(self, keys: Sequence[bytes], views: Sequence[memoryview], checksummer: Checksummer) -> bytes:
         """PUT `views` under `keys` (one request's worth: `byte_chunks`); one status per key. On
         a connection that shares the node's memory, values of SHM_MIN_VALUE and more are written
-        into it (SHM_PUT, `NodeConnection.put_shared`, hashed as they are copied) and the rest go
-        over the socket (hashed first); values of that size that went over the socket are warmed
-        after (`NodeConnection.warm`): a failed warm-up costs speed only, the statuses stand."""
+        into memfds (SHM_PUT, `NodeConnection.put_shared`, hashed as they are copied) and the rest go
+        over the socket (hashed first)."""
         conn = self.borrow()
         statuses = bytearray(len(keys))
         by_socket = list(range(len(keys)))
@@ -982,17 +969,7 @@ class NodeClient:
         except BaseException as exc:
             self.give_back(conn, exc)
             raise
-        error: BaseException | None = None
-        memory = conn.memory
-        if memory is not None:
-            stored = [i for i in by_socket if statuses[i] == p.ItemStatus.OK and len(views[i]) >= p.SHM_MIN_VALUE]
-            if stored:
-                try:
-                    conn.warm(memory, [keys[i] for i in stored], [len(views[i]) for i in stored])
-                except MemKVError as exc:
-                    log.info("%s: warming stored values failed: %s", self.name, exc)
-                    error = exc  # the connection is closed (and the node marked down, as for any request)
-        self.give_back(conn, error)
+        self.give_back(conn)
         return bytes(statuses)
 
 

@@ -1,41 +1,36 @@
-"""A same-host node's value memory, mapped into this process (docs/protocol.md section 13).
+"""A same-host node's values as sealed memfds, written and read by this process (docs/protocol.md
+section 13).
 
-A node that offers shared memory on its same-host socket keeps values of 1 MiB and more in memfd
-arenas (memkv/server/shared.py). An SHM_GET tells where each value lies; the client copies it
-from the mapping straight into its destination and hashes the copy piece by piece while it is
-in cache (one copy per byte instead of two, no syscall per value). `copy_verified` holds the
-result to the checksum the node stored: a value the node reused meanwhile fails it and is a
-miss, so a stale mapping can cost a hit, never return wrong bytes.
+Stores: an SHM_PUT passes a memfd per value, of exactly the value's buffer size, sealed against
+shrinking and growing. `write_value` maps it shared and writable, copies the value in and hashes
+the copy piece by piece while it is in cache (one pass over the bytes, no socket, no work in the
+node), maps it again private and read-only for later loads, then unmaps the writable mapping
+and closes the descriptor: the node seals it against writing at SHM_COMMIT, which the kernel
+refuses while a writable shared mapping exists.
 
-Mappings belong to one node process (named by its same-host socket, random per process; a node
-restarted on the same port keeps its node_id): a node that restarted has new arenas, and the
-old mappings, which keep the dead process's memory alive, are unmapped once no copy uses them.
+Loads: an SHM_GET passes a value's memfd; `check_sealed` refuses one that is not sealed against
+shrinking, growing and writing (a node not to be trusted, or another process's doing), `map_value`
+maps it private and read-only, `copy_verified` copies and verifies it. A committed memfd never
+changes: what a mapping holds is what was committed, even after the node dropped the value.
 
-Pages: a mapping is made without faulting anything in (most of an arena may be holes, and a read
-fault on a hole would allocate memory in the node). Filling the page tables of a value's pages
-costs about 0.02 s per GiB (madvise(MADV_POPULATE_READ), Linux 5.14+), enough to make a first
-copy slower than the socket (docs/performance.md, runs 49-52). So a value is copied from shared
-memory only where this process filled them already, off the load path: right after it stored
-the value itself (`NodeConnection.warm`, on the store thread). Every other value comes over the
-socket. `warm` remembers each slot with the checksum of the value it was filled for: the node
-punches a freed slot's pages out (which empties every process's page tables of it), so a slot
-holding another value since is not warm any more.
-
-Stores: an SHM_PUT reserves a slot per value and says where; the client writes the value there
-itself (`write_value`: one copy, no socket, no work in the node) and commits it with SHM_COMMIT.
-The write fills this process's page tables for the slot, so a value stored that way is warm.
+Mappings kept (`MappedValues`): filling a mapping's page tables costs about 0.02 s per GiB, enough
+to make a load noticeably slower. So the read-only mappings of values this process stored stay
+(a bounded LRU, per node process) and their loads ask the node for the value's status and
+checksum only; a value the node no longer has (MISS) or holds anew (another checksum) loses its
+mapping. Others are mapped for one load (MAP_POPULATE) and unmapped after.
 """
 
 from __future__ import annotations
 
+import collections
 import ctypes
 import errno
+import fcntl
 import hmac
 import mmap
 import os
 import stat
 import threading
-from collections.abc import Sequence
 
 from memkv.integrity import Checksummer
 from memkv.protocol import ChecksumAlgo
@@ -53,130 +48,142 @@ _LIBC.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_
 _LIBC.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
 _LIBC.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
 _MAP_FAILED = ctypes.c_void_p(-1).value
-MADV_POPULATE_READ = 22
-MADV_POPULATE_WRITE = 23
+MAP_POPULATE = getattr(mmap, "MAP_POPULATE", 0x8000)
+MADV_POPULATE_WRITE = 23  # Linux 5.14: fault a range in for writing with one call
 PAGE = mmap.PAGESIZE
 # Copied and hashed in pieces this large: each piece is hashed while the copy left it in cache.
 COPY_PIECE = 256 << 10
+SEALS_NEEDED = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_WRITE
+SEALS_OPEN = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW
+# Mappings of stored values kept, per node process: far below vm.max_map_count (65530 by default).
+# A kept mapping of a value the node has dropped keeps its pages alive (charged to this process)
+# until the next load of that key or the LRU drops it: the byte bound caps that memory.
+MAX_MAPPED_VALUES = 1024
+MAX_MAPPED_BYTES = 2 << 30
 
 
-class ArenaError(OSError):
-    """A descriptor the node passed cannot be mapped as the arena it announced."""
+class SealError(OSError):
+    """A descriptor the node passed is not a memfd of the announced value, sealed as it must be."""
 
 
-class NodeMemory:
-    """The arenas of one node process mapped into this one. Thread-safe."""
+def check_sealed(fd: int, length: int, seals: int = SEALS_NEEDED) -> int:
+    """The size of the memfd `fd` when it is the buffer of a `length`-byte value (the length
+    rounded up to a page) and carries `seals`; else SealError."""
+    try:
+        info = os.fstat(fd)
+        have = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+    except OSError as exc:
+        raise SealError(exc.errno or errno.EINVAL, f"not a sealable memfd: {exc.strerror}") from None
+    if not stat.S_ISREG(info.st_mode) or not 0 < length <= info.st_size < length + PAGE:
+        raise SealError(errno.EINVAL, f"a memfd of {info.st_size} bytes for a {length}-byte value")
+    if have & seals != seals:
+        raise SealError(errno.EPERM, f"a memfd without its seals (has 0x{have:x}, needs 0x{seals:x})")
+    return info.st_size
 
-    def __init__(self, process: str) -> None:
-        self.process = process  # the node process's same-host socket name
-        self._lock = threading.Lock()
-        self._maps: dict[int, tuple[int, int]] = {}  # arena id -> (address, size)
-        # Slots whose page tables this process filled (`warm`), each with the key and checksum of
-        # the value it was filled for, and the other way round; both at most one entry per slot.
-        self._warm: dict[tuple[int, int], tuple[bytes, bytes]] = {}
-        self._warm_keys: dict[bytes, tuple[int, int]] = {}
-        self._users = 0
-        self._retired = False
-        self.refused: str | None = None  # why this process's arenas cannot be mapped here (then: socket)
 
-    def missing(self, arenas: set[int]) -> list[int]:
-        with self._lock:
-            return sorted(a for a in arenas if a not in self._maps)
+def _mmap(fd: int, size: int, prot: int, flags: int) -> int:
+    addr = _LIBC.mmap(None, size, prot, flags, fd, 0)
+    if addr is None or addr == _MAP_FAILED:
+        err = ctypes.get_errno()
+        raise SealError(err, f"mmap of a {size}-byte memfd failed: {os.strerror(err)}")
+    return int(addr)
 
-    def add(self, arena: int, fd: int, size: int) -> None:
-        """Map `fd` (closed here in every case) as arena `arena` of `size` bytes (writable: SHM_PUT
-        writes values into it; a load copies only from slots it asked for)."""
+
+def map_value(fd: int, size: int) -> int:
+    """Map `size` bytes of `fd` private and read-only, page tables filled: the address."""
+    return _mmap(fd, size, mmap.PROT_READ, mmap.MAP_PRIVATE | MAP_POPULATE)
+
+
+def unmap(addr: int, size: int) -> None:
+    _LIBC.munmap(addr, size)
+
+
+def write_value(
+    fd: int, value: memoryview, algo: int, checksummer: Checksummer, keep: bool
+) -> tuple[bytes, tuple[int, int] | None]:
+    """Write `value` into the memfd `fd` an SHM_PUT passed (closed here in every case), hashing
+    the copy as it goes: (the checksum of the bytes written, what SHM_COMMIT declares; with
+    `keep`, (address, size) of a private read-only mapping of them, else None). No writable
+    mapping is left: the node's seal needs that. Raises SealError for a descriptor that is not
+    the memfd announced, ValueError for an unknown `algo`."""
+    length = len(value)
+    try:
+        size = check_sealed(fd, length, SEALS_OPEN)
+        addr = _mmap(fd, size, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_SHARED)
         try:
-            info = os.fstat(fd)
-            if not stat.S_ISREG(info.st_mode) or info.st_size != size or size <= 0:
-                raise ArenaError(
-                    errno.EINVAL, f"arena {arena}: the descriptor is not a {size}-byte memory file (got {info.st_size})"
-                )
-            with self._lock:
-                if arena in self._maps or self._retired:
-                    return
-                addr = _LIBC.mmap(None, size, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_SHARED, fd, 0)
-                if addr is None or addr == _MAP_FAILED:
-                    err = ctypes.get_errno()
-                    raise ArenaError(err, f"arena {arena}: mmap failed: {os.strerror(err)}")
-                self._maps[arena] = (addr, size)
+            _LIBC.madvise(addr, size, MADV_POPULATE_WRITE)  # an error: the copy faults them in
+            target = memoryview((ctypes.c_char * length).from_address(addr)).cast("B")
+            checksum = copy_hashed(target, value.cast("B"), algo, checksummer)
+            if checksum is None:
+                raise ValueError(f"unknown checksum algorithm {algo}")
+            kept = (map_value(fd, size), size) if keep else None
         finally:
-            os.close(fd)
+            unmap(addr, size)
+        return checksum, kept
+    finally:
+        os.close(fd)
 
-    def _address(self, arena: int, offset: int, length: int) -> int | None:
-        """Lock held."""
-        found = self._maps.get(arena)
-        if found is None or offset < 0 or length <= 0 or offset + length > found[1]:
-            return None
-        return found[0] + offset
 
-    def warm(self, key: bytes, arena: int, offset: int, length: int, checksum: bytes) -> bool:
-        """Fill this process's page tables for the `length` bytes at `offset` of `arena`, which hold
-        `key`'s value, whose checksum is `checksum` (the caller holds `use`). False when the range
-        is not inside a mapped arena (a node not to be trusted). Costs about 0.02 s per GiB: call
-        it off the load path. A kernel without MADV_POPULATE_READ (before 5.14) leaves it cold."""
+class MappedValues:
+    """Read-only mappings of values this process stored on one node process, by key: a bounded
+    LRU (MAX_MAPPED_VALUES, MAX_MAPPED_BYTES). Thread-safe; a mapping in use by a copy is unmapped
+    only after it (`use` / `unuse`)."""
+
+    def __init__(self, process: str, max_values: int = MAX_MAPPED_VALUES, max_bytes: int = MAX_MAPPED_BYTES) -> None:
+        self.process = process  # the node process's same-host socket name
+        self.max_values = max_values
+        self.max_bytes = max_bytes
+        self._lock = threading.Lock()
+        # key -> (address, size, length, checksum)
+        self._maps: collections.OrderedDict[bytes, tuple[int, int, int, bytes]] = collections.OrderedDict()
+        self._bytes = 0
+        self._users = 0
+        self._doomed: list[tuple[int, int]] = []  # unmapped once no copy runs
+        self._retired = False
+        self.refused: str | None = None  # why this node process's memfds cannot be used here (then: socket)
+
+    def add(self, key: bytes, addr: int, size: int, length: int, checksum: bytes) -> None:
         with self._lock:
-            addr = self._address(arena, offset, length)
-            if addr is None:
-                return False
-        start = addr - addr % PAGE
-        if _LIBC.madvise(start, addr + length - start, MADV_POPULATE_READ) == 0:
-            self._mark_warm(key, (arena, offset), checksum)
-        return True
+            old = self._maps.pop(key, None)
+            if old is not None:
+                self._drop(old)
+            if self._retired or self.max_values <= 0 or size > self.max_bytes:
+                self._doomed.append((addr, size))
+            else:
+                self._maps[key] = (addr, size, length, checksum)
+                self._bytes += size
+                while len(self._maps) > self.max_values or self._bytes > self.max_bytes:
+                    self._drop(self._maps.popitem(last=False)[1])
+        self._collect()
 
-    def _mark_warm(self, key: bytes, slot: tuple[int, int], checksum: bytes) -> None:
+    def find(self, key: bytes) -> tuple[int, int, bytes] | None:
+        """(address, length, checksum) of `key`'s mapping (the caller holds `use`), or None."""
         with self._lock:
-            before = self._warm.get(slot)
-            if before is not None:
-                self._warm_keys.pop(before[0], None)
-            moved = self._warm_keys.get(key)
-            if moved is not None:
-                del self._warm[moved]  # the key's value was replaced: its old slot was freed
-            self._warm[slot] = (key, checksum)
-            self._warm_keys[key] = slot
-
-    def write_value(self, arena: int, offset: int, value: memoryview, algo: int, checksummer: Checksummer) -> bytes:
-        """Copy `value` into the slot an SHM_PUT reserved at `offset` of `arena` (the caller holds
-        `use`), hashing the copy as it goes (`copy_hashed`): returns the checksum of the bytes
-        now in the slot, what SHM_COMMIT declares. Raises ValueError when that range is not
-        inside a mapped arena (a node not to be trusted) or `algo` is unknown. The slot's page
-        tables are filled first in one call (MADV_POPULATE_WRITE, Linux 5.14+; else the copy
-        faults them in page by page). `committed` marks the slot warm once the node stored it."""
-        length = len(value)
-        with self._lock:
-            addr = self._address(arena, offset, length)
-        if addr is None:
-            raise ValueError(f"arena {arena}, offset {offset}, {length} bytes: not inside a mapped arena")
-        start = addr - addr % PAGE
-        _LIBC.madvise(start, addr + length - start, MADV_POPULATE_WRITE)  # an error: the copy faults
-        target = memoryview((ctypes.c_char * length).from_address(addr)).cast("B")
-        checksum = copy_hashed(target, value.cast("B"), algo, checksummer)
-        if checksum is None:
-            raise ValueError(f"unknown checksum algorithm {algo}")
-        return checksum
-
-    def committed(self, key: bytes, arena: int, offset: int, checksum: bytes) -> None:
-        """The node stored `key`'s value (of `checksum`) in the slot this process wrote: warm."""
-        self._mark_warm(key, (arena, offset), checksum)
-
-    def warmed(self, keys: Sequence[bytes]) -> list[bool]:
-        """Per key: whether this process warmed a slot for its value (which may since be gone)."""
-        with self._lock:
-            return [k in self._warm_keys for k in keys]
-
-    def source(self, arena: int, offset: int, length: int, checksum: bytes) -> tuple[int, bool] | None:
-        """(address of `length` bytes at `offset` of `arena`, whether this process warmed that slot
-        for the value of `checksum`: only then is a copy from it faster than the socket); None when
-        the arena is not mapped or the range does not lie inside it (a node not to be trusted)."""
-        with self._lock:
-            addr = self._address(arena, offset, length)
-            if addr is None:
+            found = self._maps.get(key)
+            if found is None:
                 return None
-            found = self._warm.get((arena, offset))
-            return addr, found is not None and found[1] == checksum
+            self._maps.move_to_end(key)
+            return found[0], found[2], found[3]
+
+    def has(self, keys: list[bytes]) -> list[bool]:
+        with self._lock:
+            return [k in self._maps for k in keys]
+
+    def forget(self, key: bytes) -> None:
+        """The node no longer has (or has another) value of `key`: its mapping goes."""
+        with self._lock:
+            old = self._maps.pop(key, None)
+            if old is not None:
+                self._drop(old)
+        self._collect()
+
+    def _drop(self, entry: tuple[int, int, int, bytes]) -> None:
+        """Lock held."""
+        self._bytes -= entry[1]
+        self._doomed.append((entry[0], entry[1]))
 
     def use(self) -> bool:
-        """Count a copy in progress; False once retired (its mappings go)."""
+        """Count a copy in progress; False once retired."""
         with self._lock:
             if self._retired:
                 return False
@@ -186,36 +193,32 @@ class NodeMemory:
     def unuse(self) -> None:
         with self._lock:
             self._users -= 1
-            done = self._retired and self._users == 0
-        if done:
-            self._unmap()
+        self._collect()
 
     def retire(self) -> None:
-        """The node process is gone or replaced: unmap once the last copy ends."""
+        """The node process is gone or replaced: every mapping goes once the last copy ends."""
         with self._lock:
-            if self._retired:
-                return
             self._retired = True
-            done = self._users == 0
-        if done:
-            self._unmap()
+            for entry in self._maps.values():
+                self._drop(entry)
+            self._maps.clear()
+        self._collect()
 
     def refuse(self, reason: str) -> None:
-        """An arena of this node process cannot be mapped here (a bad descriptor, mmap refused):
-        its values come over the socket from now on."""
+        """A memfd of this node process cannot be used here: its values come over the socket."""
         self.refused = reason
         self.retire()
 
-    def _unmap(self) -> None:
+    def _collect(self) -> None:
         with self._lock:
-            maps, self._maps = self._maps, {}
-            self._warm.clear()
-            self._warm_keys.clear()
-        for addr, size in maps.values():
-            _LIBC.munmap(addr, size)
+            if self._users or not self._doomed:
+                return
+            doomed, self._doomed = self._doomed, []
+        for addr, size in doomed:
+            unmap(addr, size)
 
     @property
-    def arenas(self) -> int:
+    def mapped(self) -> int:
         return len(self._maps)
 
 
@@ -234,7 +237,7 @@ def copy_hashed(target: memoryview, source: memoryview, algo: int, checksummer: 
     release (a busy engine makes every re-acquire cost up to its switch interval); the Python one
     copies each piece with ctypes.memmove (no GIL; a read-only source by slice assignment) and
     hashes it with python-xxhash or blake3. Loads (`copy_verified`) and SHM_PUT stores
-    (`NodeMemory.write_value`) both copy so."""
+    (`write_value`) both copy so."""
     length = len(target)
     if algo == ChecksumAlgo.XXH3_128 and COMPILED_COPY:
         assert _compiled_copy is not None

@@ -64,6 +64,33 @@ class StoreCollector:
             lane_values.add_metric([lane["name"]], lane["values"])
             evictions.add_metric([lane["name"]], lane["evictions"])
         yield from (lane_bytes, lane_share, lane_values, evictions)
+        if self.store.shared is not None:  # memfd values (memkv/server/shared.py)
+            shm = self.store.shared.stats()
+            yield GaugeMetricFamily(
+                "memkv_node_shm_bytes",
+                "Buffer bytes of the values held in memfds (stored through shared memory, or reserved for an "
+                "SHM_PUT), part of memkv_node_allocated_bytes",
+                value=shm["bytes"],
+            )
+            yield GaugeMetricFamily(
+                "memkv_node_shm_values", "Memfds the node holds (values and pending reservations)", value=shm["values"]
+            )
+            yield CounterMetricFamily(
+                "memkv_node_shm_puts_refused",
+                "SHM_PUT items answered NOT_SHARED because a memfd bound was reached (the client stores them over "
+                "the socket)",
+                value=shm["refused_puts"],
+            )
+            yield CounterMetricFamily(
+                "memkv_node_shm_commits_refused",
+                "SHM_COMMIT items refused (STILL_MAPPED): the memfd was still mapped writable, so it could not be sealed",
+                value=shm["refused_commits"],
+            )
+            yield CounterMetricFamily(
+                "memkv_node_shm_reservations_reclaimed",
+                "SHM_PUT reservations dropped uncommitted (not committed within io_timeout_s, connection ended)",
+                value=shm["reclaimed_reservations"],
+            )
 
 
 class NodeMetrics:
@@ -128,13 +155,6 @@ class NodeMetrics:
             "memkv_node_puts_refused",
             "PUT items refused, by reason (no_space, inflight_limit: NO_SPACE; leased: LEASED)",
             ["reason"],
-            registry=r,
-        )
-
-        self.shm_quarantined = Counter(
-            "memkv_node_shm_slots_quarantined",
-            "Shared-memory slots taken out of service: SHM_PUT reservations never committed (the client "
-            "stalled past io_timeout_s, sent another frame, or went away mid-copy)",
             registry=r,
         )
 

@@ -51,6 +51,7 @@ import secrets
 import select
 import socket
 import ssl
+import struct
 import sys
 import threading
 import time
@@ -60,8 +61,8 @@ from memkv.config import ServerConfig
 from memkv.errors import AuthError, LocalProtocolError, RemoteProtocolError
 from memkv.server.metrics import NodeMetrics
 from memkv.server.rdma import RdmaResponder, RequestContext
-from memkv.server.shared import SharedArenas
-from memkv.server.store import Entry, Leased, NoSpace, PutTicket, Store
+from memkv.server.shared import SealedBuffer, SharedValues, StillMapped
+from memkv.server.store import Leased, NoSpace, PutTicket, Store
 from memkv.sockio import PeerClosed, discard, recv_exactly, recv_exactly_into, send_all, set_recv_timeout, set_timeouts
 from memkv.tls import TLS_HANDSHAKE_BYTE, ServerTls
 
@@ -78,10 +79,8 @@ _OP_NAMES: dict[int, str] = {
     p.Opcode.RELEASE: "release",
     p.Opcode.RDMA_ATTACH: "rdma_attach",  # RDMA control messages: memkv/server/rdma.py
     p.Opcode.RDMA_GET: "rdma_get",
-    p.Opcode.SHM_ATTACH: "shm_attach",  # shared memory: memkv/server/shared.py
-    p.Opcode.SHM_GET: "shm_get",
-    p.Opcode.SHM_PLACE: "shm_place",  # a client filling its page tables: counted as no read
-    p.Opcode.SHM_PUT: "shm_put",  # a client writing values into shared memory itself
+    p.Opcode.SHM_GET: "shm_get",  # shared memory: memkv/server/shared.py
+    p.Opcode.SHM_PUT: "shm_put",  # a client writing values into memfds itself
     p.Opcode.SHM_COMMIT: "shm_commit",
 }
 
@@ -141,6 +140,12 @@ def fit_connections_to_fd_limit(max_connections: int) -> int:
     return capped
 
 
+MIN_SHARED_VALUES = 1024  # fewer memfd values than this: a WARNING at start
+PEERCRED = struct.Struct("=iII")  # struct ucred: pid, uid, gid
+SO_PEERGROUPS = getattr(socket, "SO_PEERGROUPS", 59)  # Linux 4.13: the peer's supplementary groups
+MAX_PEER_GROUPS = 256  # Python reads at most 1024 bytes of a socket option
+
+
 class _CleanClose(Exception):
     """The client closed the connection between frames."""
 
@@ -153,12 +158,12 @@ class Node:
         # at most one: its items are received one after another). Bounds what writers that
         # stall mid-value can take from the cache (docs/operations.md, "Resource bounds").
         inflight = max(2 * config.max_value_bytes, config.capacity_bytes // 4)
-        # Value memory same-host clients may map (memkv/server/shared.py): only where there is a
-        # same-host socket to hand its descriptors over (Linux, no TLS on the data port).
-        self.shared: SharedArenas | None = None
+        # Values same-host clients store and load as sealed memfds (memkv/server/shared.py): only
+        # where there is a same-host socket to hand descriptors over (Linux, no TLS on the data port).
+        self.shared: SharedValues | None = None
         if config.shared_memory and config.local_socket and sys.platform.startswith("linux"):
             if not (config.tls_cert is not None and config.tls_listen is None):
-                self.shared = SharedArenas()
+                self.shared = SharedValues()
         self.store = Store(
             config.capacity_bytes,
             config.lanes,
@@ -207,11 +212,45 @@ class Node:
         self._conns: set[socket.socket] = set()
         self._conns_lock = threading.Lock()
         self.max_connections = fit_connections_to_fd_limit(config.max_connections)
+        if self.shared is not None:  # its memfds need descriptors too, beside the connections'
+            soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+            self.shared.fit_fd_limit(soft, self.max_connections)
+            if self.shared.max_values < MIN_SHARED_VALUES:
+                log.warning(
+                    "RLIMIT_NOFILE is %d: room for only %d values in shared memory beside %d connections "
+                    "(later SHM_PUTs go over the socket); raise the limit (ulimit -n, systemd LimitNOFILE=) "
+                    "or lower --max-connections",
+                    soft,
+                    self.shared.max_values,
+                    self.max_connections,
+                )
         self._slots = threading.BoundedSemaphore(self.max_connections)
         self._spare_fd: int | None = os.open(os.devnull, os.O_RDONLY)  # given up to shed on EMFILE
         self.started_at = time.time()
 
     # -- lifecycle ------------------------------------------------------------------------------
+
+    def trusts(self, sock: socket.socket) -> bool:
+        """Whether the peer of this same-host connection may exchange values as memfds: a process
+        of the node's own uid, or (`shared_memory_group`) one whose primary or supplementary
+        groups include that group, as the kernel saw them at connect time (SO_PEERCRED,
+        SO_PEERGROUPS). Others are served over the socket."""
+        try:
+            _, uid, gid = PEERCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, PEERCRED.size))
+        except OSError:
+            return False
+        if uid == os.geteuid():
+            return True
+        group = self.config.shared_memory_group
+        if group is None:
+            return False
+        if gid == group:
+            return True
+        try:
+            raw = sock.getsockopt(socket.SOL_SOCKET, SO_PEERGROUPS, 4 * MAX_PEER_GROUPS)
+        except OSError:  # more groups than asked for (ERANGE), or a kernel before 4.13
+            return False
+        return group in struct.unpack(f"={len(raw) // 4}I", raw)
 
     @property
     def ready(self) -> bool:
@@ -435,16 +474,15 @@ class Connection:
         self.codec: p.FrameCodec | None = None
         self._scratch: memoryview | None = None
         self._deadline = 0.0  # when the frame being received must be complete (monotonic)
-        self._shm_pins: list[Entry] = []  # values of the last SHM_GET the client may be copying
-        self._shm_writes: list[PutTicket] = []  # slots of the last SHM_PUT the client may be writing
+        self.shared_memory = False  # offered in HELLO_OK (the same-host socket, a trusted peer)
+        self._shm_writes: list[PutTicket] = []  # memfds of the last SHM_PUT the client may be writing
         self._shm_writes_due = 0.0  # when their SHM_COMMIT must have arrived (monotonic)
 
     def run(self) -> None:
         try:
             self._run()
         finally:
-            self._end_shm_pins()
-            self._quarantine_shm_writes()  # the client may still be writing into them
+            self._drop_shm_writes()  # what the client wrote there is its own memory now
 
     def _run(self) -> None:
         if not self._handshake():
@@ -509,8 +547,9 @@ class Connection:
             self.codec = hs.codec(self.node.limits)
             # The same-host socket is named to plain connections only: a TLS client asked for TLS.
             local = None if isinstance(self.sock, ssl.SSLSocket) else self.node.local_socket
-            shared = self.node.shared is not None and self.sock.family == socket.AF_UNIX
-            hello_ok = p.HelloOk(self.node.node_id, self.node.limits, local, shared)
+            self.shared_memory = self.node.shared is not None and self.sock.family == socket.AF_UNIX
+            self.shared_memory = self.shared_memory and self.node.trusts(self.sock)
+            hello_ok = p.HelloOk(self.node.node_id, self.node.limits, local, self.shared_memory)
             send_all(self.sock, [self.codec.encode(hello_ok)], deadline)
             return True
         except (OSError, ConnectionError):
@@ -525,19 +564,10 @@ class Connection:
         assert codec is not None
         prefix = bytearray(p.FRAME_PREFIX_BYTES)
         view = memoryview(prefix)
-        if self._shm_pins:
-            # The client is copying the values of its SHM_GET: they stay pinned until its next
-            # frame, but no longer than SHM_PIN_S, so that an idle or stalled client cannot hold
-            # them from eviction. A copy that outlasts it and meets a reused buffer fails its
-            # checksum: a miss, never wrong bytes.
-            poller = select.poll()
-            poller.register(self.sock, select.POLLIN)
-            poller.poll(int(min(p.SHM_PIN_S, cfg.io_timeout_s) * 1000))
-            self._end_shm_pins()
         if self._shm_writes:
-            # The client is writing the values of its SHM_PUT: their SHM_COMMIT (after at most
-            # the SHM_ATTACHes of arenas it lacked) must come within io_timeout_s of the reply,
-            # as a PUT's values must arrive, or the slots are quarantined and the connection ends.
+            # The client is writing the values of its SHM_PUT: their SHM_COMMIT must come within
+            # io_timeout_s of the reply, as a PUT's values must arrive, or the reservations are
+            # dropped (their memfds closed) and the connection ends.
             poller = select.poll()
             poller.register(self.sock, select.POLLIN)
             if not poller.poll(max(0, int((self._shm_writes_due - time.monotonic()) * 1000))):
@@ -557,7 +587,7 @@ class Connection:
         header = codec.parse_header(prefix)
         meta = recv_exactly(self.sock, header.meta_len, self._deadline)
         msg = codec.open(header, prefix, meta)
-        if self._shm_writes and not isinstance(msg, (p.ShmCommitRequest, p.ShmAttachRequest)):
+        if self._shm_writes and not isinstance(msg, p.ShmCommitRequest):
             raise RemoteProtocolError(
                 f"{type(msg).__name__} after an SHM_PUT: the next frame must be its SHM_COMMIT", p.ErrorCode.MALFORMED
             )
@@ -602,8 +632,6 @@ class Connection:
             self._reply(self.node.rdma.handle(ctx, msg))
         elif isinstance(msg, p.ShmGetRequest):
             self._shm_get(msg)
-        elif isinstance(msg, p.ShmAttachRequest):
-            self._shm_attach(msg)
         elif isinstance(msg, p.ShmPutRequest):
             self._shm_put(msg)
         elif isinstance(msg, p.ShmCommitRequest):
@@ -687,47 +715,47 @@ class Connection:
 
     # -- shared memory (docs/protocol.md section 13) ----------------------------------------------
 
-    def _shared(self, op: str) -> SharedArenas:
+    def _shared(self, op: str) -> SharedValues:
         shared = self.node.shared
-        if shared is None or self.sock.family != socket.AF_UNIX:
+        if shared is None or not self.shared_memory:
             raise RemoteProtocolError(
-                f"{op}: this connection was not offered shared memory (HELLO_OK): it is served on the "
-                "same-host socket of a node that shares its memory only",
+                f"{op}: this connection was not offered shared memory (HELLO_OK): only the same-host socket "
+                "of a node that shares memory offers it, to a peer of the node's uid or its shared-memory group",
                 p.ErrorCode.MALFORMED,
             )
         return shared
 
     def _shm_get(self, msg: p.ShmGetRequest) -> None:
-        """Where each value lies, pinned until the client's next frame (see _serve_one). A value
-        in private memory (no arena could be made for it) answers NOT_SHARED: GET it. An
-        SHM_PLACE is answered the same and counted as no read (the client fills its page tables)."""
-        reading = msg.opcode == p.Opcode.SHM_GET
-        self._shared("SHM_GET" if reading else "SHM_PLACE")
+        """Each value's sealed memfd (where the client asked for it) and checksum. A committed
+        memfd never changes, so nothing stays pinned once the reply is sent: the client's mapping
+        keeps the bytes it copies. A value in private memory answers NOT_SHARED: GET it."""
+        self._shared("SHM_GET")
         store = self.node.store
         found = store.acquire(msg.keys, msg.expected_lengths, p.ANY_LENGTH)
-        items, arenas, offsets, private = [], [], [], []
-        no_sum = bytes(p.CHECKSUM_BYTES)
-        for e in found:
-            if isinstance(e, int):
-                items.append(p.GetReplyItem(e, 0, 0, no_sum))
-                arenas.append(0)
-                offsets.append(0)
-            elif e.buf.arena is None:
-                private.append(e)
-                items.append(p.GetReplyItem(p.ItemStatus.NOT_SHARED, 0, 0, no_sum))
-                arenas.append(0)
-                offsets.append(0)
-            else:
-                self._shm_pins.append(e)
-                items.append(p.GetReplyItem(p.ItemStatus.OK, e.length, e.algo, e.checksum))
-                arenas.append(e.buf.arena.id)
-                offsets.append(e.buf.offset)
-        store.release(private)
-        self._reply(p.ShmGetReply(tuple(items), tuple(arenas), tuple(offsets), msg.opcode))
-        if reading:
-            statuses = bytes(it.status for it in items)
-            self._count_keys("get", statuses.replace(bytes([p.ItemStatus.NOT_SHARED]), b""))
-            self.metrics.bytes_out.inc(sum(e.length for e in self._shm_pins))
+        pinned = [e for e in found if not isinstance(e, int)]
+        try:
+            items, passed, fds = [], bytearray(), list[int]()
+            no_sum = bytes(p.CHECKSUM_BYTES)
+            sent = 0
+            for e, wanted in zip(found, msg.want):
+                if isinstance(e, int):
+                    items.append(p.GetReplyItem(e, 0, 0, no_sum))
+                    passed.append(0)
+                elif not isinstance(e.buf, SealedBuffer) or (wanted and len(fds) >= p.MAX_SHM_FDS):
+                    items.append(p.GetReplyItem(p.ItemStatus.NOT_SHARED, 0, 0, no_sum))
+                    passed.append(0)
+                else:
+                    items.append(p.GetReplyItem(p.ItemStatus.OK, e.length, e.algo, e.checksum))
+                    passed.append(wanted)
+                    if wanted:
+                        fds.append(e.buf.fd)
+                    sent += e.length
+            self._reply_with_fds(p.ShmGetReply(tuple(items), bytes(passed), p.Opcode.SHM_GET), fds)
+        finally:
+            store.release(pinned)  # the descriptors are the client's now
+        statuses = bytes(it.status for it in items)
+        self._count_keys("get", statuses.replace(bytes([p.ItemStatus.NOT_SHARED]), b""))
+        self.metrics.bytes_out.inc(sent)
 
     def _hung_up(self) -> bool:
         """Whether the client has closed its end (FIN or reset received); never blocks."""
@@ -736,25 +764,32 @@ class Connection:
         return bool(poller.poll(0))
 
     def _shm_put(self, msg: p.ShmPutRequest) -> None:
-        """Reserve a shared slot per item (as a PUT reserves a buffer, evicting if need be) and say
-        where; the client writes the values itself and commits them with its next frame. An item
-        that cannot have one (below SHM_MIN_VALUE, private memory, the in-flight bound reached)
+        """Reserve a new memfd per item (as a PUT reserves a buffer, evicting if need be) and pass
+        it; the client writes the values itself and commits them with its next frame. An item
+        that cannot have one (below SHM_MIN_VALUE, a memfd bound or the in-flight bound reached)
         answers NOT_SHARED: the client PUTs it over the socket."""
         self._shared("SHM_PUT")
+        for item in msg.items:
+            if item.algo not in {a.value for a in p.ChecksumAlgo}:
+                known = ", ".join(f"{a.value} ({a.name.lower()})" for a in p.ChecksumAlgo)
+                raise RemoteProtocolError(
+                    f"SHM_PUT: checksum algorithm {item.algo} is not one this node knows ({known})",
+                    p.ErrorCode.MALFORMED,
+                )
         store = self.node.store
-        items, arenas, offsets = [], [], []
+        items, passed = [], bytearray()
         no_sum = bytes(p.CHECKSUM_BYTES)
         deadline = time.monotonic() + min(INFLIGHT_WAIT_S, self.node.config.io_timeout_s)
         try:
             for item in msg.items:
                 status = p.ItemStatus.NOT_SHARED
                 ticket = None
-                if item.length >= p.SHM_MIN_VALUE:
+                if item.length >= p.SHM_MIN_VALUE and len(self._shm_writes) < p.MAX_SHM_FDS:
                     try:
                         # Only the first item waits for the in-flight bound: later ones would wait
                         # for this very request's reservations.
                         wait_s = max(0.0, deadline - time.monotonic()) if not self._shm_writes else 0.0
-                        ticket = store.begin_put(item.key, item.length, item.algo, item.checksum, wait_s=wait_s)
+                        ticket = store.begin_shared_put(item.key, item.length, item.algo, item.checksum, wait_s)
                     except NoSpace as exc:
                         if exc.reason != "inflight_limit":
                             self.metrics.puts_refused.labels(exc.reason).inc()
@@ -762,36 +797,30 @@ class Connection:
                     except Leased:
                         self.metrics.puts_refused.labels("leased").inc()
                         status = p.ItemStatus.LEASED
-                if ticket is not None and ticket.buf.arena is None:
-                    store.abort(ticket)  # private memory: the socket fills it
-                    ticket = None
                 if ticket is None:
                     items.append(p.GetReplyItem(status, 0, 0, no_sum))
-                    arenas.append(0)
-                    offsets.append(0)
+                    passed.append(0)
                     continue
                 self._shm_writes.append(ticket)
                 items.append(p.GetReplyItem(p.ItemStatus.OK, item.length, item.algo, item.checksum))
-                assert ticket.buf.arena is not None
-                arenas.append(ticket.buf.arena.id)
-                offsets.append(ticket.buf.offset)
+                passed.append(1)
+            fds = [ticket.buf.fd for ticket in self._shm_writes if isinstance(ticket.buf, SealedBuffer)]
+            self._shm_writes_due = time.monotonic() + self.node.config.io_timeout_s
+            self._reply_with_fds(p.ShmGetReply(tuple(items), bytes(passed), p.Opcode.SHM_PUT), fds)
         except BaseException:
-            for ticket in self._shm_writes:  # nothing was said about them: nobody writes there
-                store.abort(ticket)
-            self._shm_writes = []
+            self._drop_shm_writes()
             raise
-        self._shm_writes_due = time.monotonic() + self.node.config.io_timeout_s
-        self._reply(p.ShmGetReply(tuple(items), tuple(arenas), tuple(offsets), p.Opcode.SHM_PUT))
 
     def _shm_commit(self, msg: p.ShmCommitRequest) -> None:
-        """Make the values the client wrote visible (flag 1), under the checksum it computed as it
-        wrote them; drop the slots it did not write (0)."""
-        self._shared("SHM_COMMIT")
+        """Seal the memfds the client wrote (flag 1) against writing and store their values under
+        the checksums it computed as it wrote them; drop the ones it did not write (0). A memfd
+        some process still maps writable cannot be sealed: STILL_MAPPED, not stored."""
+        shared = self._shared("SHM_COMMIT")
         writes, self._shm_writes = self._shm_writes, []
         if len(msg.written) != len(writes):
-            self._shm_writes = writes  # quarantined as the connection ends
+            self._shm_writes = writes  # dropped as the connection ends
             raise RemoteProtocolError(
-                f"SHM_COMMIT of {len(msg.written)} flags for the {len(writes)} slots the SHM_PUT before it placed",
+                f"SHM_COMMIT of {len(msg.written)} flags for the {len(writes)} memfds the SHM_PUT before it passed",
                 p.ErrorCode.MALFORMED,
             )
         store = self.node.store
@@ -800,6 +829,15 @@ class Connection:
             if not written:
                 store.abort(ticket)
                 statuses.append(p.ItemStatus.MISS)
+                continue
+            assert isinstance(ticket.buf, SealedBuffer)
+            try:
+                ticket.buf.seal()
+            except StillMapped as exc:
+                store.abort(ticket)
+                shared.refused_commit()
+                log.warning("%s: SHM_COMMIT of %r refused: %s", self.peer, ticket.key[:64], exc.strerror)
+                statuses.append(p.ItemStatus.STILL_MAPPED)
                 continue
             ticket.checksum = checksum  # every reader verifies it against the bytes it copies
             if not store.commit(ticket):  # leased while it was being written
@@ -811,37 +849,24 @@ class Connection:
         self._count_keys("put", statuses)
         self._reply(p.StatusReply(p.Opcode.SHM_COMMIT, bytes(statuses)))
 
-    def _quarantine_shm_writes(self) -> None:
+    def _drop_shm_writes(self) -> None:
         if self._shm_writes:
             writes, self._shm_writes = self._shm_writes, []
             for ticket in writes:
-                self.node.store.quarantine(ticket)
-            self.metrics.shm_quarantined.inc(len(writes))
+                self.node.store.abort(ticket)
+            if self.node.shared is not None:
+                self.node.shared.reclaimed_reservations(len(writes))
             log.warning(
-                "%s: %d SHM_PUT slot(s) never committed: quarantined (the client may still write there)",
-                self.peer,
-                len(writes),
+                "%s: %d SHM_PUT reservation(s) never committed: dropped (their memfds closed)", self.peer, len(writes)
             )
 
-    def _shm_attach(self, msg: p.ShmAttachRequest) -> None:
-        """The arenas' descriptors, passed with the reply frame (SCM_RIGHTS)."""
-        shared = self._shared("SHM_ATTACH")
-        sizes, fds = [], []
-        for arena_id in msg.arenas:
-            found = shared.descriptor(arena_id)
-            sizes.append(0 if found is None else found[1])
-            if found is not None:
-                fds.append(found[0])
+    def _reply_with_fds(self, msg: p.Message, fds: list[int]) -> None:
+        """A reply whose descriptors ride on its first bytes (SCM_RIGHTS)."""
         assert self.codec is not None
-        frame = self.codec.encode(p.ShmAttachReply(msg.arenas, tuple(sizes)), validate=False)
+        frame = self.codec.encode(msg, validate=False)
         deadline = time.monotonic() + self.node.config.io_timeout_s
         sent = socket.send_fds(self.sock, [frame], fds) if fds else 0  # blocking: SO_SNDTIMEO bounds it
         send_all(self.sock, [memoryview(frame)[sent:]], deadline)
-
-    def _end_shm_pins(self) -> None:
-        if self._shm_pins:
-            pins, self._shm_pins = self._shm_pins, []
-            self.node.store.release(pins)
 
     def _count_rdma_get(self, statuses: bytes, bytes_out: int) -> None:
         self._count_keys("get", statuses)

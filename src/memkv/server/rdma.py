@@ -50,7 +50,7 @@ from typing import TYPE_CHECKING
 
 from memkv import protocol as p
 from memkv.errors import RdmaError, RemoteProtocolError
-from memkv.server.store import MMAP_THRESHOLD, Entry, Store, ValueBuffer
+from memkv.server.store import MMAP_THRESHOLD, Buffer, Entry, Store
 
 if TYPE_CHECKING:  # not a loop: imported for real on the first attach (a node without RDMA never loads it)
     from memkv.transport.nixl_adapter import NixlAgent, Registration, Write
@@ -97,7 +97,7 @@ class RdmaResponder:
         self._by_conn: dict[Hashable, str] = {}  # RequestContext.connection -> peer agent name
         self._peers: dict[str, int] = {}  # peer agent name -> attached connections
         self._loaded: dict[bytes, str] = {}  # metadata loaded into NIXL -> its agent name (while attached)
-        self._regs: dict[int, Registration] = {}  # id(ValueBuffer) -> its registration
+        self._regs: dict[int, Registration] = {}  # id(buffer) -> its registration
         self._stuck: list[tuple[Write, list[Entry]]] = []
         self._reaper: threading.Thread | None = None
         self._warned: set[str] = set()
@@ -250,7 +250,7 @@ class RdmaResponder:
 
     # -- source registrations ---------------------------------------------------------------------
 
-    def _source(self, buf: ValueBuffer) -> int:
+    def _source(self, buf: Buffer) -> int:
         """The address of a store buffer, registered with NIXL (once per buffer: at allocation
         through `on_alloc`, or here for a buffer the store made before NIXL came up)."""
         from memkv.transport.nixl_adapter import buffer_address
@@ -263,7 +263,7 @@ class RdmaResponder:
         self._register(buf, addr, "read")  # raises RdmaError: the write is not posted
         return addr
 
-    def on_alloc(self, buf: ValueBuffer) -> None:
+    def on_alloc(self, buf: Buffer) -> None:
         """Store hook: a new buffer (a PUT's thread, outside the store's lock). Registering it
         now keeps NIXL's registration off the read path: a value is typically read once."""
         if buf.size < MMAP_THRESHOLD:  # small values: registered on first read, if ever
@@ -275,7 +275,7 @@ class RdmaResponder:
         except RdmaError as exc:  # the PUT goes on; the first read registers it (or fails cleanly)
             log.debug("registering a new buffer failed: %s", exc)
 
-    def _register(self, buf: ValueBuffer, addr: int, when: str) -> None:
+    def _register(self, buf: Buffer, addr: int, when: str) -> None:
         """Register `buf` outside `_lock` (under it, a slow registration would stall every other
         connection's write), then record it; a racing registration is undone."""
         engine = self._engine
@@ -295,7 +295,7 @@ class RdmaResponder:
             with contextlib.suppress(RdmaError):
                 engine.deregister(stale)
 
-    def on_drop(self, buf: ValueBuffer) -> None:
+    def on_drop(self, buf: Buffer) -> None:
         """Store hook: the store frees `buf` (called under the store's lock)."""
         if not self._regs:
             return

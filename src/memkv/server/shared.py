@@ -1,177 +1,172 @@
-"""Value memory that same-host clients can map: memfd arenas cut into slots of one size.
+"""Values same-host clients store and load through shared memory: one sealed memfd per value.
 
-Why (docs/protocol.md section 13, docs/performance.md "Shared memory for same-host clients"):
-over a socket every byte of a load is copied twice, both times by a CPU (into the socket by the
-node, out of it by the client). A client on the same host that maps the node's value memory
-copies each value once, straight into its destination (vLLM's CPU pool), and hashes the copy
-while it is still in cache: the node does no per-byte work at all.
+Why (docs/protocol.md section 13): over a socket every byte is copied twice, both times by a CPU.
+A same-host client that writes a value into memory the node then keeps, and copies a value
+out of it, copies each byte once and hashes it while it is in cache; the node does no per-byte
+work at all.
 
-Layout. An arena is one memfd (Linux), mapped shared by the node and by clients that
-received its descriptor over the same-host socket (SCM_RIGHTS, SHM_ATTACH). Every slot of an
-arena has the same size, the size of the store buffers it serves (store.buffer_size_for: values
-of one model are one size), so an arena needs no allocator beyond a free list. Slots are
-page-aligned. An arena's memory exists only where slots were used: a fresh memfd is sparse, and a
-freed slot's pages are returned to the kernel at once (MADV_REMOVE punches the hole), mapped by
-clients or not, so what the store counts (allocated_bytes) is what the node holds.
+Trust. Every descriptor a client gets is a memfd of exactly one value's buffer, sealed against
+shrinking and growing from its creation (F_SEAL_SHRINK | F_SEAL_GROW): no client can turn a
+mapping of it into SIGBUS for the node or anyone else. The client of an SHM_PUT writes into its
+own reservation only; SHM_COMMIT adds F_SEAL_WRITE | F_SEAL_SEAL, which the kernel refuses
+(EBUSY) while any writable shared mapping of it exists, so a committed value is immutable for
+every process (no descriptor, mapping or reopening through /proc writes it any more). The node
+never maps a memfd writable; it maps a committed one private and read-only, for socket GETs.
 
-Bounds: at most `max_arenas` arenas (descriptors held by the node, mappings held by each
-client); a buffer that would need more comes from private memory instead, and its value is
-served over the socket as before (SHM_GET answers NOT_SHARED for it).
+Memory. A memfd's bytes count in the store's allocated_bytes from the reservation on (the
+node's capacity); a memfd closed by the node (value deleted, evicted, replaced, a reservation
+dropped) is memory the node no longer holds: what a client still maps of it is the client's.
+Pages are charged (memcg) to whichever process faulted them: a value's pages to its writer.
 
-Thread safety: `take` runs outside the store's lock (a first touch of a slot faults its pages
-in), `give` under it; one lock of its own guards the free lists.
+Bounds: at most `max_values` memfds (descriptors and mappings held by the node) and at most
+`max_pending` reservations not yet committed, node-wide; past them SHM_PUT answers NOT_SHARED
+and the client stores over the socket.
 """
 
 from __future__ import annotations
 
 import errno
-import logging
+import fcntl
 import mmap
 import os
 import threading
 
-log = logging.getLogger("memkv.server")
+PAGE = mmap.PAGESIZE
+SEALS_OPEN = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW  # from creation: the size never changes
+SEALS_COMMITTED = SEALS_OPEN | fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SEAL  # from SHM_COMMIT: immutable
+MAX_PENDING = 1024  # reservations not yet committed, node-wide
+MAP_HEADROOM = 8192  # mappings kept for the rest of the process (vm.max_map_count)
+FD_HEADROOM = 256  # descriptors kept for the rest of the process beyond connections
+FDS_PER_VALUE = 2  # the memfd's, and the one Python's mmap keeps of it
 
-ARENA_BYTES = 1 << 30  # virtual size of one arena (at least one slot)
-MAX_ARENAS = 256
-MADV_POPULATE_WRITE = 23  # Linux 5.14: fault a slot's pages in with one call
+
+class StillMapped(OSError):
+    """SHM_COMMIT of a memfd that some process still maps writable (or sealed against sealing)."""
 
 
-class Arena:
-    """One memfd, mapped shared, cut into `slots` slots of `slot_size` bytes."""
+class SealedBuffer:
+    """A store buffer that is a memfd of `size` bytes (ValueBuffer's interface: size, view, fd).
+    `view` exists once committed: a private read-only mapping."""
 
-    __slots__ = ("id", "fd", "slot_size", "slots", "size", "mem", "view", "_free", "_next")
+    __slots__ = ("size", "fd", "view", "_mem")
 
-    def __init__(self, arena_id: int, slot_size: int, slots: int) -> None:
-        self.id = arena_id
-        self.slot_size = slot_size
-        self.slots = slots
-        self.size = slot_size * slots
-        self.fd = os.memfd_create(f"memkv-arena-{arena_id}", os.MFD_CLOEXEC)
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self.fd = os.memfd_create("memkv-value", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         try:
-            os.ftruncate(self.fd, self.size)
-            self.mem = mmap.mmap(self.fd, self.size, flags=mmap.MAP_SHARED)
+            os.ftruncate(self.fd, size)
+            fcntl.fcntl(self.fd, fcntl.F_ADD_SEALS, SEALS_OPEN)
         except BaseException:
             os.close(self.fd)
             raise
-        self.view = memoryview(self.mem)
-        self._free: list[int] = []  # offsets of slots given back
-        self._next = 0  # slots [_next, slots) were never used
+        self._mem: mmap.mmap | None = None
+        self.view = memoryview(b"")
 
-    def take(self) -> int | None:
-        if self._free:
-            return self._free.pop()
-        if self._next < self.slots:
-            self._next += 1
-            return (self._next - 1) * self.slot_size
-        return None
-
-    @property
-    def full(self) -> bool:
-        return not self._free and self._next == self.slots
-
-
-class SharedArenas:
-    """The node's shareable value memory."""
-
-    def __init__(self, max_arenas: int = MAX_ARENAS, arena_bytes: int = ARENA_BYTES) -> None:
-        self.max_arenas = max_arenas
-        self.arena_bytes = arena_bytes
-        self._lock = threading.Lock()
-        self._arenas: dict[int, Arena] = {}
-        self._open: dict[int, list[Arena]] = {}  # slot size -> arenas with a free slot
-        self._populate = True  # MADV_POPULATE_WRITE until the kernel says it has none
-        self.refused = 0  # buffers that came from private memory: no arena could be made
-        self.quarantined = 0  # slots taken out of service (`quarantine`)
-
-    def take(self, size: int) -> tuple[Arena, int] | None:
-        """A slot of `size` bytes (a page multiple) with its pages faulted in, or None when no
-        arena can be made (the bound, or the kernel refused a memfd): use private memory."""
-        with self._lock:
-            arenas = self._open.setdefault(size, [])
-            arena = arenas[-1] if arenas else None
-            if arena is None:
-                arena = self._new_arena(size)
-                if arena is None:
-                    self.refused += 1
-                    return None
-                arenas.append(arena)
-            offset = arena.take()
-            assert offset is not None  # arenas in _open have a free slot
-            if arena.full:
-                arenas.pop()
+    def seal(self) -> None:
+        """Make the value immutable and map it for the node's reads. Raises StillMapped when a
+        writable shared mapping of it exists (EBUSY) or the writer sealed it against sealing."""
         try:
-            self._fault_in(arena, offset, size)
-        except BaseException:
-            self.give(arena, offset)
-            raise
-        return arena, offset
-
-    def give(self, arena: Arena, offset: int) -> None:
-        """A slot nobody uses: its pages go back to the kernel now (a client's mapping of it then
-        reads zeros, which no checksum matches), the slot back to the free list."""
-        try:
-            arena.mem.madvise(mmap.MADV_REMOVE, offset, arena.slot_size)
-        except OSError as exc:  # never seen on Linux; the memory then stays until reuse
-            log.warning("MADV_REMOVE on arena %d failed: %s", arena.id, exc)
-        with self._lock:
-            was_full = arena.full
-            arena._free.append(offset)
-            if was_full:
-                self._open.setdefault(arena.slot_size, []).append(arena)
-
-    def quarantine(self, arena: Arena, offset: int) -> None:
-        """A slot a client may still write into (an SHM_PUT reservation never committed: the
-        client stalled or vanished mid-copy): its pages go back to the kernel, the slot itself
-        never serves again, so a late write lands in no value. Costs a slot of address space."""
-        try:
-            arena.mem.madvise(mmap.MADV_REMOVE, offset, arena.slot_size)
+            fcntl.fcntl(self.fd, fcntl.F_ADD_SEALS, SEALS_COMMITTED)
         except OSError as exc:
-            log.warning("MADV_REMOVE on arena %d failed: %s", arena.id, exc)
-        with self._lock:
-            self.quarantined += 1
+            if exc.errno in (errno.EBUSY, errno.EPERM):
+                raise StillMapped(exc.errno, "the memfd is still mapped writable (or sealed by the writer)") from None
+            raise
+        if fcntl.fcntl(self.fd, fcntl.F_GET_SEALS) & SEALS_COMMITTED != SEALS_COMMITTED:
+            raise StillMapped(errno.EPERM, "the memfd lacks its seals")
+        # Private and read-only: no mapping the node holds can write, and none blocks the seals.
+        # (Python's mmap holds a second descriptor of the memfd: FDS_PER_VALUE.)
+        self._mem = mmap.mmap(self.fd, self.size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ)
+        self.view = memoryview(self._mem)
 
-    def descriptor(self, arena_id: int) -> tuple[int, int] | None:
-        """(fd, size) of an arena, for SHM_ATTACH; None for an id that is not one."""
-        arena = self._arenas.get(arena_id)
-        return None if arena is None else (arena.fd, arena.size)
+    def free(self) -> None:
+        """The store is done with it: the memfd closes now, or, while a socket GET still sends
+        from it, with that GET's last view (CPython frees the mapping with its last reference)."""
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+        mem, self._mem = self._mem, None
+        self.view = memoryview(b"")
+        if mem is not None:
+            try:
+                mem.close()  # unmaps and closes its own descriptor
+            except BufferError:  # exported: goes with the last view
+                pass
+
+
+def _max_map_count() -> int:
+    try:
+        with open("/proc/sys/vm/max_map_count") as f:
+            return int(f.read())
+    except (OSError, ValueError):
+        return 65530  # the kernel's default
+
+
+class SharedValues:
+    """The node's memfd values: their bounds and counters. Thread-safe."""
+
+    def __init__(self, max_values: int | None = None, max_pending: int = MAX_PENDING) -> None:
+        self.max_values = max(0, _max_map_count() - MAP_HEADROOM) if max_values is None else max_values
+        self.max_pending = max_pending
+        self._lock = threading.Lock()
+        self.values = 0  # memfds in existence: reserved, committed, not yet freed
+        self.bytes = 0  # their buffer bytes (part of the store's allocated_bytes)
+        self.pending = 0  # reservations not yet committed or dropped
+        self.refused = 0  # SHM_PUT items answered NOT_SHARED: a bound reached
+        self.commits_refused = 0  # SHM_COMMIT items refused: still mapped writable
+        self.reclaimed = 0  # reservations dropped uncommitted (timeout, connection end)
+
+    def fit_fd_limit(self, fd_soft_limit: int, connections: int) -> None:
+        """Keep the memfds the node holds under RLIMIT_NOFILE, beside `connections` sockets."""
+        self.max_values = max(0, min(self.max_values, (fd_soft_limit - connections - FD_HEADROOM) // FDS_PER_VALUE))
+
+    def reserve(self, size: int) -> SealedBuffer | None:
+        """A new memfd of `size` bytes, or None past a bound (or when the kernel refuses one)."""
+        with self._lock:
+            if self.values >= self.max_values or self.pending >= self.max_pending:
+                self.refused += 1
+                return None
+            self.values += 1
+            self.pending += 1
+            self.bytes += size
+        try:
+            return SealedBuffer(size)
+        except OSError:
+            with self._lock:
+                self.values -= 1
+                self.pending -= 1
+                self.bytes -= size
+                self.refused += 1
+            return None
+
+    def ended(self) -> None:
+        """A reservation was committed or dropped."""
+        with self._lock:
+            self.pending -= 1
+
+    def reclaimed_reservations(self, n: int) -> None:
+        """`n` reservations dropped because their SHM_COMMIT never came."""
+        with self._lock:
+            self.reclaimed += n
+
+    def freed(self, buf: SealedBuffer) -> None:
+        buf.free()
+        with self._lock:
+            self.values -= 1
+            self.bytes -= buf.size
+
+    def refused_commit(self) -> None:
+        with self._lock:
+            self.commits_refused += 1
 
     def stats(self) -> dict[str, int]:
         with self._lock:
             return {
-                "arenas": len(self._arenas),
-                "max_arenas": self.max_arenas,
-                "virtual_bytes": sum(a.size for a in self._arenas.values()),
-                "refused_buffers": self.refused,
-                "quarantined_slots": self.quarantined,
+                "values": self.values,
+                "bytes": self.bytes,
+                "max_values": self.max_values,
+                "pending": self.pending,
+                "max_pending": self.max_pending,
+                "refused_puts": self.refused,
+                "refused_commits": self.commits_refused,
+                "reclaimed_reservations": self.reclaimed,
             }
-
-    def _new_arena(self, size: int) -> Arena | None:
-        """Lock held."""
-        if len(self._arenas) >= self.max_arenas:
-            return None
-        arena_id = len(self._arenas)  # never reused: arenas live as long as the node
-        try:
-            arena = Arena(arena_id, size, max(1, self.arena_bytes // size))
-        except OSError as exc:
-            log.warning("no shared memory arena (%s): values of %d bytes use private memory", exc, size)
-            self.max_arenas = len(self._arenas)  # do not ask the kernel again for every buffer
-            return None
-        self._arenas[arena_id] = arena
-        return arena
-
-    def _fault_in(self, arena: Arena, offset: int, size: int) -> None:
-        """Fault the slot's pages in now (as MAP_POPULATE does for private buffers), so that
-        neither a PUT's receive nor a client's first copy takes page faults one by one."""
-        if self._populate:
-            try:
-                arena.mem.madvise(MADV_POPULATE_WRITE, offset, size)
-                return
-            except OSError as exc:
-                if exc.errno != errno.EINVAL:
-                    raise
-                self._populate = False  # before Linux 5.14
-        zeros = bytes(min(size, 1 << 20))
-        for off in range(offset, offset + size, len(zeros)):
-            n = min(len(zeros), offset + size - off)
-            arena.view[off : off + n] = zeros[:n]

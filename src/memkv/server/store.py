@@ -1,13 +1,15 @@
 """The node's value store: byte capacity, lanes, LRU eviction, buffers faulted once and reused.
 
-Memory. A value lives in a buffer the store owns: for values >= 1 MiB a slot of a shared memfd
-arena when the node shares its memory with same-host clients (memkv/server/shared.py), else an
-anonymous private mmap, either pre-faulted; a bytearray for smaller ones. Buffers are sized to the value
-rounded up to a page. When a value is evicted or deleted its buffer is reused for the next
-value of the same size class (KV-cache values of one model are all one size), so the hot path
-neither allocates nor page-faults; a bounded pool keeps freed buffers for reuse and beyond that
-they are unmapped. `allocated_bytes` (every buffer in existence: live, pinned-but-dead, pooled,
-reserved for a PUT in flight) never exceeds `capacity_bytes`.
+Memory. A value lives in a buffer the store owns: for values >= 1 MiB an anonymous private
+mmap, pre-faulted; a bytearray for smaller ones; or, for a value a same-host client stored
+through shared memory (SHM_PUT), a sealed memfd of its own (memkv/server/shared.py). Buffers are
+sized to the value rounded up to a page. When a value is evicted or deleted its private buffer
+is reused for the next value of the same size class (KV-cache values of one model are all one
+size), so the hot path neither allocates nor page-faults; a bounded pool keeps freed buffers for
+reuse and beyond that they are unmapped. A memfd is never reused (its value is sealed
+immutable): freed, it is closed. `allocated_bytes` (every buffer in existence: live,
+pinned-but-dead, pooled, reserved for a PUT in flight, memfds included) never exceeds
+`capacity_bytes`.
 
 Lanes. Every key belongs to one lane, chosen by the longest matching key prefix (the `default`
 lane takes the rest). A lane's share is its fair part of the capacity; lanes may grow past it
@@ -54,8 +56,8 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from memkv.config import LaneSpec
-from memkv.protocol import SHM_MIN_VALUE, ItemStatus
-from memkv.server.shared import Arena, SharedArenas
+from memkv.protocol import ItemStatus
+from memkv.server.shared import SealedBuffer, SharedValues
 
 PAGE = mmap.PAGESIZE
 MMAP_THRESHOLD = 1 << 20
@@ -72,41 +74,21 @@ def buffer_size_for(length: int) -> int:
 
 
 class ValueBuffer:
-    """A reusable block of memory owned by the store. `arena` is the shared arena it is a slot
-    of (at `offset`), or None for private memory."""
+    """A reusable block of the node's private memory."""
 
-    __slots__ = ("size", "_mem", "view", "arena", "offset", "_shared")
+    __slots__ = ("size", "_mem", "view")
 
-    def __init__(self, size: int, shared: SharedArenas | None = None) -> None:
+    def __init__(self, size: int) -> None:
         self.size = size
-        self.arena: Arena | None = None
-        self.offset = 0
-        self._shared = shared
-        slot = shared.take(size) if shared is not None and size >= SHM_MIN_VALUE else None
-        if slot is not None:
-            self.arena, self.offset = slot
-            self._mem: mmap.mmap | bytearray = self.arena.mem
-            self.view = self.arena.view[self.offset : self.offset + size]
-        elif size >= MMAP_THRESHOLD:
+        if size >= MMAP_THRESHOLD:
             flags = mmap.MAP_PRIVATE | getattr(mmap, "MAP_ANONYMOUS", 0x20) | getattr(mmap, "MAP_POPULATE", 0)
-            self._mem = mmap.mmap(-1, size, flags=flags)
-            self.view = memoryview(self._mem)
+            self._mem: mmap.mmap | bytearray = mmap.mmap(-1, size, flags=flags)
         else:
             self._mem = bytearray(size)
-            self.view = memoryview(self._mem)
+        self.view = memoryview(self._mem)
 
-    def free(self) -> None:
-        """The store is done with it: a slot goes back to its arena (its pages to the kernel);
-        private memory is unmapped when the buffer is collected."""
-        if self.arena is not None and self._shared is not None:
-            self._shared.give(self.arena, self.offset)
-            self.arena = None
 
-    def quarantine(self) -> None:
-        """As `free`, but a slot never serves again (a client may still write into it)."""
-        if self.arena is not None and self._shared is not None:
-            self._shared.quarantine(self.arena, self.offset)
-            self.arena = None
+Buffer = ValueBuffer | SealedBuffer
 
 
 @dataclasses.dataclass(eq=False)
@@ -116,7 +98,7 @@ class Entry:
     length: int
     algo: int
     checksum: bytes
-    buf: ValueBuffer
+    buf: Buffer
     pins: int = 0
     live: bool = True  # False once evicted/replaced/deleted; the buffer goes back when unpinned
     leases: dict[int, float] | None = None  # token -> expiry (monotonic s) while leased
@@ -148,7 +130,7 @@ class PutTicket:
     length: int
     algo: int
     checksum: bytes
-    buf: ValueBuffer
+    buf: Buffer
     reserved: int = 0  # bytes counted in Store.inflight_bytes until commit / abort
 
     @property
@@ -188,9 +170,9 @@ class Store:
         max_lease_bytes: int | None = None,
         max_lease_share: float = DEFAULT_LEASE_SHARE,
         clock: Callable[[], float] = time.monotonic,
-        shared: SharedArenas | None = None,
+        shared: SharedValues | None = None,
     ) -> None:
-        """`shared`: arenas that large values live in, for same-host clients to map."""
+        """`shared`: the bounds and counters of memfd values (SHM_PUT, `begin_shared_put`)."""
         if capacity_bytes <= 0:
             raise ValueError("capacity_bytes must be positive")
         if not 0 < max_lease_share <= 1:
@@ -214,11 +196,11 @@ class Store:
         self.evictions = 0
         # Called with each buffer the store frees, under its lock (quick, never re-entering the
         # store): the RDMA responder deregisters buffers it registered (memkv/server/rdma.py).
-        self.on_drop: Callable[[ValueBuffer], None] | None = None
+        self.on_drop: Callable[[Buffer], None] | None = None
         # Called with each buffer the store creates, outside its lock, before the PUT fills it
         # (never raises): the RDMA responder registers it with NIXL there, so a later read does
         # not pay the registration (memkv/server/rdma.py).
-        self.on_alloc: Callable[[ValueBuffer], None] | None = None
+        self.on_alloc: Callable[[Buffer], None] | None = None
         self.max_lease_s = max_lease_s
         self.max_leases = max_leases
         self.max_lease_bytes = (
@@ -256,7 +238,27 @@ class Store:
     def begin_put(self, key: bytes, length: int, algo: int, checksum: bytes, wait_s: float = 0.0) -> PutTicket:
         """Reserve a buffer for a value. Raises NoSpace. Caller fills `ticket.target`, then
         calls `commit` or `abort` exactly once. Waits up to `wait_s` for the in-flight bound."""
+        return self._begin_put(key, length, algo, checksum, wait_s, buffer_size_for(length), None)
+
+    def begin_shared_put(
+        self, key: bytes, length: int, algo: int, checksum: bytes, wait_s: float = 0.0
+    ) -> PutTicket | None:
+        """As `begin_put`, the buffer a new memfd (SHM_PUT: the client fills it, `SealedBuffer.seal`
+        before `commit`); None when `self.shared` has none to give (a bound reached), and then
+        nothing was reserved or evicted."""
         size = buffer_size_for(length)
+        if self.shared is None or (sealed := self.shared.reserve(size)) is None:
+            return None
+        try:
+            return self._begin_put(key, length, algo, checksum, wait_s, size, sealed)
+        except BaseException:
+            self.shared.ended()
+            self.shared.freed(sealed)
+            raise
+
+    def _begin_put(
+        self, key: bytes, length: int, algo: int, checksum: bytes, wait_s: float, size: int, sealed: SealedBuffer | None
+    ) -> PutTicket:
         if size > self.capacity_bytes:
             raise NoSpace(f"value of {length} bytes exceeds the node's capacity")
         lane = self.lane_for(key)
@@ -275,13 +277,15 @@ class Store:
                     )
             self.inflight_bytes += size
             try:
-                buf = self._reserve(key, size, lane)
+                buf = self._reserve(key, size, lane, reuse=sealed is None)
             except BaseException:
                 self._end_inflight(size)
                 raise
+        if sealed is not None:
+            return PutTicket(key, lane, length, algo, checksum, sealed, size)
         if buf is None:
             try:
-                buf = ValueBuffer(size, self.shared)
+                buf = ValueBuffer(size)
             except BaseException:
                 with self._lock:
                     self.allocated_bytes -= size
@@ -291,15 +295,16 @@ class Store:
                 self.on_alloc(buf)
         return PutTicket(key, lane, length, algo, checksum, buf, size)
 
-    def _reserve(self, key: bytes, size: int, lane: Lane) -> ValueBuffer | None:
+    def _reserve(self, key: bytes, size: int, lane: Lane, reuse: bool = True) -> ValueBuffer | None:
         """A buffer of `size` (lock held), or None with `size` bytes reserved for the caller to
-        allocate outside the lock. Raises NoSpace."""
-        buf = self._take_pooled(size)
+        allocate outside the lock (always None without `reuse`: a memfd is made anew). Raises
+        NoSpace."""
+        buf = self._take_pooled(size) if reuse else None
         if buf is None and self.allocated_bytes + size > self.capacity_bytes:
             self._expire_leases()
-            buf = self._drop_replaced(key, size)
+            buf = self._drop_replaced(key, size, reuse)
         if buf is None:
-            buf = self._make_room(size, lane)
+            buf = self._make_room(size, lane, reuse)
         if buf is None:
             self.allocated_bytes += size  # reserve now, allocate outside the lock
         return buf
@@ -318,9 +323,11 @@ class Store:
             old = self._index.get(ticket.key)
             if old is not None and old.leases:
                 self._give_back(ticket.buf)
+                self._shared_ended(ticket)
                 return False
             if old is not None:
                 self._unlink(old)
+            self._shared_ended(ticket)
             self._index[ticket.key] = entry
             ticket.lane.entries[ticket.key] = entry
             ticket.lane.bytes += entry.buf.size
@@ -328,19 +335,16 @@ class Store:
         return True
 
     def abort(self, ticket: PutTicket) -> None:
+        """Drop a reservation: its buffer back to the pool, a memfd closed (what a client still
+        maps of it is then that client's memory)."""
         with self._lock:
             self._end_inflight(ticket.reserved)
             self._give_back(ticket.buf)
+            self._shared_ended(ticket)
 
-    def quarantine(self, ticket: PutTicket) -> None:
-        """Abort a reservation whose buffer a client may still be writing (an SHM_PUT never
-        committed): the buffer is dropped, never reused (SharedArenas.quarantine)."""
-        with self._lock:
-            self._end_inflight(ticket.reserved)
-            self.allocated_bytes -= ticket.buf.size
-            if self.on_drop is not None:
-                self.on_drop(ticket.buf)
-            ticket.buf.quarantine()
+    def _shared_ended(self, ticket: PutTicket) -> None:
+        if self.shared is not None and isinstance(ticket.buf, SealedBuffer):
+            self.shared.ended()
 
     # -- reads --------------------------------------------------------------------------------
 
@@ -550,20 +554,32 @@ class Store:
         if entry.pins == 0 and not keep_buffer:
             self._give_back(entry.buf)
 
-    def _drop_replaced(self, key: bytes, size: int) -> ValueBuffer | None:
+    def _drop_replaced(self, key: bytes, size: int, reuse: bool = True) -> ValueBuffer | None:
         """A full store replacing `key`: its old value goes first, rather than an unrelated LRU
         value (both buffers cannot exist at once without exceeding capacity). Its buffer is
         handed over when it fits and no reader holds it. An abort then leaves the key a miss."""
         old = self._index.get(key)
         if old is None or old.leases:
             return None
-        reusable = old.pins == 0 and size <= old.buf.size <= size * (1 + REUSE_SLACK)
+        buf = old.buf
+        reusable = (
+            reuse and isinstance(buf, ValueBuffer) and old.pins == 0 and size <= buf.size <= size * (1 + REUSE_SLACK)
+        )
         self._unlink(old, keep_buffer=reusable)
-        return old.buf if reusable else None
+        return buf if reusable and isinstance(buf, ValueBuffer) else None
 
-    def _give_back(self, buf: ValueBuffer) -> None:
-        """A buffer nobody uses: keep it for reuse while the pool has room, else free it."""
-        if self._pool_bytes + buf.size <= self._pool_max:
+    def _give_back(self, buf: Buffer) -> None:
+        """A buffer nobody uses: keep it for reuse while the pool has room, else free it (a
+        memfd always: it is sealed to its value)."""
+        if isinstance(buf, SealedBuffer):
+            self.allocated_bytes -= buf.size
+            if self.on_drop is not None:
+                self.on_drop(buf)
+            if self.shared is not None:
+                self.shared.freed(buf)
+            else:
+                buf.free()
+        elif self._pool_bytes + buf.size <= self._pool_max:
             lst = self._pool.setdefault(buf.size, [])
             if not lst:
                 bisect.insort(self._pool_sizes, buf.size)
@@ -573,7 +589,6 @@ class Store:
             self.allocated_bytes -= buf.size
             if self.on_drop is not None:
                 self.on_drop(buf)
-            buf.free()
 
     def _take_pooled(self, size: int) -> ValueBuffer | None:
         i = bisect.bisect_left(self._pool_sizes, size)
@@ -596,14 +611,13 @@ class Store:
             dropped = lst.pop()
             if self.on_drop is not None:
                 self.on_drop(dropped)
-            dropped.free()
             if not lst:
                 del self._pool[size]
                 self._pool_sizes.pop()
             self._pool_bytes -= size
             self.allocated_bytes -= size
 
-    def _make_room(self, size: int, lane: Lane) -> ValueBuffer | None:
+    def _make_room(self, size: int, lane: Lane, reuse: bool = True) -> ValueBuffer | None:
         """Evict until `size` fits. Returns a reusable evicted buffer, or None when the caller
         should allocate (space is reserved by the caller). Raises NoSpace."""
         self._drop_pooled(size)
@@ -616,13 +630,15 @@ class Store:
             pinned = victim.pins > 0
             # A victim of this size class hands its buffer over directly, however full the
             # free pool is (values larger than capacity / 8 never fit in the pool).
-            reusable = not pinned and size <= victim.buf.size <= size * (1 + REUSE_SLACK)
+            buf = victim.buf
+            reusable = (
+                reuse and isinstance(buf, ValueBuffer) and not pinned and size <= buf.size <= size * (1 + REUSE_SLACK)
+            )
             self._unlink(victim, keep_buffer=reusable)
-            if reusable:
-                return victim.buf
+            if reusable and isinstance(buf, ValueBuffer):
+                return buf
             if not pinned:
-                reused = self._take_pooled(size)
-                if reused is not None:
+                if reuse and (reused := self._take_pooled(size)) is not None:
                     return reused
                 self._drop_pooled(size)
         return None
