@@ -348,6 +348,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     from memkv.server.admin import AdminServer
     from memkv.server.node import Node
+    from memkv.server.shared import SHMEM_THP, shmem_huge_pages
 
     # A crash in native code (NIXL/UCX, the compiled receive loop) then leaves every thread's
     # Python stack on stderr, where `kubectl logs` finds it, instead of a bare exit code -11.
@@ -412,6 +413,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
             shared = ", values of 1 MiB and more as sealed memfds for clients of uid " + str(os.geteuid())
             shared += f" or group {group}" if group is not None else ""
         print(f"memkv: same-host clients connect to {node.local_socket} (abstract Unix socket{shared})", flush=True)
+        huge = shmem_huge_pages() if node.shared is not None else "advise"
+        if huge in ("never", "deny"):
+            logging.getLogger("memkv.serve").warning(
+                "transparent huge pages for shared memory are %r on this host: stores through shared memory run "
+                "at a third of their speed or less; set %s to advise (docs/operations.md, 'Same-host clients')",
+                huge,
+                SHMEM_THP,
+            )
     try:
         node.serve_forever()
     finally:

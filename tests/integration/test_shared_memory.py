@@ -388,3 +388,60 @@ def test_a_commit_whose_checksum_is_not_of_the_bytes_written_is_a_miss_for_every
     assert shm_reader.shared_memory_servers() == [server], "copied from the value's memfd"
     assert integrity_failures(server) == before + 1, "a copy that fails its checksum is counted"
     assert [h["up"] for h in shm_reader.health()] == [True], "a checksum failure is not a node failure"
+
+
+@pytest.fixture
+def shmem_huge_pages():
+    """Sets the host's transparent-huge-page mode for shared memory for one test, then puts back
+    what was there (root only; skips where the file cannot be written)."""
+    from memkv.server.shared import SHMEM_THP, shmem_huge_pages as mode_now
+
+    before = mode_now()
+    if before is None or not os.access(SHMEM_THP, os.W_OK):
+        pytest.skip(f"{SHMEM_THP} cannot be changed here")
+
+    def set_mode(mode: str) -> None:
+        with open(SHMEM_THP, "w") as f:
+            f.write(mode)
+        assert mode_now() == mode
+
+    try:
+        yield set_mode
+    finally:
+        set_mode(before)
+
+
+def shmem_huge_bytes() -> int:
+    with open("/proc/meminfo") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("ShmemHugePages:"))
+
+
+def test_values_stored_through_shared_memory_get_huge_pages_where_the_host_allows(
+    start_node, make_client, shmem_huge_pages
+):
+    """A fresh memfd per value needs its page tables filled on every store: with 4 KiB pages that
+    cost more than the copy. Where the host allows huge pages for shared memory ("advise"), the
+    writer asks for them: the value's memory is in 2 MiB pages, and it still loads byte-exact."""
+    shmem_huge_pages("advise")
+    node = start_node(capacity="128MiB")
+    client = make_client([node])
+    value = os.urandom(16 * MiB)
+    before = shmem_huge_bytes()
+    assert client.batch_put_views([("huge", value)]) == [True]
+    assert client.shared_memory_servers() == [f"{node.host}:{node.port}"]
+    assert shmem_huge_bytes() - before >= 14 * MiB, "the stored value's memfd is in huge pages"
+    out = bytearray(len(value))
+    assert client.batch_get_into([("huge", out)]) == [True] and out == value
+
+
+def test_the_node_warns_at_start_when_the_host_keeps_shared_memory_off_huge_pages(
+    start_node, make_client, shmem_huge_pages, wait_until
+):
+    warning = "transparent huge pages for shared memory are 'never'"
+    shmem_huge_pages("never")
+    warned = start_node(capacity="64MiB")
+    wait_until(lambda: any(warning in line for line in warned.output), 10.0, what="the warning")
+    shmem_huge_pages("advise")
+    quiet = start_node(capacity="64MiB")
+    make_client([quiet]).exists([b"k"])  # answered: the node is serving, its start lines are out
+    assert not any("transparent huge pages" in line for line in quiet.output), quiet.output
