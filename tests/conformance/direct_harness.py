@@ -133,6 +133,16 @@ def direct_config(staging_mb: int = 16, block_size: int = 32, **memkv: Any) -> d
             "block_size": block_size, "memkv": {"staging_mb": staging_mb, **memkv}}
 
 
+def worker_gpu_arg(gpu_spec: Any, kv_caches: Any) -> Any:
+    """What vLLM's connector worker hands OffloadingWorker.submit_store/submit_load for a job's
+    GPU side: 0.34+ DevicePointers from vLLM's own resolver, 0.25-0.33 the GPULoadStoreSpec."""
+    try:
+        from vllm.v1.kv_offload.pointer_utils import resolve_device_pointers
+    except ImportError:  # <= 0.33
+        return gpu_spec
+    return resolve_device_pointers(gpu_spec, kv_caches)
+
+
 def _fill(cls: type, values: dict[str, Any]) -> Any:
     return hc.fill_dataclass(cls, values)
 
