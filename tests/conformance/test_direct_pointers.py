@@ -114,9 +114,9 @@ def test_store_then_load_into_other_scattered_blocks_is_byte_exact_in_every_grou
         store, load = _job(rng, sizes, indices), _job(rng, sizes, indices)
         slots = MemKVLoadStoreSpec(list(range(n_chunks)))
         stored = [_rows(kv, store) for kv in caches]
-        for rank, (worker, kv) in enumerate(zip(workers, caches)):
+        for worker, kv in zip(workers, caches):
             arg = dh.worker_gpu_arg(store, kv)
-            assert compat.HAS_DEVICE_POINTERS == hasattr(arg, "ptrs")
+            assert hasattr(arg, "ptrs") == compat.HAS_DEVICE_POINTERS
             blocks = compat.gpu_blocks(arg, kv)
             assert blocks.block_ids == [int(b) for b in store.block_ids]
             assert (blocks.group_sizes, blocks.block_indices) == (sizes, indices)
