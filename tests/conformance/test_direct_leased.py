@@ -56,12 +56,13 @@ N_CHUNKS = 8
 REPORTS_FAILED_LOADS = compat.load_failure_reportable()  # vLLM 0.34+
 
 
-def _zero_blocks(engine: dh.DirectEngine, req: dh.Request, chunks: range) -> bool:
-    """True when no byte was written into the GPU blocks of these chunks, on every rank (the
-    blocks of the failed load where there was one: a recomputing request has fresh ones)."""
+def _zero_blocks(engine: dh.DirectEngine, req: dh.Request, chunks: range, ranks: list[int] | None = None) -> bool:
+    """True when no byte was written into the GPU blocks of these chunks, on every rank of
+    `ranks` (default: all; the blocks of the failed load where there was one: a recomputing
+    request has fresh ones)."""
     g = engine.g
     block_ids = req.failed_block_ids or req.block_ids
-    for rank in range(g.world_size):
+    for rank in range(g.world_size) if ranks is None else ranks:
         for c in chunks:
             for b in range(c * g.blocks_per_chunk, (c + 1) * g.blocks_per_chunk):
                 for layer in range(dh.NUM_LAYERS):
@@ -87,6 +88,13 @@ def _fails_then_engine_goes_on(engine: dh.DirectEngine, req: dh.Request, what: s
 def _owned_by(engine: dh.DirectEngine, tag: str, n: int) -> list[set[str]]:
     m = engine.manager
     return [{m.client.owner(vk).name for vk in m.keys.value_keys(k)} for k in dh.prompt_keys(tag, n, engine.g)]
+
+
+def _owned_by_rank(engine: dh.DirectEngine, tag: str, chunk: int) -> list[str]:
+    """The node of each rank's value of one chunk of prompt `tag`."""
+    m = engine.manager
+    key = dh.prompt_keys(tag, chunk + 1, engine.g)[chunk]
+    return [m.client.owner(vk).name for vk in m.keys.value_keys(key)]
 
 
 def _tag_with_chunk_on(engine: dh.DirectEngine, node: str, n: int = N_CHUNKS) -> tuple[str, int]:
@@ -181,17 +189,18 @@ def test_node_killed_between_lookup_and_load_fails_the_load_not_the_engine_on_03
 
 @pytest.mark.skipif(not REPORTS_FAILED_LOADS, reason="vLLM < 0.34 cannot take a failed load (the node-killed "
                     "test covers its loud failure)")
-@pytest.mark.parametrize("policy", ["recompute", "fail"])
+@pytest.mark.parametrize(("policy", "world_size"), [("recompute", 1), ("fail", 1), ("recompute", 2)])
 def test_value_lost_between_lookup_and_load_recomputes_or_fails_only_that_request(
-        monkeypatch, private_cluster, auth_key_hex, policy):
+        monkeypatch, private_cluster, auth_key_hex, policy, world_size):
     """The node restarts empty on its port after the HIT: the lease and the value are gone, every
     fetch answers MISS. 0.34: "recompute" recomputes the request; "fail" (vLLM's default) ends
     it with FINISHED_ERROR. Either way no byte of the lost chunk reaches the GPU and the engine
-    serves the next request, loading what is still stored byte-exact."""
+    serves the next request, loading what is still stored byte-exact. TP=2: the ranks whose value
+    is on the other node load theirs; the request's job fails because one rank's part failed."""
     from tests.faults.nodeops import restart_empty
 
     point_at(monkeypatch, private_cluster, auth_key_hex)
-    g = dh.Geometry()
+    g = dh.Geometry(world_size=world_size)
     _healthy, lossy = private_cluster
     tokens = N_CHUNKS * g.block_size + 3
     config = dh.direct_config(load_retry_s=1.0, blocks_per_op=1, load_guarantee="leased")
@@ -211,7 +220,9 @@ def test_value_lost_between_lookup_and_load_recomputes_or_fails_only_that_reques
             engine.before_alloc = None
             assert restarted and engine.failed_loads == [req.request_id]
             assert req.matched_tokens == N_CHUNKS * g.block_size
-            assert _zero_blocks(engine, req, range(first, first + 1)), "bytes of the lost chunk reached the GPU"
+            owners = _owned_by_rank(engine, tag, first)
+            lost_ranks = [r for r, o in enumerate(owners) if o == lossy.address]
+            assert _zero_blocks(engine, req, range(first, first + 1), lost_ranks), "bytes of a lost value reached the GPU"
             if policy == "recompute":
                 assert req.status == RequestStatus.FINISHED_LENGTH_CAPPED and req.num_output_tokens == 1
             else:
