@@ -1,5 +1,7 @@
 """Direct mode's default load guarantee, per vLLM release, through vLLM's real connector.
 
+The ready line names the vLLM release (qualified: every release the suite runs on).
+
 * vLLM 0.34+ (a failed load is recomputed): the default is "leased", with a staging region of at
   most 1 GiB; a prompt whose KV is 8x the staging region, everything else at its default, is
   reused whole by a restarted engine, byte-exact, and the ready line says so.
@@ -66,6 +68,7 @@ def test_default_configuration_with_a_prompt_8x_the_staging_region(monkeypatch, 
         layout = restarted.manager.layout
         ready = [line for line in ready_lines if "direct mode ready" in line]
         assert len(ready) == 1, ready_lines
+        assert f"vllm={'.'.join(map(str, hc.vllm_version()))} (qualified)" in ready[0]
         again = restarted.run(tag, tokens, timeout_s=120)
         assert again.loaded_blocks == again.matched_tokens // g.gpu_block_size  # byte-exact (harness)
         if NEWEST:

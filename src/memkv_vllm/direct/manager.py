@@ -57,6 +57,7 @@ from memkv.errors import MemKVError
 from memkv.license import check_license
 from memkv_vllm import compat
 from memkv_vllm import metrics as tm
+from memkv_vllm import release
 from memkv_vllm.direct.config import DirectSettings
 from memkv_vllm.direct.keys import DirectKeys
 from memkv_vllm.direct.layout import MemKVLoadStoreSpec, StagingLayout
@@ -144,11 +145,12 @@ class MemKVDirectManager(OffloadingManager):
                         "another engine. Set PYTHONHASHSEED (e.g. 0) on every instance that should share KV.", problem)
         log.info("MemKV direct mode ready (servers=%s, rdma=%s, load_guarantee=%s, reuses %s, world_size=%d, "
                  "value_bytes=%d, staging=%d slots x %d bytes = %d MiB at %s, namespace=%s, lookup_timeout_s=%s, "
-                 "memkv=%s)",
+                 "memkv=%s, %s)",
                  [a.name for a in self.client.servers()], self.client.has_rdma(), settings.load_guarantee,
                  self._reuse_summary(), layout.world_size, layout.value_bytes, layout.num_slots, layout.slot_bytes,
                  layout.region_bytes >> 20, layout.path, self.keys.namespace, settings.lookup_timeout_s,
-                 memkv_version)
+                 memkv_version, release.vllm_field())
+        release.warn_if_unqualified()
         self._warn_reuse_limits(spec)
 
     def _reuse_summary(self) -> str:
