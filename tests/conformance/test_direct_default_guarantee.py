@@ -79,3 +79,8 @@ def test_default_configuration_with_a_prompt_8x_the_staging_region(monkeypatch, 
             assert layout.staged_prompt_tokens == reusable == 8 * BIG
             assert "load_guarantee=staged" in ready[0] and f"reuses at most {reusable} tokens of a prompt" in ready[0]
             assert again.matched_tokens == reusable
+            # 0.25 and 0.33 tell the spec max_model_len (the harness's is 1M tokens): startup warns.
+            cut = [line for line in ready_lines if "reuses at most" in line and "max_model_len" in line]
+            assert len(cut) == (1 if layout.max_model_len else 0), ready_lines
+            if cut:
+                assert f"at most {reusable} of max_model_len {layout.max_model_len}" in cut[0]
