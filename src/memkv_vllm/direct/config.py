@@ -50,7 +50,7 @@ class DirectSettings:
     # prompt reuses at most staging_mb's worth of chunks). Default: default_load_guarantee().
     load_guarantee: str = dataclasses.field(default_factory=lambda: default_load_guarantee())
     lease_ttl_s: float = 60.0  # leased: a lookup's lease, renewed every third of it while needed
-    load_retry_s: float = 30.0  # leased: how long a worker retries a fetch before failing the engine
+    load_retry_s: float = 30.0  # leased: how long a worker retries a fetch before the load fails
 
     @classmethod
     def from_extra_config(cls, extra_config: Mapping[str, Any] | None) -> "DirectSettings":

@@ -178,8 +178,9 @@ class MemKVDirectWorker(OffloadingWorker):
             if job.error is not None:
                 if not self._report_failures:
                     raise LoadFailed(job.error)
-                # Nothing of the failed chunk reached the GPU; vLLM recomputes the request.
-                log.warning("%s; the request recomputes (vLLM kv_load_failure_policy \"recompute\")", job.error)
+                # Nothing of the failed chunk reached the GPU. A failed load: vLLM recomputes the
+                # request (kv_load_failure_policy "recompute") or ends it with an error ("fail").
+                log.warning("%s; reported to vLLM as a failed job", job.error)
                 out.append(TransferResult(job.job_id, False, 0, time.perf_counter() - job.started))
                 continue
             if job.shed or job.failed_puts:
@@ -306,8 +307,9 @@ class MemKVDirectWorker(OffloadingWorker):
 
     def wait(self, job_ids) -> None:
         """Blocks until those jobs no longer touch their GPU blocks. "staged": a GPU<->host copy,
-        never the network. "leased": a load until it is loaded (or fails loudly: LoadFailed); a
-        store stops copying (its remaining chunks are shed) and returns after the copy in progress."""
+        never the network. "leased": a load until it is loaded or failed (a failure: LoadFailed before
+        vLLM 0.34; from 0.34 get_finished reports it); a store stops copying (its remaining chunks
+        are shed) and returns after the copy in progress."""
         for job_id in job_ids:
             job = self._jobs.get(job_id)
             if job is not None:
