@@ -23,9 +23,10 @@ actually used (tier: cpu_bytes_to_use; direct: the staging region's size) and th
 process's VmRSS / VmLck after the runs.
 
 The model is ttft.py's Qwen2.5-32B-shaped dummy: 256 KiB of KV per token, 64-token chunks of
-16 MiB (8k tokens = 2 GiB, 32k = 8 GiB). Direct mode runs with the key's defaults: --staging-mb
-512 and --load-guarantee staged (a HIT only for bytes already staged: reuse capped at the
-region's size unless --staging-mb is raised, e.g. 9216 for 32k). --load-guarantee leased (a HIT
+16 MiB (8k tokens = 2 GiB, 32k = 8 GiB). Direct mode runs with --staging-mb 512 (the key's
+default) and --load-guarantee staged (the key's default before vLLM 0.34, "leased" from 0.34; a
+HIT only for bytes already staged: reuse capped at the region's size unless --staging-mb is
+raised, e.g. 9216 for 32k). --load-guarantee leased (a HIT
 is a lease; workers stream every chunk through the region) must reuse the whole prompt. Each
 revisit reports `chunks loaded / prompt chunks`; a revisit that did not reuse the whole prompt
 is flagged unless staged mode's region is smaller than the prompt.
@@ -238,7 +239,7 @@ def main() -> int:
         "--load-guarantee",
         default="staged",
         choices=("leased", "staged"),
-        help="direct mode's load_guarantee (default: the key's, staged)",
+        help="direct mode's load_guarantee (default: staged; the key's own default is leased on vLLM 0.34+)",
     )
     ap.add_argument("--cpu-gib", type=float, default=24.0)
     ap.add_argument("--nodes", type=int, default=4)

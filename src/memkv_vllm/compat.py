@@ -1,4 +1,4 @@
-"""The only module that knows vLLM's offloading API differs between releases 0.25.0 and 0.33.0.
+"""The only module that knows vLLM's offloading API differs between releases 0.25.0 and 0.34.0.
 
 Every shim detects a feature (hasattr, inspect.signature, dataclasses.fields) instead of
 comparing version strings, and its comment names the releases it covers. The reference is
@@ -157,6 +157,16 @@ class SpecGeometry:
     blocks_per_chunk: int  # GPU blocks per offloaded chunk (one key)
     worker_bytes_per_block: int  # KV bytes one worker holds per GPU block, all offloaded layers
     engine_id: str
+    tokens_per_chunk: int = 0  # prompt tokens one chunk (one key) covers
+    num_groups: int = 1  # offloaded KV groups: a span of the prompt takes one chunk per group
+    max_model_len: int = 0  # 0: this release does not tell the spec
+
+
+def _per_group(tokens_per_block) -> tuple[int, ...]:
+    """GPU block tokens: one int, or one per offloaded KV group (a tuple in some releases)."""
+    if isinstance(tokens_per_block, (tuple, list)):
+        return tuple(int(t) for t in tokens_per_block) or (0,)
+    return (int(tokens_per_block),)
 
 
 def spec_geometry(spec) -> SpecGeometry:
@@ -166,15 +176,23 @@ def spec_geometry(spec) -> SpecGeometry:
     config = getattr(spec, "config", None)
     if config is not None and hasattr(config, "worker_kv_bytes_per_block"):
         parallel = config.parallel
+        per_group = _per_group(spec.tokens_per_block)
+        model = getattr(config, "model", None)
         return SpecGeometry(int(parallel.rank), int(parallel.world_size), int(spec.blocks_per_chunk),
-                            int(config.worker_kv_bytes_per_block), str(config.engine_id))
+                            int(config.worker_kv_bytes_per_block), str(config.engine_id),
+                            min(per_group) * int(spec.blocks_per_chunk), len(per_group),
+                            int(getattr(model, "max_model_len", 0) or 0))  # 0.33+
     vllm_config, kv = spec.vllm_config, spec.kv_cache_config
     tensors = kv.kv_cache_tensors
     packed = [t for t in tensors if getattr(t, "block_stride", 0)]
     total = packed[0].size if packed else sum(t.size for t in tensors)
     parallel = vllm_config.parallel_config
+    model = getattr(vllm_config, "model_config", None)
+    per_group = _per_group(spec.gpu_block_size)
     return SpecGeometry(int(getattr(parallel, "rank", 0)), int(parallel.world_size), int(spec.block_size_factor),
-                        int(total // kv.num_blocks), str(vllm_config.kv_transfer_config.engine_id))
+                        int(total // kv.num_blocks), str(vllm_config.kv_transfer_config.engine_id),
+                        min(per_group) * int(spec.block_size_factor), len(per_group),
+                        int(getattr(model, "max_model_len", 0) or 0))
 
 
 def vllm_release_tag() -> str:
@@ -190,3 +208,80 @@ def vllm_release_tag() -> str:
 # 0.33: `submit_load(..., expedited=True)` for loads inside sync_load_budget_bytes; the
 # worker accepts the keyword in every release (older ones never pass it).
 # 0.25: LoadStoreSpec.medium() is abstract; 0.26+ a plain marker class. Define it always.
+
+
+# 0.34+: the connector resolves a job's GPU blocks into `DevicePointers` (pointer_utils.
+# resolve_device_pointers: per group, per data ref, per block `tensor.data_ptr() + block_id *
+# tensor.stride(0)`) and hands the worker those instead of the GPULoadStoreSpec; 0.25-0.33 pass
+# the GPULoadStoreSpec (block_ids, group_sizes, block_indices).
+HAS_DEVICE_POINTERS = hasattr(_offload_base, "DevicePointers")
+
+
+@dataclasses.dataclass(frozen=True)
+class GpuBlocks:
+    """A job's GPU side in every release's terms: block ids in group order, blocks per group,
+    and each group's logical index of its first block."""
+
+    block_ids: list[int]
+    group_sizes: list[int]
+    block_indices: list[int]
+
+
+def gpu_blocks(gpu_arg, kv_caches) -> GpuBlocks:
+    """The GPU blocks of a job from what the connector passed the worker: a GPULoadStoreSpec
+    (0.25-0.33) or DevicePointers (0.34+). Pointers are mapped back to block ids through the
+    same CanonicalKVCaches the worker was given (the inverse of resolve_device_pointers); a
+    pointer or size that is not one of its rows is a RuntimeError, never a copy to a wrong row."""
+    if not hasattr(gpu_arg, "ptrs"):
+        return GpuBlocks([int(b) for b in gpu_arg.block_ids], [int(n) for n in gpu_arg.group_sizes],
+                         [int(i) for i in gpu_arg.block_indices])
+    import numpy as np
+
+    ptrs = np.asarray(gpu_arg.ptrs, dtype=np.uint64)
+    sizes = np.asarray(gpu_arg.sizes, dtype=np.uint64)
+    counts = [int(n) for n in gpu_arg.group_block_counts]
+    n_refs = [int(n) for n in gpu_arg.group_data_ref_counts]
+    if len(counts) != len(kv_caches.group_data_refs) or len(n_refs) != len(counts):
+        raise RuntimeError(f"MemKV direct mode: DevicePointers name {len(counts)} KV group(s), the worker has "
+                           f"{len(kv_caches.group_data_refs)}")
+    block_ids: list[int] = []
+    offset = 0
+    for g, (n, refs) in enumerate(zip(counts, kv_caches.group_data_refs)):
+        if n == 0:
+            continue
+        if n_refs[g] != len(refs):
+            raise RuntimeError(f"MemKV direct mode: DevicePointers give KV group {g} {n_refs[g]} layer(s), the "
+                               f"worker has {len(refs)}")
+        ids = None
+        for ref in refs:
+            tensor = kv_caches.tensors[ref.tensor_idx].tensor
+            base, stride = np.uint64(tensor.data_ptr()), int(tensor.stride(0))
+            row = ptrs[offset : offset + n]
+            rel = (row - base).astype(np.int64)  # wraps negative for a pointer below the tensor
+            got = rel // stride
+            if (len(row) != n or (rel < 0).any() or (rel % stride).any() or (got >= tensor.shape[0]).any()
+                    or (sizes[offset : offset + n] != ref.page_size_bytes).any()):
+                raise RuntimeError(f"MemKV direct mode: DevicePointers of KV group {g} do not address whole blocks "
+                                   f"of its tensor {ref.tensor_idx}")
+            if ids is None:
+                ids = got
+            elif not (ids == got).all():
+                raise RuntimeError(f"MemKV direct mode: DevicePointers of KV group {g} name different blocks per "
+                                   f"layer")
+            offset += n
+        assert ids is not None
+        block_ids += ids.tolist()
+    if offset != len(ptrs):
+        raise RuntimeError(f"MemKV direct mode: DevicePointers hold {len(ptrs)} pointer(s), the groups use {offset}")
+    return GpuBlocks(block_ids, counts, [int(i) for i in gpu_arg.block_indices])
+
+
+def load_failure_reportable() -> bool:
+    """0.34+: the connector worker turns a job reported with `success=False` into a failed load
+    (`failed_recving`; the request recomputes under kv_load_failure_policy "recompute", or ends
+    with an error under the default "fail") or a failed store (`complete_store(success=False)`).
+    0.25-0.33 assert `success` for every job: a failure can only stop the engine."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading.worker import OffloadingConnectorWorker
+
+    return hasattr(OffloadingConnectorWorker, "take_failed_recving")
+

@@ -26,7 +26,10 @@ What is simulated (boundaries we do not own):
 * the engine's scheduler loop (a stand-in for vllm/v1/core/sched/scheduler.py): FIFO waiting
   queue, running requests first, a token budget per step (chunked prefill), lookups for
   waiting requests with nothing computed (``None`` = ask again next step), fresh GPU block ids,
-  ``WAITING_FOR_REMOTE_KVS`` until every rank reported ``finished_recving``, a whole-prompt hit
+  ``WAITING_FOR_REMOTE_KVS`` until every rank reported ``finished_recving``; a load some rank
+  reported failed (``failed_recving``, 0.34+) is handled as vLLM's scheduler does under
+  ``kv_load_failure_policy`` (``load_failure_policy``: "recompute" computes the request from
+  token 0 on fresh blocks, "fail" finishes it with FINISHED_ERROR); a whole-prompt hit
   recomputes its last token; ``max_tokens`` output tokens, then finished.
 * the ``VllmConfig``: a namespace with what the connector, spec and worker read.
 
@@ -62,6 +65,8 @@ except ModuleNotFoundError as exc:  # a venv built with only the tiering code's 
 from vllm.v1.kv_offload.base import make_offload_key
 from vllm.v1.outputs import KVConnectorOutput
 from vllm.v1.request import RequestStatus
+
+from tests.conformance import harness_compat as hc
 
 MODEL_NAME = "harness/direct-model"
 NUM_LAYERS = 2
@@ -128,9 +133,18 @@ def direct_config(staging_mb: int = 16, block_size: int = 32, **memkv: Any) -> d
             "block_size": block_size, "memkv": {"staging_mb": staging_mb, **memkv}}
 
 
+def worker_gpu_arg(gpu_spec: Any, kv_caches: Any) -> Any:
+    """What vLLM's connector worker hands OffloadingWorker.submit_store/submit_load for a job's
+    GPU side: 0.34+ DevicePointers from vLLM's own resolver, 0.25-0.33 the GPULoadStoreSpec."""
+    try:
+        from vllm.v1.kv_offload.pointer_utils import resolve_device_pointers
+    except ImportError:  # <= 0.33
+        return gpu_spec
+    return resolve_device_pointers(gpu_spec, kv_caches)
+
+
 def _fill(cls: type, values: dict[str, Any]) -> Any:
-    fields = dataclasses.fields(cls)
-    return cls(**{f.name: values[f.name] for f in fields if f.name in values})
+    return hc.fill_dataclass(cls, values)
 
 
 def build_kv_cache_config(g: Geometry) -> Any:
@@ -155,6 +169,7 @@ def build_kv_cache_config(g: Geometry) -> Any:
 def vllm_config(extra_config: dict[str, Any], g: Geometry, engine_id: str, rank: int) -> SimpleNamespace:
     """Duck-typed VllmConfig with what the connector (both roles), the spec and the worker read."""
     return SimpleNamespace(
+        **hc.vllm_config_fields(),
         instance_id=engine_id,
         use_v2_model_runner=False,
         kv_transfer_config=SimpleNamespace(kv_connector_extra_config=extra_config, engine_id=engine_id),
@@ -185,9 +200,8 @@ class Request:
         self.num_computed_tokens = 0
         self.status = RequestStatus.WAITING
         self.kv_transfer_params = None
-        self.skip_reading_prefix_cache = False
-        self.shared_prefix_boundary = 0
-        self.kv_hints = None
+        for name, value in hc.request_fields().items():
+            setattr(self, name, value)
         self.block_hashes: list[bytes] = []
         self.tag = tag
         self.max_tokens = max_tokens
@@ -196,6 +210,7 @@ class Request:
         self.matched_tokens: int | None = None
         self.deferred_lookups = 0
         self.loaded_blocks = 0
+        self.failed_block_ids: list[int] = []  # the GPU blocks of a load that failed
         self._g = g
         self._extend_hashes()
 
@@ -221,7 +236,7 @@ class DirectEngine:
     def __init__(self, g: Geometry = Geometry(), extra_config: dict[str, Any] | None = None, *,
                  token_budget: int = 2048, engine_id: str | None = None, step_sleep_s: float = 0.002,
                  before_alloc: Callable[["DirectEngine", Request, int], None] | None = None,
-                 check_loads: bool = True) -> None:
+                 check_loads: bool = True, load_failure_policy: str = "recompute") -> None:
         self.g = g
         self.engine_id = engine_id or f"direct-{uuid.uuid4().hex[:12]}"
         self.extra_config = extra_config or direct_config()
@@ -260,6 +275,9 @@ class DirectEngine:
         self._next_block = itertools.count(1)  # 0 is the null block
         self._seq = itertools.count()
         self._recving: Counter[str] = Counter()
+        self.load_failure_policy = load_failure_policy
+        self._failed_pending: set[str] = set()  # some rank reported the load failed
+        self.failed_loads: list[str] = []  # request ids whose load failed (all ranks reported)
         self.stats: Counter[tuple[str, tuple]] = Counter()
         self.gauges: dict[tuple[str, tuple], float] = {}
         self.store_jobs = 0
@@ -325,7 +343,13 @@ class DirectEngine:
             worker.start_load_kv(None)
             self._forward(rank, computed)
             worker.wait_for_save()
-            _, done_recving = worker.get_finished(set(output.finished_req_ids))
+            # 0.34+: the engine asks get_transfer_results, which adds failed_recving; before, get_finished.
+            if hasattr(worker.connector_worker, "take_failed_recving"):
+                results = worker.get_transfer_results(set(output.finished_req_ids))
+                done_recving = results.finished_recving
+                self._failed_pending |= set(results.failed_recving or ())
+            else:
+                _, done_recving = worker.get_finished(set(output.finished_req_ids))
             recving.update(done_recving or ())
             m = worker.build_connector_worker_meta()
             if m is not None:
@@ -337,17 +361,39 @@ class DirectEngine:
             del self._recving[rid]
         finished_now = self._sample(output)
         self._finished_ids = finished_now
-        self.connector.update_connector_output(
-            KVConnectorOutput(finished_recving=finished_recving or None, kv_connector_worker_meta=worker_meta))
+        failed = self._failed_pending & finished_recving  # as vLLM's KVOutputAggregator
+        self._failed_pending -= failed
+        kv_output = {"finished_recving": finished_recving or None, "kv_connector_worker_meta": worker_meta}
+        if failed:
+            kv_output["failed_recving"] = failed
+        self.connector.update_connector_output(KVConnectorOutput(**kv_output))
         for rid in finished_recving:
             req = self.requests[rid]
             assert req.status == RequestStatus.WAITING_FOR_REMOTE_KVS, req
+            if rid in failed:
+                self._load_failed(req)
+                continue
             if self.check_loads:
                 self.check_loaded(req)
             req.status = RequestStatus.WAITING
         self._collect_stats()
         if self.step_sleep_s:
             time.sleep(self.step_sleep_s)
+
+    def _load_failed(self, req: Request) -> None:
+        """vLLM's Scheduler._handle_failed_recving and _update_waiting_for_remote_kvs (0.34)."""
+        self.failed_loads.append(req.request_id)
+        req.loaded_blocks = 0
+        req.failed_block_ids = list(req.block_ids)  # never handed out again: tests check them after
+        if self.load_failure_policy == "recompute":  # nothing computed: blocks freed, the request waits
+            req.num_computed_tokens = 0
+            req.block_ids = []
+            req.status = RequestStatus.WAITING
+            return
+        req.status = RequestStatus.FINISHED_ERROR
+        self._waiting.remove(req)
+        self.connector.request_finished_all_groups(req, (list(req.block_ids),))
+        self.finished[req.request_id] = self.requests.pop(req.request_id)
 
     def _schedule(self) -> SimpleNamespace:
         budget = self.token_budget

@@ -23,6 +23,15 @@ DEFAULT_COPY_SCRATCH_MB = 128
 LEASED, STAGED = "leased", "staged"  # load_guarantee values (docs/direct-mode.md, "Two load guarantees")
 
 
+def default_load_guarantee() -> str:
+    """"leased" where vLLM can take a failed load (0.34+: the request recomputes, the engine goes
+    on), so a prompt of any length is reused with the default staging_mb; "staged" before, where
+    a worker cannot report a failed load and a leased load that fails stops the engine."""
+    from memkv_vllm import compat
+
+    return LEASED if compat.load_failure_reportable() else STAGED
+
+
 @dataclasses.dataclass(frozen=True)
 class DirectSettings:
     prefix: str = ""  # key namespace, e.g. one per fleet
@@ -37,12 +46,11 @@ class DirectSettings:
     load_failure_grace_s: float = 60.0  # RDMA: a failed prefetch's slot stays quarantined this long
     step_yield_ms: float = 1.0  # per scheduler step, GIL given to the transfer threads while a lookup or load is open
     # "leased": HIT = every rank's value exists and is leased on its node; workers stream it
-    # through staging (any prompt length). "staged": HIT = already in staging and verified.
-    # leased is opt-in for its residual risk (a node lost mid-load stops the engine), not for speed:
-    # with the scratch copier it is 2-3.6x faster than recompute on the H200 (runs 26-27)
-    load_guarantee: str = STAGED
+    # through staging (any prompt length). "staged": HIT = already in staging and verified (a
+    # prompt reuses at most staging_mb's worth of chunks). Default: default_load_guarantee().
+    load_guarantee: str = dataclasses.field(default_factory=lambda: default_load_guarantee())
     lease_ttl_s: float = 60.0  # leased: a lookup's lease, renewed every third of it while needed
-    load_retry_s: float = 30.0  # leased: how long a worker retries a fetch before failing the engine
+    load_retry_s: float = 30.0  # leased: how long a worker retries a fetch before the load fails
 
     @classmethod
     def from_extra_config(cls, extra_config: Mapping[str, Any] | None) -> "DirectSettings":

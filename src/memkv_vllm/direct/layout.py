@@ -29,6 +29,15 @@ class StagingLayout:
     section_bytes: int  # value_bytes rounded up to a page: rank r's section starts at r * section_bytes
     num_slots: int
     path: str
+    tokens_per_chunk: int = 0  # prompt tokens per chunk (one key of one KV group)
+    num_groups: int = 1  # offloaded KV groups: each span of the prompt takes one chunk per group
+    max_model_len: int = 0  # 0: unknown (vLLM < 0.33 does not tell the spec)
+
+    @property
+    def staged_prompt_tokens(self) -> int:
+        """load_guarantee "staged": the most prompt tokens one request can reuse (its HIT chunks
+        must all sit in staging at once; the rest of the prompt is recomputed)."""
+        return self.num_slots // self.num_groups * self.tokens_per_chunk
 
     @property
     def slot_bytes(self) -> int:
@@ -59,7 +68,8 @@ class StagingLayout:
         # engine_id is unique per engine (per DP rank) and the same in its scheduler and workers.
         digest = hashlib.sha256(g.engine_id.encode()).hexdigest()[:16]
         path = os.path.join(STAGING_DIR, f"memkv_direct_{digest}.staging")
-        return cls(g.rank, g.world_size, g.blocks_per_chunk, value_bytes, section, num_slots, path)
+        return cls(g.rank, g.world_size, g.blocks_per_chunk, value_bytes, section, num_slots, path,
+                   g.tokens_per_chunk, g.num_groups, g.max_model_len)
 
 
 class MemKVLoadStoreSpec(LoadStoreSpec):

@@ -57,6 +57,7 @@ from memkv.errors import MemKVError
 from memkv.license import check_license
 from memkv_vllm import compat
 from memkv_vllm import metrics as tm
+from memkv_vllm import release
 from memkv_vllm.direct.config import DirectSettings
 from memkv_vllm.direct.keys import DirectKeys
 from memkv_vllm.direct.layout import MemKVLoadStoreSpec, StagingLayout
@@ -142,12 +143,35 @@ class MemKVDirectManager(OffloadingManager):
         if problem:
             log.warning("MemKV direct mode: %s: chunks stored by this engine cannot be reused by a restarted or "
                         "another engine. Set PYTHONHASHSEED (e.g. 0) on every instance that should share KV.", problem)
-        log.info("MemKV direct mode ready (servers=%s, rdma=%s, load_guarantee=%s, world_size=%d, value_bytes=%d, "
-                 "staging=%d slots x %d bytes = %d MiB at %s, namespace=%s, lookup_timeout_s=%s, memkv=%s)",
+        log.info("MemKV direct mode ready (servers=%s, rdma=%s, load_guarantee=%s, reuses %s, world_size=%d, "
+                 "value_bytes=%d, staging=%d slots x %d bytes = %d MiB at %s, namespace=%s, lookup_timeout_s=%s, "
+                 "memkv=%s, %s)",
                  [a.name for a in self.client.servers()], self.client.has_rdma(), settings.load_guarantee,
-                 layout.world_size, layout.value_bytes, layout.num_slots, layout.slot_bytes,
+                 self._reuse_summary(), layout.world_size, layout.value_bytes, layout.num_slots, layout.slot_bytes,
                  layout.region_bytes >> 20, layout.path, self.keys.namespace, settings.lookup_timeout_s,
-                 memkv_version)
+                 memkv_version, release.vllm_field())
+        release.warn_if_unqualified()
+        self._warn_reuse_limits(spec)
+
+    def _reuse_summary(self) -> str:
+        if self.settings.leased:
+            return "a prompt of any length"
+        return f"at most {self.layout.staged_prompt_tokens} tokens of a prompt"
+
+    def _warn_reuse_limits(self, spec) -> None:
+        """Say at startup what the configuration cannot do, not at the first long prompt."""
+        layout, st = self.layout, self.settings
+        if not st.leased and layout.staged_prompt_tokens < layout.max_model_len:
+            mib_per_1k = -(-layout.slot_bytes * layout.num_groups * 1024 // max(1, layout.tokens_per_chunk)) / (1 << 20)
+            log.warning("MemKV direct mode: load_guarantee \"staged\" with memkv.staging_mb %d reuses at most %d of "
+                        "max_model_len %d tokens of a prompt; the rest of a longer prompt is recomputed. Raise "
+                        "staging_mb (%.0f MiB per 1k tokens) or use \"leased\" (the default from vLLM 0.34)",
+                        st.staging_mb, layout.staged_prompt_tokens, layout.max_model_len, mib_per_1k)
+        extra = getattr(spec, "extra_config", None) or {}
+        if st.leased and int(extra.get("sync_load_budget_bytes", 0) or 0) > 0:
+            log.warning("MemKV direct mode: sync_load_budget_bytes is set: vLLM cannot recompute a synchronous "
+                        "(expedited) load that fails, it stops the engine; leave it unset with load_guarantee "
+                        "\"leased\"")
 
     # ---------------------------------------------------------------------------------------------
     # Startup

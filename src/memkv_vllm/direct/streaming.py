@@ -30,14 +30,15 @@ The ring. Rank r's ring is section r of every slot of the engine's staging regio
 ranks never share bytes, and the region stays pinned once. The first half of the slots serves
 loads, the rest stores, so neither direction can starve the other.
 
-Loads cannot fail (vLLM asserts success, vllm-spec-api.md 5.4): the scheduler leased every
-rank's value at lookup time, so while its node lives the bytes are there and unchanged. A fetch
+Loads are meant not to fail (before vLLM 0.34 vLLM asserts success, vllm-spec-api.md 5.4): the
+scheduler leased every rank's value at lookup time, so while its node lives the bytes are there
+and unchanged. A fetch
 that fails (a connection reset, a stalled or restarting node, a checksum mismatch on the wire)
 is retried with backoff until `load_retry_s` has passed since the batch's first attempt. Past
 that the values that failed are deleted (a purge: a corrupt value must not fail the restarted
 engine again; on its node the delete takes effect once the leases end) and the job fails
-loudly: `get_finished()` (or `wait()`) raises LoadFailed naming the rank, the key, the node and
-its last error, and nothing of the failed chunk reaches the GPU -- an unverified or partial
+(job.error names the rank, the key, the node and its last error; the worker reports it as a
+failed job on vLLM 0.34+, raises LoadFailed with it before), and nothing of the failed chunk reaches the GPU -- an unverified or partial
 value is never copied, and once a job has failed no later batch of it is copied either.
 Quarantine: a slot whose fetch failed is reused only after the fetch returned (TCP:
 `batch_load_into` returns once its receiving threads have; RDMA, where a node may still WRITE
@@ -74,8 +75,8 @@ BACKOFF_MAX_S = 1.0
 
 
 class LoadFailed(RuntimeError):
-    """A leased load could not be served within load_retry_s: the engine must stop (vLLM has no
-    way back to recomputing a chunk it committed to load)."""
+    """A leased load could not be served within load_retry_s, on a vLLM release (< 0.34) that has
+    no way back to recomputing a chunk it committed to load: the engine must stop."""
 
 
 class SlotRing:

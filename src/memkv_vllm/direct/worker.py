@@ -1,16 +1,21 @@
 """`MemKVDirectWorker`: the worker side of direct mode.
 
-load_guarantee "leased" (opt-in): the worker moves its own rank's values itself, streaming
-them through its ring of staging slots (memkv_vllm.direct.streaming): a load job fetches each
-chunk's value (leased by the scheduler at lookup, verified by the client; `n_read_threads`
-fetch threads) and copies it to the GPU blocks; a store job copies GPU blocks into slots and
-puts them (`n_write_threads` put threads). A job of any length fits.
+load_guarantee "leased" (the default from vLLM 0.34): the worker moves its own rank's values
+itself, streaming them through its ring of staging slots (memkv_vllm.direct.streaming): a load
+job fetches each chunk's value (leased by the scheduler at lookup, verified by the client;
+`n_read_threads` fetch threads) and copies it to the GPU blocks; a store job copies GPU blocks
+into slots and puts them (`n_write_threads` put threads). A job of any length fits. A load that
+cannot complete (value lost, node gone, corrupt after load_retry_s) is reported as failed where
+vLLM takes it (0.34+: the request recomputes); before 0.34 it stops the engine (LoadFailed).
 
 load_guarantee "staged": copies only, never the network. A store job copies this rank's GPU
 blocks of each chunk into this rank's section of the chunk's staging slot; a load job copies
 them back. The scheduler-side manager does every MemKV transfer (memkv_vllm.direct.manager), so
 a load job's bytes are already in staging and verified when the job arrives: a copy between two
-memories cannot fail, which is what vLLM's worker requires (it asserts `success` for every job).
+memories cannot fail, which is what vLLM's worker requires before 0.34 (it asserts `success`).
+
+A job's GPU blocks arrive as a GPULoadStoreSpec (block ids; vLLM <= 0.33) or as DevicePointers
+(0.34+); compat.gpu_blocks turns either into block ids of the worker's CanonicalKVCaches.
 
 Byte order of one rank's section (one chunk of KV group g): layer-major. For the group's
 layer refs 0..L-1 with page sizes p_i, ref i's `blocks_per_chunk` pages are contiguous at
@@ -40,6 +45,7 @@ import time
 import torch
 from vllm.v1.kv_offload.base import OffloadingWorker, TransferResult
 
+from memkv_vllm import compat
 from memkv_vllm.direct.config import DirectSettings
 from memkv_vllm.direct.copies import SectionCopier, copy_runs
 from memkv_vllm.direct.layout import StagingLayout
@@ -55,6 +61,8 @@ class MemKVDirectWorker(OffloadingWorker):
     def __init__(self, kv_caches, layout: StagingLayout, settings: DirectSettings | None = None) -> None:
         self.layout = layout
         self.settings = settings or DirectSettings()
+        self._kv_caches = kv_caches
+        self._report_failures = compat.load_failure_reportable()
         self._tensors = [t.tensor for t in kv_caches.tensors]
         self._groups: list[list[tuple[int, int, int]]] = []  # per group: (tensor idx, page bytes, offset)
         bpc = layout.blocks_per_chunk
@@ -168,7 +176,13 @@ class MemKVDirectWorker(OffloadingWorker):
         for job in self._streams.take_done():
             self._jobs.pop(job.job_id, None)
             if job.error is not None:
-                raise LoadFailed(job.error)
+                if not self._report_failures:
+                    raise LoadFailed(job.error)
+                # Nothing of the failed chunk reached the GPU. A failed load: vLLM recomputes the
+                # request (kv_load_failure_policy "recompute") or ends it with an error ("fail").
+                log.warning("%s; reported to vLLM as a failed job", job.error)
+                out.append(TransferResult(job.job_id, False, 0, time.perf_counter() - job.started))
+                continue
             if job.shed or job.failed_puts:
                 log.warning("MemKV direct mode: store job %d: %d chunk(s) shed by wait(), %d put(s) failed: "
                             "those chunks will be a MISS", job.job_id, job.shed, job.failed_puts)
@@ -231,9 +245,8 @@ class MemKVDirectWorker(OffloadingWorker):
         inside the rank's section) runs: consecutive GPU blocks that are consecutive sub-blocks
         of one chunk are one copy per layer."""
         bpc = self.layout.blocks_per_chunk
-        block_ids = [int(b) for b in gpu_spec.block_ids]
-        group_sizes = list(gpu_spec.group_sizes)
-        block_indices = list(gpu_spec.block_indices)
+        blocks = compat.gpu_blocks(gpu_spec, self._kv_caches)
+        block_ids, group_sizes, block_indices = blocks.block_ids, blocks.group_sizes, blocks.block_indices
         per_chunk: list[list[tuple[int, int, int, int, int]]] = [[] for _ in range(n_chunks)]
         pos = 0  # the group's first GPU block in block_ids
         key = 0  # the group's first chunk
@@ -294,8 +307,9 @@ class MemKVDirectWorker(OffloadingWorker):
 
     def wait(self, job_ids) -> None:
         """Blocks until those jobs no longer touch their GPU blocks. "staged": a GPU<->host copy,
-        never the network. "leased": a load until it is loaded (or fails loudly: LoadFailed); a
-        store stops copying (its remaining chunks are shed) and returns after the copy in progress."""
+        never the network. "leased": a load until it is loaded or failed (a failure: LoadFailed before
+        vLLM 0.34; from 0.34 get_finished reports it); a store stops copying (its remaining chunks
+        are shed) and returns after the copy in progress."""
         for job_id in job_ids:
             job = self._jobs.get(job_id)
             if job is not None:
@@ -304,8 +318,8 @@ class MemKVDirectWorker(OffloadingWorker):
                     if not job.done.wait(bound):
                         raise LoadFailed(f"MemKV direct mode: rank {self.layout.rank}: load job {job_id} not done "
                                          f"within {bound:.0f}s")
-                    if job.error is not None:
-                        raise LoadFailed(job.error)
+                    if job.error is not None and not self._report_failures:
+                        raise LoadFailed(job.error)  # 0.34+: get_finished reports it as failed
                 else:
                     job.cancelled = True
                     if not job.copies_done.wait(WAIT_MARGIN_S):
