@@ -445,3 +445,19 @@ def test_the_node_warns_at_start_when_the_host_keeps_shared_memory_off_huge_page
     quiet = start_node(capacity="64MiB")
     make_client([quiet]).exists([b"k"])  # answered: the node is serving, its start lines are out
     assert not any("transparent huge pages" in line for line in quiet.output), quiet.output
+
+
+def test_a_value_gone_from_the_node_is_a_miss_not_a_checksum_failure(start_node, make_client):
+    """A key the node does not hold (never stored, or deleted while this process still maps the
+    value it stored) is a plain miss on the shared-memory path: not counted as an integrity
+    failure, as it is not one (fleet loads hit this whenever a store was refused NO_SPACE)."""
+    node = start_node(capacity="64MiB")
+    client = make_client([node])
+    server = f"{node.host}:{node.port}"
+    assert client.batch_put_views([("kept", os.urandom(2 * MiB))]) == [True]
+    assert client.shared_memory_servers() == [server]
+    assert client.delete(["kept"]) == [True]
+    before = integrity_failures(server)
+    out = bytearray(2 * MiB)
+    assert client.batch_get_into([("kept", out), ("never", bytearray(2 * MiB))]) == [False, False]
+    assert integrity_failures(server) == before, "a miss is not an integrity failure"

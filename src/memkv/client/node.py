@@ -412,6 +412,9 @@ class NodeConnection:
                 for j, i in enumerate(big):
                     item = reply.items[j]
                     fd = fds.pop(0) if reply.passed[j] else None
+                    if item.status not in (p.ItemStatus.OK, p.ItemStatus.NOT_SHARED):
+                        memory.forget(keys[i])  # gone from the node: the bytes this process still maps go too
+                        continue  # a miss, not a checksum failure (a passed item is OK: _shm_request)
                     try:
                         ok = self._copy_shared(memory, keys[i], item, fd, views[i], checksummer)
                     finally:
@@ -446,13 +449,10 @@ class NodeConnection:
         view: memoryview,
         checksummer: Checksummer,
     ) -> bool | None:
-        """One SHM_GET item into `view`: whether it verified (False also for a miss), or None when
-        it must come over the socket (NOT_SHARED, a mapping of another value, a refused memfd)."""
+        """One SHM_GET item (OK or NOT_SHARED) into `view`: whether it verified, or None when it
+        must come over the socket (NOT_SHARED, a mapping of another value, a refused memfd)."""
         if item.status == p.ItemStatus.NOT_SHARED:
             return None
-        if item.status != p.ItemStatus.OK:
-            memory.forget(key)  # gone from the node: the bytes this process still maps go too
-            return False
         if item.length != len(view):
             raise RemoteProtocolError(f"{self.name}: SHM_GET gave {item.length} bytes for a {len(view)}-byte GET")
         if fd is None:
