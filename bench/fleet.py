@@ -356,10 +356,14 @@ def main() -> None:
         metavar="N",
         help="per cell with K >= 2: N batched lookups of client 0 alone, then while the other K-1 store",
     )
+    ap.add_argument("--replot", type=Path, metavar="JSON", help="only draw --plot from an earlier run's JSON")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
         worker(json.loads(args.worker))
+        return
+    if args.replot:
+        plot(json.loads(args.replot.read_text())["rows"], args.plot or args.replot.with_suffix(".png"))
         return
     ks = [int(x) for x in args.clients.split(",")]
     ms = [int(x) for x in args.nodes.split(",")]
