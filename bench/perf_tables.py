@@ -27,15 +27,42 @@ VM_RESULTS = "bench/results"
 GPU_RESULTS = "bench/gpu/results"
 
 # Source file -> the commit whose code produced it (the JSON records date and machine, not this).
+SHM = f"{VM_RESULTS}/shm_trust_2026-12-06"
+# The shared-memory designs measured side by side on 2026-12-06 (datapath JSON, same runs):
+# (label, file name pattern, commit, invocations).
+SHM_DESIGNS = [
+    (
+        "current: a sealed memfd per value, huge pages (`shmem_enabled=advise`)",
+        "thp-advise_branch_bpo{b}_{i}",
+        "e8338cf",
+        (1, 2),
+    ),
+    ("previous: arenas, same run", "thp-advise_main_bpo{b}_{i}", "d457ffa", (1, 2)),
+    ("current without huge pages (`shmem_enabled=never`)", "branch_b{b}_r{i}", "c7fec14", (1, 2, 3)),
+    ("previous: arenas, same run", "main_b{b}_r{i}", "d457ffa", (1, 2, 3)),
+]
+
+
+def shm_files(pattern: str, b: int, invocations: tuple[int, ...]) -> list[str]:
+    return [f"{SHM}/{pattern.format(b=b, i=i)}.json" for i in invocations]
+
+
+# Source file -> the commit whose code produced it (the JSON records date and machine, not this).
 COMMITS = {
-    f"{VM_RESULTS}/datapath_2026-12-05/datapath_bpo1_a.json": "159889a",
-    f"{VM_RESULTS}/datapath_2026-12-05/datapath_bpo8_a.json": "159889a",
-    f"{VM_RESULTS}/datapath_2026-12-05/datapath_bpo8_b.json": "159889a",
-    f"{VM_RESULTS}/datapath_2026-12-05/datapath_bpo8_c.json": "159889a",
+    **{
+        path: commit
+        for _, pattern, commit, invocations in SHM_DESIGNS
+        for b in (1, 8)
+        for path in shm_files(pattern, b, invocations)
+    },
     f"{VM_RESULTS}/datapath_2026-12-05/memory.json": "159889a",
+    f"{VM_RESULTS}/fleet_2026-12-06/fleet.json": "e8338cf",
+    f"{VM_RESULTS}/xxh3_builds_2026-12-06.json": "f5bffac",
     f"{VM_RESULTS}/lookups.json": "1d1b2a2",
     f"{VM_RESULTS}/tier.json": "1d1b2a2",
     f"{VM_RESULTS}/tier-512rows.json": "e1b70ae",
+    f"{GPU_RESULTS}/run59-h100-colocated-main-restart.json": "383289d",
+    f"{GPU_RESULTS}/run60-h100-remote-main-restart.json": "383289d",
     f"{GPU_RESULTS}/run54-defaults-main-restart-notier.json": "3684015",
     f"{GPU_RESULTS}/run55-shm-off-main-restart.json": "3684015",
     f"{GPU_RESULTS}/run44-tcp-main.json": "f3bbe01",
@@ -66,19 +93,26 @@ def ratio(xs: list[float]) -> str:
 
 
 def machine(doc: dict) -> str:
-    m = doc.get("machine", "")
-    if m.startswith("vm x86_64 2 cpus"):
+    m = doc.get("machine") or doc.get("meta", {}).get("machine", "")
+    if m.startswith("vm x86_64 2 cpus") or m == "vm (2 CPUs)":
         return "the 2-vCPU VM"
     return m
 
 
-def source_line(paths: list[str], what: str) -> str:
+def when(doc: dict) -> str:
+    """The run's date, as `YYYY-MM-DD HH:MM UTC` (the benches write the VM's clock, which is UTC)."""
+    meta = doc.get("meta", {})
+    d = doc.get("date") or doc.get("when") or meta.get("date") or meta["host"]["date_utc"]
+    return d if d.endswith(" UTC") else d[:16] + " UTC"
+
+
+def source_line(paths: list[str], what: str, where: str = "") -> str:
     docs = [load(p) for p in paths]
-    dates = sorted({d["date"] for d in docs})
-    when = dates[0] if len(dates) == 1 else f"{dates[0]} to {dates[-1]}"
-    commits = ", ".join(sorted({COMMITS[p] for p in paths}))
+    dates = sorted({when(d) for d in docs})
+    span = dates[0] if len(dates) == 1 else f"{dates[0]} to {dates[-1]}"
+    commits = ", ".join(dict.fromkeys(COMMITS[p] for p in paths))
     files = ", ".join(f"`{p}`" for p in paths)
-    return f"{what}; {machine(docs[0])}, {when}, commit {commits}; source: {files}."
+    return f"{what}; {where or machine(docs[0])}, {span}, commit {commits}; source: {files}."
 
 
 def table(header: list[str], rows: list[list[str]], right: int = 0) -> list[str]:
@@ -93,7 +127,7 @@ def table(header: list[str], rows: list[list[str]], right: int = 0) -> list[str]
 
 
 def vm_datapath() -> list[str]:
-    path = f"{VM_RESULTS}/datapath_2026-12-05/datapath_bpo1_a.json"
+    path = shm_files(SHM_DESIGNS[0][1], 1, (1,))[0]
     d = load(path)
     rows = []
     for system, (label, base) in DATAPATH_SYSTEMS.items():
@@ -127,7 +161,7 @@ def vm_datapath() -> list[str]:
 
 
 def vm_batched() -> list[str]:
-    paths = [f"{VM_RESULTS}/datapath_2026-12-05/datapath_bpo8_{x}.json" for x in "abc"]
+    paths = shm_files(SHM_DESIGNS[0][1], 8, SHM_DESIGNS[0][3])
     rows = []
     for i, path in enumerate(paths, 1):
         d = load(path)
@@ -144,14 +178,55 @@ def vm_batched() -> list[str]:
     d = load(paths[0])
     what = (
         f"`python3 bench/datapath.py --no-redis --reps {d['reps']} --blocks-per-op {d['blocks_per_op']}` "
-        f"three times back to back: {d['value_bytes'] >> 20} MiB values, {d['blocks_per_op']} per request "
-        f"(the tier's `blocks_per_op`), {d['threads']} threads"
+        f"{len(paths)} times: {d['value_bytes'] >> 20} MiB values, {d['blocks_per_op']} per request "
+        f"(the tier's `blocks_per_op`), {d['threads']} threads, huge pages for shared memory (`shmem_enabled=advise`)"
     )
     return [
         source_line(paths, what),
         "",
         *table(
             ["", "default client GB/s PUT / GET", "raw-unix GB/s PUT / GET", "PUT vs raw-unix", "GET vs raw-unix"], rows
+        ),
+    ]
+
+
+def vm_designs() -> list[str]:
+    """The current shared-memory design against the previous one, with and without huge pages."""
+    rows, paths = [], []
+    for label, pattern, commit, invocations in SHM_DESIGNS:
+        for b in (1, 8):
+            files = shm_files(pattern, b, invocations)
+            paths += files
+            docs = [load(f) for f in files]
+            put = [med(d["block_median_ratios"]["memkv-shm/raw-unix put"]) for d in docs]
+            get = [med(d["block_median_ratios"]["memkv-shm/raw-unix get"]) for d in docs]
+            raw = [f"{med(d['gbps']['raw-unix put']):.1f} / {med(d['gbps']['raw-unix get']):.1f}" for d in docs]
+            rows.append(
+                [
+                    f"{label}, commit {commit}",
+                    str(b),
+                    ", ".join(f"{x:.2f}" for x in put),
+                    ", ".join(f"{x:.2f}" for x in get),
+                    ", ".join(raw),
+                ]
+            )
+    what = (
+        "`python3 bench/datapath.py --no-redis --reps 3 [--blocks-per-op 8]`, the co-located default "
+        "(`memkv-shm`) against the raw design on a Unix socket (`raw-unix`) in the same run; each design "
+        "pair ran back to back with the host's `shmem_enabled` setting named in the row"
+    )
+    return [
+        source_line(paths, what),
+        "",
+        *table(
+            [
+                "shared memory design",
+                "values per request",
+                "PUT vs raw-unix, each invocation",
+                "GET vs raw-unix, each invocation",
+                "raw-unix GB/s PUT / GET, each invocation",
+            ],
+            rows,
         ),
     ]
 
@@ -231,8 +306,227 @@ def vm_tier() -> list[str]:
     ]
 
 
+FLEET = f"{VM_RESULTS}/fleet_2026-12-06/fleet.json"
+TOPOLOGIES = {"remote": "remote (TCP)", "colocated": "co-located"}
+
+
+def vm_fleet() -> list[str]:
+    d = load(FLEET)
+    rows = []
+    for r in d["rows"]:
+        p, g = r["put"], r["get"]
+        fails = p["failures"]
+        rows.append(
+            [
+                TOPOLOGIES[r["topology"]],
+                str(r["clients"]),
+                str(r["nodes"]),
+                f"{p['memkv_gbps']:.2f} / {p['raw_gbps']:.2f}",
+                f"{p['ratio']:.2f}",
+                f"{g['memkv_gbps']:.2f} / {g['raw_gbps']:.2f}",
+                f"{g['ratio']:.2f}",
+                f"{p['spread']:.2f} / {g['spread']:.2f}",
+                f"{p['p99_batch_s']:.2f} / {g['p99_batch_s']:.2f}",
+                f"{p['node_cpu_s_per_gb']:.2f} / {p['raw_cpu_s_per_gb']:.2f}",
+                str(fails) if fails else "",
+            ]
+        )
+    a = d["meta"]["args"]
+    what = (
+        f"`python3 bench/fleet.py --lookups {a['lookups']}`: K client processes x M nodes, each client "
+        f"{a['threads']} threads moving {a['values']} values of {a['value_mib']} MiB in batches of "
+        f"{a['blocks_per_op']} (the tier's shape), median of {a['reps']} repetitions; remote = every node "
+        "in a network namespace of its own behind a veth pair (TCP, as from another host), raw baseline TCP "
+        "to the same place; co-located = the client's defaults, raw baseline an abstract Unix socket"
+    )
+    return [
+        source_line([FLEET], what),
+        "",
+        *table(
+            [
+                "topology",
+                "K",
+                "M",
+                "PUT GB/s MemKV / raw",
+                "PUT vs raw",
+                "GET GB/s MemKV / raw",
+                "GET vs raw",
+                "client max/min PUT / GET",
+                "p99 batch s PUT / GET",
+                "server CPU-s per GB PUT: node / raw",
+                "values refused",
+            ],
+            rows,
+            right=10,
+        ),
+    ]
+
+
+def vm_fleet_lookups() -> list[str]:
+    d = load(FLEET)
+    rows = []
+    for r in d["rows"]:
+        x = r.get("lookups")
+        if not x:
+            continue
+        rows.append(
+            [
+                TOPOLOGIES[r["topology"]],
+                str(r["clients"]),
+                str(r["nodes"]),
+                f"{x['alone_p50_s'] * 1000:.1f} / {x['alone_p99_s'] * 1000:.1f}",
+                f"{x['storm_p50_s'] * 1000:.1f} / {x['storm_p99_s'] * 1000:.1f}",
+                f"{x['storm_p99_s'] / x['alone_p99_s']:.0f}",
+                f"{x['storm_max_s'] * 1000:.0f}",
+            ]
+        )
+    what = (
+        f"the same run: one client's {d['meta']['args']['lookups']} batched lookups of 64 keys, 20 ms apart, "
+        "alone, then while the other K-1 clients store all their values again and again"
+    )
+    return [
+        source_line([FLEET], what),
+        "",
+        *table(
+            [
+                "topology",
+                "K",
+                "M",
+                "alone p50 / p99 ms",
+                "under the storm p50 / p99 ms",
+                "p99 storm / alone",
+                "worst ms",
+            ],
+            rows,
+            right=6,
+        ),
+    ]
+
+
+def vm_xxh3() -> list[str]:
+    path = f"{VM_RESULTS}/xxh3_builds_2026-12-06.json"
+    d = load(path)
+    labels = {
+        "dispatch": "xxHash vendored in the tree, its own dispatch (d457ffa)",
+        "avx2": "the system's xxHash header, our AVX2 choice (f5bffac)",
+    }
+    rows = []
+    for b in d["builds"].values():
+        m, r = b["median_gbps"], b["ratio_to_first"]
+        rows.append(
+            [
+                labels[b["variant"]],
+                f"{m['copy_xxh3']:.2f}",
+                f"{m['digest']:.1f}",
+                f"{r['copy_xxh3']:.2f}",
+                f"{r['digest']:.2f}",
+            ]
+        )
+    what = (
+        f"`python3 bench/xxh3_builds.py --build A.so --build B.so --reps {d['reps']}`: the compiled loops of two "
+        "builds, alternating; `copy_xxh3` copies a 16 MiB value in 256 KiB pieces hashing each (the same-host "
+        "load), `digest` hashes one 256 KiB piece in cache (the receive loop); GB/s, median of the repetitions"
+    )
+    return [
+        source_line([path], what, where="the 2-vCPU VM (busy with other jobs)"),
+        "",
+        *table(
+            ["build", "copy_xxh3 GB/s", "digest GB/s", "copy_xxh3 vs vendored", "digest vs vendored"], rows, right=4
+        ),
+    ]
+
+
 # ------------------------------------------------------------------------------------------------
-# The H200 host (bench/gpu/ttft.py)
+# The H100 host (bench/gpu/ttft.py)
+# ------------------------------------------------------------------------------------------------
+
+H100_RUNS = [
+    (
+        f"{GPU_RESULTS}/run59-h100-colocated-main-restart.json",
+        "59",
+        "co-located: the defaults (4 nodes on the engine's host)",
+    ),
+    (
+        f"{GPU_RESULTS}/run60-h100-remote-main-restart.json",
+        "60",
+        "TCP on loopback (`MEMKV_LOCAL_SOCKET=off`: the path to a node on another host)",
+    ),
+]
+H100_TOKENS = (8192, 32768)
+STAGES = (
+    ("lookup_s", "lookup"),
+    ("memkv_to_pool_s", "MemKV -> CPU pool"),
+    ("pool_to_gpu_token_s", "pool -> GPU, token"),
+)
+
+
+def gpu_h100_ttft() -> list[str]:
+    rows = []
+    for path, run, label in H100_RUNS:
+        d = load(path)
+        rows.append([f"{label}: run {run}", "main", *[pair(seconds(d, "main", "memkv", t)) for t in H100_TOKENS]])
+        rows.append(["", "restarted", *[pair(seconds(d, "restart", "restart_memkv", t)) for t in H100_TOKENS]])
+    for path, run, _ in H100_RUNS:
+        d = load(path)
+        rows.append(
+            [f"recompute (no cache), run {run}", "", *[pair(seconds(d, "main", "recompute", t)) for t in H100_TOKENS]]
+        )
+    for path, run, _ in H100_RUNS:
+        d = load(path)
+        rows.append(
+            [f"vLLM's own CPU-pool hit, run {run}", "", *[pair(seconds(d, "main", "cpu_hit", t)) for t in H100_TOKENS]]
+        )
+    ref = load(H100_RUNS[0][0])
+    host, a = ref["meta"]["host"], ref["meta"]["args"]
+    what = (
+        f"`python3 bench/gpu/ttft.py --phases main,restart --tokens 8192,32768 --gpu-util {a['gpu_util']}` "
+        "(run 60 with `MEMKV_LOCAL_SOCKET=off`), one after the other: time to first token of a revisited "
+        f"prompt, the two repetitions, seconds; {host['cpus']} vCPUs, vLLM "
+        f"{ref['engines']['main']['versions']['vllm']}, {a['nodes']} nodes on the same host"
+    )
+    paths = [p for p, _, _ in H100_RUNS]
+    return [
+        source_line(paths, what, where=host["gpu"].split(",")[0]),
+        "",
+        *table(["client path: run", "engine", "8k tokens (2 GiB)", "32k (8 GiB)"], rows),
+    ]
+
+
+def gpu_h100_stages() -> list[str]:
+    rows = []
+    for path, run, _ in H100_RUNS:
+        d = load(path)
+        for engine, phase, name in (("main", "memkv", "main"), ("restart", "restart_memkv", "restarted")):
+            for t in H100_TOKENS:
+                runs = [r for r in d["engines"][engine]["runs"] if r["phase"] == phase and r["tokens"] == t]
+                st = {k: med([r["stages"][k] for r in runs]) for k, _ in STAGES}
+                gb = runs[0]["prompt_kv_bytes"] / 1e9
+                rows.append(
+                    [
+                        f"run {run}, {'co-located' if run == H100_RUNS[0][1] else 'TCP'}",
+                        name,
+                        f"{t // 1024}k",
+                        *[f"{st[k]:.3f}" for k, _ in STAGES],
+                        f"{gb / st['memkv_to_pool_s']:.0f}",
+                        f"{med([r['seconds'] for r in runs]):.3f}",
+                    ]
+                )
+    what = "Where a promotion's time goes: the stages of the table above, medians of the two repetitions, seconds"
+    paths = [p for p, _, _ in H100_RUNS]
+    gpu = load(paths[0])["meta"]["host"]["gpu"].split(",")[0]
+    return [
+        source_line(paths, what, where=gpu),
+        "",
+        *table(
+            ["run", "engine", "prompt", *[n for _, n in STAGES], "MemKV -> pool GB/s", "time to first token"],
+            rows,
+            right=5,
+        ),
+    ]
+
+
+# ------------------------------------------------------------------------------------------------
+# The H200 host (bench/gpu/ttft.py), 2026-12-03 and 2026-12-04
 # ------------------------------------------------------------------------------------------------
 
 GPU_RUNS = [
@@ -306,9 +600,15 @@ def gpu_cold() -> list[str]:
 TABLES: dict[str, Callable[[], list[str]]] = {
     "vm-datapath": vm_datapath,
     "vm-batched": vm_batched,
+    "vm-designs": vm_designs,
+    "vm-fleet": vm_fleet,
+    "vm-fleet-lookups": vm_fleet_lookups,
+    "vm-xxh3": vm_xxh3,
     "vm-lookups": vm_lookups,
     "vm-memory": vm_memory,
     "vm-tier": vm_tier,
+    "gpu-h100-ttft": gpu_h100_ttft,
+    "gpu-h100-stages": gpu_h100_stages,
     "gpu-ttft": gpu_ttft,
     "gpu-cold": gpu_cold,
 }

@@ -35,7 +35,7 @@ def test_every_table_of_the_page_is_what_its_json_gives() -> None:
 @pytest.mark.parametrize("block", BLOCKS, ids=lambda m: m.group("name"))
 def test_every_table_names_its_machine_date_commit_and_sources(block) -> None:
     first = block.group("body").splitlines()[0]
-    assert re.search(r"the 2-vCPU VM|NVIDIA H200", first), first
+    assert re.search(r"the 2-vCPU VM|NVIDIA H[12]00", first), first
     assert re.search(r"\d{4}-\d{2}-\d{2} \d{2}:\d{2} UTC", first) and re.search(r"commits? [0-9a-f]{7}", first), first
     sources = re.findall(r"`(bench/[\w./-]+\.json)`", first.split("source:", 1)[1])
     assert sources and all((REPO / s).is_file() for s in sources), sources
