@@ -6,7 +6,7 @@
 
 A table sits between `<!-- table: NAME -->` and `<!-- /table -->`; everything else on the page is
 prose and stays as written. Each table names its source files, the machine, the date (from the
-JSON) and the commit whose code ran (from SOURCES below: the JSON files do not record it), so a
+JSON) and the commit whose code ran (from COMMITS below: the JSON files do not record it), so a
 figure can be traced and re-measured. Standard library only.
 """
 
