@@ -42,6 +42,7 @@ VLLM_RELEASES = [
     "0.31.0",
     "0.32.0",
     "0.33.0",
+    "0.34.0",
 ]
 
 # What each release needs to import its tiering code on a CPU box, beyond torch and vLLM:
@@ -98,6 +99,12 @@ VLLM_IMPORT_DEPS: dict[str, dict[str, list[str]]] = {
     "0.33.0": {
         "deps": _COMMON + ["aiohttp>=3.14.4", "requests>=2.33.0"]
         + ["oss-harmony>=0.0.11", "openai>=2.25.0"] + ["transformers<5.21.0,>=5.16.1"]
+        + ["pillow>=13.0.0"] + _ENGINE + _API_SERVER + _STRUCTURED_OUTPUT,
+        "no_deps": ["xgrammar==0.2.8"],
+    },
+    "0.34.0": {
+        "deps": _COMMON + ["aiohttp>=3.14.4", "requests>=2.33.0"]
+        + ["oss-harmony>=0.0.11", "openai>=2.25.0"] + ["transformers<5.23.0,>=5.16.1"]
         + ["pillow>=13.0.0"] + _ENGINE + _API_SERVER + _STRUCTURED_OUTPUT,
         "no_deps": ["xgrammar==0.2.8"],
     },

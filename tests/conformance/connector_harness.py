@@ -1,10 +1,11 @@
-"""Headless engine around vLLM's real OffloadingConnector, scheduler side (vLLM 0.25.0 - 0.33.0).
+"""Headless engine around vLLM's real OffloadingConnector, scheduler side (vLLM 0.25.0 - 0.34.0).
 
 The manager-level harness (vllm_harness.HeadlessEngine) calls the offloading manager itself,
 with keys in prompt order, one job at a time. This one sits one level up, where the engine
 sits: it calls the connector, and the connector calls the manager. Job shapes are therefore
 exactly vLLM's: one store job per request per step, holding the chunks that step completed as
-a *set* of keys (so a tier sees them in hash-set order); prefix lookups that stop at the first
+a *set* of keys before 0.34 (so a tier sees them in hash-set order) and in prompt order from
+0.34 (harness_compat.STORE_JOB_KEYS_IN_PROMPT_ORDER); prefix lookups that stop at the first
 miss and defer on RETRY/HIT_PENDING; cascades when workers report; finished requests, resets.
 
 What is real and what is simulated:
@@ -65,6 +66,7 @@ from vllm.v1.kv_offload.base import OffloadKey, make_offload_key
 from vllm.v1.outputs import KVConnectorOutput
 from vllm.v1.request import RequestStatus
 
+from tests.conformance import harness_compat
 from tests.conformance import vllm_harness as h
 
 __all__ = [
@@ -111,9 +113,8 @@ class EngineRequest:
         self.num_computed_tokens = 0
         self.status = RequestStatus.WAITING
         self.kv_transfer_params = kv_transfer_params
-        self.skip_reading_prefix_cache = False
-        self.shared_prefix_boundary = 0  # 0.30+
-        self.kv_hints = None  # 0.31+
+        for name, value in harness_compat.request_fields().items():  # per release
+            setattr(self, name, value)
         self.block_hashes: list[bytes] = []
         # -- the engine's own --------------------------------------------------------------
         self.tag = tag
@@ -162,7 +163,7 @@ class StoreJob:
     req_id: str
     step: int
     chunks: list[int]  # chunk indices, in the order of the job's rows (prompt order)
-    key_order: list[int]  # the same chunks in the iteration order of the connector's key set
+    key_order: list[int]  # the same chunks in the iteration order of the connector's job keys
 
 
 @dataclasses.dataclass
@@ -616,6 +617,7 @@ def _vllm_config(extra_config: dict[str, Any], geometry: h.Geometry, engine_id: 
         kv_events_config=None,
         speculative_config=None,
         attention_config=SimpleNamespace(hisparse_config=None),  # 0.33
+        **harness_compat.vllm_config_fields(),
         model_config=SimpleNamespace(
             model=model_name, dtype="bfloat16", max_model_len=_MODEL_MAX_LEN, use_mla=False,
             get_total_num_kv_heads=lambda: 1,

@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from tests.conformance import connector_harness as ch
+from tests.conformance.harness_compat import STORE_JOB_KEYS_IN_PROMPT_ORDER
 from tests.conformance import vllm_harness as h
 
 pytestmark = pytest.mark.conformance
@@ -32,7 +33,7 @@ def fs_tier(root: Path) -> dict:
 
 
 @pytest.mark.parametrize("delay", [0, 1, 3])
-def test_long_prompt_reaches_the_manager_as_one_set_shaped_job_per_prefill_step(tmp_path, delay):
+def test_long_prompt_reaches_the_manager_as_one_job_per_prefill_step_in_the_release_s_key_order(tmp_path, delay):
     tokens = 16 * TPC + 10  # 16 full chunks and a partial one
     with ch.ConnectorEngine([fs_tier(tmp_path)], GEOMETRY, token_budget=4 * TPC,
                             store_report_delay_steps=delay) as engine:
@@ -41,6 +42,8 @@ def test_long_prompt_reaches_the_manager_as_one_set_shaped_job_per_prefill_step(
         assert [job.chunks for job in req.store_jobs] == [list(range(i, i + 4)) for i in range(0, 16, 4)]
         assert len({job.step for job in req.store_jobs}) == 4  # one job per step
         assert all(sorted(job.key_order) == job.chunks for job in req.store_jobs)
+        if STORE_JOB_KEYS_IN_PROMPT_ORDER:  # 0.34+: a tuple in prompt order, not a set
+            assert all(job.key_order == job.chunks for job in req.store_jobs)
         assert sorted(engine.completion_order) == [job.job_id for job in req.store_jobs]
         assert len(list(tmp_path.rglob("*.bin"))) == 16  # cascaded: the partial chunk never is
         assert engine.primary_holds(req.chunk_keys()) == [True] * 16

@@ -1,4 +1,4 @@
-"""Headless driver for vLLM's real secondary-tier offloading stack (vLLM 0.25.0 - 0.33.0).
+"""Headless driver for vLLM's real secondary-tier offloading stack (vLLM 0.25.0 - 0.34.0).
 
 What is real and what is simulated:
 
@@ -57,6 +57,8 @@ from vllm.v1.kv_offload.base import (
 )
 from vllm.v1.kv_offload.factory import OffloadingSpecFactory
 from vllm.v1.kv_offload.tiering.factory import SecondaryTierFactory
+
+from tests.conformance import harness_compat
 
 __all__ = [
     "DEFAULT_MODEL_NAME",
@@ -245,25 +247,8 @@ def build_spec(
 
 
 def _fill_dataclass(cls: type, values: Mapping[str, Any]) -> Any:
-    """Build frozen config dataclass ``cls`` from whichever of ``values`` it has fields for.
-
-    0.26+: OffloadingConfig and its parts gain fields release by release (group_id 0.30,
-    data_parallel_size 0.28, max_model_len 0.33, ...). Unknown fields are left out; a
-    required field we have no value for is a harness bug, reported by name.
-    """
-    fields = dataclasses.fields(cls)
-    missing = [
-        f.name
-        for f in fields
-        if f.name not in values
-        and f.default is dataclasses.MISSING
-        and f.default_factory is dataclasses.MISSING
-    ]
-    if missing:
-        raise TypeError(
-            f"harness has no value for required {cls.__name__} fields {missing}"
-        )
-    return cls(**{f.name: values[f.name] for f in fields if f.name in values})
+    """harness_compat.fill_dataclass (shared with the other harnesses)."""
+    return harness_compat.fill_dataclass(cls, values)
 
 
 def _spec_takes_offloading_config() -> bool:
