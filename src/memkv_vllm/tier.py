@@ -45,6 +45,7 @@ from memkv.license import check_license
 from memkv.sockio import COMPILED_RECEIVE
 from memkv_vllm import compat
 from memkv_vllm import metrics as tm
+from memkv_vllm import release
 from memkv_vllm.admission import StoreAdmission
 from memkv_vllm.config import TierSettings
 from memkv_vllm.keys import KeyNamespace
@@ -127,14 +128,15 @@ class MemKVSecondaryTierManager(compat.SecondaryTierManager):
         s = self.settings
         log.info(
             "MemKV tier ready (servers=%s, rdma=%s, same_host=%d/%d, shared_memory=%d/%d, block_bytes=%d, "
-            "namespace=%s, n_read_threads=%d, n_write_threads=%d, blocks_per_op=%d, lookup_timeout_s=%s, max_store_backlog_mb=%d%s, receive=%s, memkv=%s)",
+            "namespace=%s, n_read_threads=%d, n_write_threads=%d, blocks_per_op=%d, lookup_timeout_s=%s, max_store_backlog_mb=%d%s, receive=%s, memkv=%s, %s)",
             [a.name for a in self.client.servers()], self.client.has_rdma(), len(self.client.local_servers()),
             len(self.client.servers()), len(self.client.shared_memory_servers()), len(self.client.servers()),
             self.row_bytes, self.namespace.namespace,
             s.n_read_threads, s.n_write_threads, s.blocks_per_op, s.lookup_timeout_s, backlog_mb,
             "" if s.max_store_backlog_mb is not None else " (half the CPU pool)",
-            "compiled" if COMPILED_RECEIVE else "python", memkv_version,
+            "compiled" if COMPILED_RECEIVE else "python", memkv_version, release.vllm_field(),
         )
+        release.warn_if_unqualified()
 
     # ---------------------------------------------------------------------------------------------
     # Startup

@@ -565,6 +565,43 @@ def test_ready_line_says_the_settings_in_force_and_which_receive_loop_runs(memkv
     assert f"receive={'compiled' if sockio.COMPILED_RECEIVE else 'python'}," in line
 
 
+def test_ready_line_names_the_vllm_release_and_that_it_is_qualified(memkv_env):
+    import vllm
+
+    with PluginLog() as log, h.HeadlessEngine([memkv()], h.Geometry(num_rows=8)):
+        pass
+    (line,) = [x for x in log.lines if x.startswith("MemKV tier ready")]
+    assert line.endswith(f"vllm={vllm.__version__} (qualified))"), line
+    assert not [x for x in log.lines if "compat_matrix.py" in x]
+
+
+def test_newer_vllm_release_starts_with_one_warning_naming_the_matrix_script(memkv_env, monkeypatch):
+    """A release after the qualified ones is never refused: the tier starts, says so in its
+    ready line, and one WARNING per process (not per engine) names scripts/compat_matrix.py."""
+    import vllm
+
+    from memkv_vllm import release
+
+    monkeypatch.setattr(vllm, "__version__", "0.99.0")
+    monkeypatch.setattr(release, "_warned", False)
+    with PluginLog() as log:
+        for _ in range(2):
+            with h.HeadlessEngine([memkv()], h.Geometry(num_rows=8)) as engine:
+                loaded = engine.promote_and_read(_stored(engine, 1))
+                assert all(loaded.data[k] == engine.payloads[k] for k in loaded.data)
+    ready = [x for x in log.lines if x.startswith("MemKV tier ready")]
+    assert len(ready) == 2 and all(x.endswith("vllm=0.99.0 (not qualified))") for x in ready), ready
+    (warning,) = [x for x in log.lines if "compat_matrix.py" in x]
+    assert "0.99.0" in warning and "0.25.0-0.34.0" in warning
+
+
+def _stored(engine: h.HeadlessEngine, n: int) -> list:
+    keys = h.make_keys(n)
+    store_and_settle(engine, keys)
+    engine.fill_pool_to_evict(keys)
+    return keys
+
+
 def test_hash_seed_warning_depends_on_pythonhashseed(monkeypatch):
     from memkv_vllm import compat
 
