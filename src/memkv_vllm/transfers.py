@@ -14,9 +14,9 @@ asynchronously, such as RDMA) must not give its rows back before no byte can arr
   then (`grace_s`, load_failure_grace_s), so no byte reaches a row after the job was reported.
 * `defer_release` on (0.34+, `JobResult.deferred_release`): it is reported at once with a
   `release` event, which is set `grace_s` later; vLLM fails its keys now and keeps its rows out
-  of the free pool until the event is set. A load job still unfinished `load_deadline_s` after
-  submission (a stalled socket read, a node that stopped answering) is reported the same way at
-  once, its unfinished blocks failed; its event is set when its last task has returned (plus
+  of the free pool until the event is set. A load job with a task running for `load_deadline_s`
+  (a stalled socket read, a node that stopped answering) is reported the same way at once, its
+  unfinished blocks failed (a task still queued behind busy threads is no reason); its event is set when its last task has returned (plus
   `grace_s` if a write may still land), and its queued tasks are not run.
 
 Every event is set by take_finished (each scheduler step) or wait_idle once its time came.
@@ -60,7 +60,8 @@ class Finished:
 
 
 class _Job:
-    __slots__ = ("job_id", "kind", "keys", "ok", "remaining", "started", "may_land_late", "shed", "release")
+    __slots__ = ("job_id", "kind", "keys", "ok", "remaining", "started", "may_land_late", "shed", "release",
+                 "running")
 
     def __init__(self, job_id: int, kind: str, keys: list[bytes], n_tasks: int, shed: int) -> None:
         self.job_id = job_id
@@ -72,6 +73,7 @@ class _Job:
         self.may_land_late = False
         self.shed = shed
         self.release: threading.Event | None = None  # set when reported before its tasks ended
+        self.running: dict[int, float] = {}  # first block index of each running task -> its start
 
 
 class TransferPool:
@@ -172,7 +174,10 @@ class TransferPool:
                     return
                 q = self._queues[preferred] if self._queues[preferred] else self._queues[other]
                 job_id, lo, n, fn = q.popleft()
-                abandoned = self._jobs[job_id].release is not None
+                job = self._jobs[job_id]
+                abandoned = job.release is not None
+                if not abandoned:
+                    job.running[lo] = time.monotonic()
             if abandoned:  # reported failed already: its rows wait for this job, not for the data
                 self._task_done(job_id, lo, TaskResult([False] * n))
                 continue
@@ -188,6 +193,7 @@ class TransferPool:
     def _task_done(self, job_id: int, lo: int, result: TaskResult) -> None:
         with self._cond:
             job = self._jobs[job_id]
+            job.running.pop(lo, None)
             job.ok[lo : lo + len(result.ok)] = result.ok
             job.may_land_late |= result.may_land_late and not all(result.ok)
             job.remaining -= 1
@@ -211,14 +217,17 @@ class TransferPool:
     # -- deferred releases (under _cond) -------------------------------------------------------------
 
     def _report_overdue_loads(self, now: float) -> None:
-        """Report every load job past its deadline as failed (unfinished blocks False), at once."""
+        """Report every load job with a transfer running past the deadline as failed (unfinished
+        blocks False), at once."""
         assert self._load_deadline_s is not None
         for job in self._jobs.values():
-            if job.kind == LOAD and job.release is None and now - job.started >= self._load_deadline_s:
+            if job.kind != LOAD or job.release is not None or not job.running:
+                continue
+            if now - min(job.running.values()) >= self._load_deadline_s:
                 job.release = threading.Event()
-                log.warning("MemKV tier: promotion job %d unfinished after %.1f s (lookup_timeout_s): its keys miss "
-                            "now; its rows return to the pool when its transfers have ended", job.job_id,
-                            now - job.started)
+                log.warning("MemKV tier: promotion job %d has a transfer unanswered after %.1f s (lookup_timeout_s): "
+                            "its keys miss now; its rows return to the pool when its transfers have ended",
+                            job.job_id, now - min(job.running.values()))
                 self._finished.append(Finished(job.job_id, LOAD, job.keys, list(job.ok), now - job.started,
                                                0.0, job.shed, job.release))
 
