@@ -16,8 +16,10 @@ the CPU pool.
 Contracts with vLLM (base.py of the tiering framework):
   * every method below runs on the scheduler side and returns without waiting on the network;
   * every submitted job is reported exactly once by get_finished_jobs (empty jobs at once);
-  * no byte is written into a row after its job was reported: a task returns only when its
-    socket reads are over (or, on a transport that can land late, after load_failure_grace_s);
+  * no byte is written into a row after vLLM got it back: a task returns only when its socket
+    reads are over. A failed load that may still land (RDMA), or one with a transfer unanswered
+    after lookup_timeout_s, is reported at once on 0.34+ with JobResult.deferred_release set only
+    when no byte can arrive; before 0.34 its report is withheld for load_failure_grace_s;
   * drain_jobs blocks until every result can be taken.
 
 Failure isolation: a node that is down or slow makes lookups of its blocks answer MISS (the
