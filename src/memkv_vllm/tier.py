@@ -45,9 +45,8 @@ from memkv.config import ClientConfig
 from memkv.errors import AuthError, ConnectError, MemKVError, MemKVTimeout, ProtocolError, ServerError
 from memkv.license import check_license
 from memkv.sockio import COMPILED_RECEIVE
-from memkv_vllm import compat
+from memkv_vllm import compat, release
 from memkv_vllm import metrics as tm
-from memkv_vllm import release
 from memkv_vllm.admission import StoreAdmission
 from memkv_vllm.config import TierSettings
 from memkv_vllm.keys import KeyNamespace
