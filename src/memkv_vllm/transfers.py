@@ -16,8 +16,9 @@ asynchronously, such as RDMA) must not give its rows back before no byte can arr
   `release` event, which is set `grace_s` later; vLLM fails its keys now and keeps its rows out
   of the free pool until the event is set. A load job with a task running for `load_deadline_s`
   (a stalled socket read, a node that stopped answering) is reported the same way at once, its
-  unfinished blocks failed (a task still queued behind busy threads is no reason); its event is set when its last task has returned (plus
-  `grace_s` if a write may still land), and its queued tasks are not run.
+  unfinished blocks failed (a task still queued behind busy threads is no reason); its event
+  is set when its last task has returned (plus `grace_s` if a write may still land), and its
+  queued tasks are not run.
 
 Every event is set by take_finished (each scheduler step) or wait_idle once its time came.
 
