@@ -5,8 +5,8 @@ One session per vLLM release, named ``conformance-<release>`` and tagged ``confo
     nox -s conformance-0.25.0               # one release
     nox -s conformance-0.25.0 -- -k fs -x   # arguments after -- go to pytest
     nox -t conformance                      # the full matrix, one release after another
-    nox -R -s conformance-0.33.0            # rerun on the existing venv, skip installs
-    nox -R -s conformance-0.33.0 -- -k "tls and not plain"   # only the runs against TLS nodes
+    nox -R -s conformance-0.34.0            # rerun on the existing venv, skip installs
+    nox -R -s conformance-0.34.0 -- -k "tls and not plain"   # only the runs against TLS nodes
     nox -l                                  # list the sessions
 
 Each venv is ~2 GB and takes ~1 min to build (torch + vLLM + the import-time dependencies).

@@ -1,6 +1,7 @@
 """Generate the lookup-deadline patches from pristine wheel sources.
 
-usage: python scripts/make_vllm_patches.py SRC_ROOT patches/
+usage: python scripts/make_vllm_patches.py SRC_ROOT patches/ [STEM ...]
+(STEM, e.g. vllm-0.34: only those patches; default: all)
 (unpack each release first: pip download --no-deps vllm==<release>, then unzip the
 wheel into SRC_ROOT/<release>/)
 SRC_ROOT/<release>/vllm/v1/kv_offload/... are the unpacked wheels.
@@ -21,6 +22,7 @@ GROUPS = {
     "vllm-0.30": ("0.30.0", ["0.30.0"]),
     "vllm-0.31": ("0.31.0", ["0.31.0", "0.32.0"]),
     "vllm-0.33": ("0.33.0", ["0.33.0"]),
+    "vllm-0.34": ("0.34.0", ["0.34.0"]),
 }
 
 
@@ -341,9 +343,13 @@ def patch_fs(text):
     return text
 
 
-def main(src_root, out_dir):
+def main(src_root, out_dir, stems=()):
     work = "/tmp/patchwork/trees"
+    unknown = set(stems) - set(GROUPS)
+    assert not unknown, f"unknown patch stems {sorted(unknown)}; known: {sorted(GROUPS)}"
     for stem, (rep, releases) in GROUPS.items():
+        if stems and stem not in stems:
+            continue
         a = os.path.join(work, stem, "a")
         b = os.path.join(work, stem, "b")
         chunks = []
@@ -368,4 +374,4 @@ def main(src_root, out_dir):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    main(sys.argv[1], sys.argv[2], sys.argv[3:])

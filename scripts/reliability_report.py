@@ -3,7 +3,7 @@
 
     python scripts/reliability_report.py                        # CI size, every vLLM venv found
     python scripts/reliability_report.py --scale 10             # the long run (about 10x longer)
-    python scripts/reliability_report.py --python .nox/conformance-0-33-0/bin/python --scale 10 \\
+    python scripts/reliability_report.py --python .nox/conformance-0-34-0/bin/python --scale 10 \\
         --python .nox/conformance-0-25-0/bin/python --scale 1   # one scale per interpreter
     python scripts/reliability_report.py --from-jsonl run.jsonl # re-render an earlier run
 
@@ -33,7 +33,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_OUT = ROOT / "docs" / "reliability.md"
 SUITES = ["tests/faults", "tests/security"]
-DEFAULT_VENVS = [".nox/conformance-0-33-0/bin/python", ".nox/conformance-0-25-0/bin/python"]
+DEFAULT_VENVS = [".nox/conformance-0-34-0/bin/python", ".nox/conformance-0-25-0/bin/python"]
 
 
 # -- running -----------------------------------------------------------------------------------
@@ -347,9 +347,9 @@ STATIC_CLAIMS = """## What the suites show, and where
 STATIC_FOOTER = """## Reproduce
 
 ```
-PYTHONHASHSEED=0 .nox/conformance-0-33-0/bin/python -m pytest tests/faults tests/security -q   # CI size, with vLLM
+PYTHONHASHSEED=0 .nox/conformance-0-34-0/bin/python -m pytest tests/faults tests/security -q   # CI size, with vLLM
 python -m pytest tests/faults tests/security -q                                                # without vLLM: tier tests skip
-python scripts/reliability_report.py --python .nox/conformance-0-33-0/bin/python --scale 10 \\
+python scripts/reliability_report.py --python .nox/conformance-0-34-0/bin/python --scale 10 \\
     --python .nox/conformance-0-25-0/bin/python --scale 1                                       # this page
 ```
 """

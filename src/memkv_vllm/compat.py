@@ -83,11 +83,23 @@ def job_slot_ids(job) -> Collection[int]:
 _RESULT_FIELDS = {f.name for f in dataclasses.fields(JobResult)}
 
 
+# 0.34+: `JobResult.deferred_release` (a threading.Event): a failed promotion's keys miss at once
+# while its rows stay out of the free pool until the tier sets the event. Before 0.34 the tier
+# withholds such a job's report instead (load_failure_grace_s).
+HAS_DEFERRED_RELEASE = "deferred_release" in _RESULT_FIELDS
+
+
 def job_result(job_id: int, success: bool, *, successful_keys: Collection[bytes] | None = None,
-               transfer_time: float | None = None, transfer_bytes: int | None = None) -> JobResult:
+               transfer_time: float | None = None, transfer_bytes: int | None = None,
+               deferred_release: Any = None) -> JobResult:
     """A JobResult with the optional fields this release has (0.28: successful_keys,
-    transfer_time; 0.31: transfer_bytes); the dataclass rejects unknown kwargs."""
+    transfer_time; 0.31: transfer_bytes; 0.34: deferred_release); the dataclass rejects
+    unknown kwargs. A deferred_release on a release without the field is a caller bug."""
     kwargs: dict[str, Any] = {"job_id": job_id, "success": success}
+    if deferred_release is not None:
+        if not HAS_DEFERRED_RELEASE:
+            raise TypeError("this vLLM release has no JobResult.deferred_release")
+        kwargs["deferred_release"] = deferred_release
     if successful_keys and "successful_keys" in _RESULT_FIELDS:
         kwargs["successful_keys"] = tuple(successful_keys)
     if transfer_time is not None and "transfer_time" in _RESULT_FIELDS:

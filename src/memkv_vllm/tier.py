@@ -16,8 +16,10 @@ the CPU pool.
 Contracts with vLLM (base.py of the tiering framework):
   * every method below runs on the scheduler side and returns without waiting on the network;
   * every submitted job is reported exactly once by get_finished_jobs (empty jobs at once);
-  * no byte is written into a row after its job was reported: a task returns only when its
-    socket reads are over (or, on a transport that can land late, after load_failure_grace_s);
+  * no byte is written into a row after vLLM got it back: a task returns only when its socket
+    reads are over. A failed load that may still land (RDMA), or one with a transfer unanswered
+    after lookup_timeout_s, is reported at once on 0.34+ with JobResult.deferred_release set only
+    when no byte can arrive; before 0.34 its report is withheld for load_failure_grace_s;
   * drain_jobs blocks until every result can be taken.
 
 Failure isolation: a node that is down or slow makes lookups of its blocks answer MISS (the
@@ -43,7 +45,7 @@ from memkv.config import ClientConfig
 from memkv.errors import AuthError, ConnectError, MemKVError, MemKVTimeout, ProtocolError, ServerError
 from memkv.license import check_license
 from memkv.sockio import COMPILED_RECEIVE
-from memkv_vllm import compat
+from memkv_vllm import compat, release
 from memkv_vllm import metrics as tm
 from memkv_vllm import release
 from memkv_vllm.admission import StoreAdmission
@@ -111,8 +113,11 @@ class MemKVSecondaryTierManager(compat.SecondaryTierManager):
             log.warning("MemKV tier: max_store_backlog_mb=%d is more than half of the CPU pool (%d MiB): stores in "
                         "flight may pin most of the pool's rows; keep it below half of cpu_bytes_to_use",
                         backlog_mb, pool_bytes >> 20)
+        # 0.34+: a failed or overdue promotion is reported at once and its rows held back through
+        # JobResult.deferred_release; before, its report is withheld (transfers.py).
         self._pool = TransferPool(self.settings.n_read_threads, self.settings.n_write_threads,
-                                  self.settings.load_failure_grace_s)
+                                  self.settings.load_failure_grace_s, defer_release=compat.HAS_DEFERRED_RELEASE,
+                                  load_deadline_s=self.settings.lookup_deadline_s)
         self._lookup = LookupService(self.client.exists_stream, self.settings.lookup_deadline_s,
                                      on_timeout=lambda n: self.stats.count(tm.LOOKUPS, n, ("timeout",)),
                                      store_keys=self.namespace.keys)
@@ -281,8 +286,13 @@ class MemKVSecondaryTierManager(compat.SecondaryTierManager):
                 loaded = [k for k, good in zip(f.keys, f.ok) if good]
                 results.append(compat.job_result(f.job_id, False, successful_keys=loaded or None,
                                                  transfer_time=f.seconds,
-                                                 transfer_bytes=len(loaded) * self.row_bytes))
+                                                 transfer_bytes=len(loaded) * self.row_bytes,
+                                                 deferred_release=f.release))
             else:
+                if f.kind == STORE:
+                    # Stored now: a MISS remembered from before (a failed load, a lookup before the
+                    # store) must not hide these keys from the requests still asking for them.
+                    self._lookup.forget([k for k, good in zip(f.keys, f.ok) if good], only_misses=True)
                 results.append(compat.job_result(f.job_id, success, transfer_time=f.seconds,
                                                  transfer_bytes=sum(f.ok) * self.row_bytes))
         return results

@@ -51,6 +51,7 @@ PATCH_FOR_RELEASE = {
     "0.31.0": "vllm-0.31-async-lookup-deadline.patch",
     "0.32.0": "vllm-0.31-async-lookup-deadline.patch",
     "0.33.0": "vllm-0.33-async-lookup-deadline.patch",
+    "0.34.0": "vllm-0.34-async-lookup-deadline.patch",
 }
 
 LOOKUP_TIMEOUT_S = 1.0

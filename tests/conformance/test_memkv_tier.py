@@ -23,6 +23,7 @@ from memkv import sockio
 from memkv.client.cluster import Client
 from memkv.config import AuthKey, ClientConfig, parse_servers
 from memkv.local import LocalNode
+from memkv_vllm import compat
 from tests.conformance import vllm_harness as h
 from tests.conformance.conftest import PluginLog, point_at
 from tests.conftest import REMOTE
@@ -132,6 +133,21 @@ def test_never_stored_key_is_a_miss_after_one_probe_round(memkv_env):
         trace = engine.lookup_until_resolved(h.make_keys(2), engine.new_request())
         assert trace.resolved and trace.final == (LookupResult.MISS,) * 2
         assert trace.per_key(0)[0] is LookupResult.RETRY
+
+
+def test_keys_of_a_successful_store_supersede_the_miss_the_tier_remembered(memkv_env):
+    """A request that looked a chunk up before it was stored (MISS, remembered while the request
+    lives) finds it once another request's store of it succeeded and the pool evicted it: the
+    tier probes again instead of answering the old MISS."""
+    with h.HeadlessEngine([memkv()], h.Geometry(num_rows=16)) as engine:
+        keys = h.make_keys(2)
+        waiting = engine.new_request()
+        before = engine.lookup_until_resolved(keys, waiting)
+        assert before.resolved and before.final == (LookupResult.MISS,) * 2
+        store_and_settle(engine, keys)  # another request computes and stores them
+        engine.fill_pool_to_evict(keys)
+        loaded = engine.promote_and_read(keys, waiting)
+        assert all(loaded.data[k] == engine.payloads[k] for k in keys)
 
 
 def test_reset_cache_drains_every_job_and_keeps_memkv_contents(memkv_env):
@@ -250,6 +266,70 @@ def test_stalled_node_without_deadline_keeps_answering_retry(monkeypatch, privat
             assert not trace.resolved and set(trace.final) == {LookupResult.RETRY}
         finally:
             stalled.signal(signal.SIGCONT)
+
+
+@pytest.mark.skipif(not compat.HAS_DEFERRED_RELEASE, reason="vLLM 0.34+: JobResult.deferred_release")
+def test_promotion_stalled_on_a_stopped_node_misses_at_the_deadline_and_its_row_waits_for_the_read(
+        monkeypatch, private_cluster, auth_key_hex, tmp_path):
+    """vLLM 0.34+: the node stops after the lookup said HIT, before the load is sent. The load's
+    socket read then blocks (the client's io_timeout_s is a minute), yet the key turns MISS at
+    lookup_timeout_s while the node is still stopped, and the row the promotion had is held out
+    of the pool (vLLM's deferred release) until the read has ended: rows handed out meanwhile
+    never receive the late value. Before 0.34 the request waited for the read (io_timeout_s)."""
+    import memkv_vllm
+
+    point_at(monkeypatch, private_cluster, auth_key_hex)
+    config = tmp_path / "client.yaml"
+    config.write_text("io_timeout_s: 60\n")  # the read outlives the whole test unless the node resumes
+    monkeypatch.setenv("MEMKV_CONFIG", str(config))
+    memkv_vllm.register()
+    deadline_s = 1.0
+    geometry = h.Geometry(num_rows=16)
+    with h.HeadlessEngine([memkv({"lookup_timeout_s": deadline_s})], geometry) as engine:
+        stalled = private_cluster[0]
+        key = _keys_by_owner(engine, 12, private_cluster)[stalled.address][0]
+        store_and_settle(engine, [key])
+        engine.fill_pool_to_evict([key])
+        tier = tier_of(engine)
+        load_rows: list[int] = []
+        real_submit = tier.submit_load
+
+        def spy_submit(job):
+            load_rows.extend(int(s) for s in compat.job_slot_ids(job))
+            return real_submit(job)
+
+        monkeypatch.setattr(tier, "submit_load", spy_submit)
+        req = engine.new_request()
+        resumed = False
+        try:
+            for _ in range(2000):  # until the promotion is queued: stop the node before it is sent
+                with engine.lock:
+                    queued = engine.manager.lookup(key, req) is LookupResult.HIT_PENDING
+                    if queued:
+                        _sigstop(stalled)
+                    engine.end_step_locked()  # submits the promotion when queued
+                if queued:
+                    break
+                time.sleep(0.005)
+            assert queued and len(load_rows) == 1, "no promotion was submitted"
+            trace = engine.lookup_until_resolved([key], req, max_steps=5000, timeout_s=deadline_s + 10)
+            assert trace.resolved and trace.final == (LookupResult.MISS,), trace.summary(0)
+            # Still stopped, the read still blocked: vLLM holds the row until the tier releases it.
+            assert engine.manager.primary_tier.num_deferred_release_chunks == 1
+            filler = engine.new_request()
+            fillers = h.make_keys(geometry.num_rows - 1, tag=f"after-miss/{filler.req_id}")
+            outcome = engine.store_chunks(filler, fillers)
+            assert load_rows[0] not in outcome.rows.values(), "the held row was handed out"
+            stalled.signal(signal.SIGCONT)  # the late value lands now, in the held row only
+            resumed = True
+            engine.finish_request(filler)
+            engine.run_until_idle(timeout_s=30)
+            assert engine.manager.primary_tier.num_deferred_release_chunks == 0
+            for k, row in outcome.rows.items():
+                assert engine.read_row(row) == engine.payloads[k], f"row {row} changed after it was handed out"
+        finally:
+            if not resumed:
+                stalled.signal(signal.SIGCONT)
 
 
 def test_value_deleted_between_lookup_and_load_fails_only_that_promotion(memkv_env, monkeypatch):

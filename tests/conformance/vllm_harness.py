@@ -687,10 +687,6 @@ class HeadlessEngine:
             self.step()
         return LoadedChunks(rows=rows, data=data, trace=trace)
 
-    def touch(self, keys: Sequence[OffloadKey], req: ReqContext) -> None:
-        with self.lock:
-            self.manager.touch(list(keys), req)
-
     def take_events(self) -> list[Any]:
         with self.lock:
             return list(self.manager.take_events())

@@ -45,7 +45,7 @@ def test_readme_labels_the_bench_figure_as_a_median_and_keeps_its_setup_commands
     assert "median of its rounds" in README
     assert "```\npython3 -m pip install . && python3 -m memkv bench\n```" in README
     assert ("```\npython3 -m pip install nox==2026.10.20 && python3 -m nox -s lint tests conformance-0.25.0 "
-            "conformance-0.33.0 conformance-rdma\n```") in README
+            "conformance-0.34.0 conformance-rdma conformance-remote\n```") in README
 
 
 def fenced_blocks(text: str, lang: str = "") -> list[str]:

@@ -1,7 +1,9 @@
 """The tier's vLLM-independent parts: the transfer pool and the lookup service.
 
 Claims: every job is reported exactly once (empty and wholly shed ones included, at once); a
-failed load that could still land is withheld for the grace period and drain waits for it; a
+failed load that could still land is withheld for the grace period and drain waits for it (with
+vLLM 0.34's deferred release: reported at once, its event set after the grace period, or when a
+transfer that overran the deadline returns; drain sets every event); a
 task that raises fails only its blocks; lookups answer None (RETRY) until their answer lands,
 one round per flush; answers are used as they arrive, so keys answered early resolve while the
 rest of the same round stay pending; a key not answered within the deadline becomes a miss
@@ -80,6 +82,73 @@ def test_failed_load_that_may_land_late_is_withheld_for_the_grace_period():
         assert time.monotonic() - t0 >= 0.3
         assert [f.job_id for f in pool.take_finished()] == [9]
     finally:
+        pool.shutdown()
+
+
+def test_deferred_release_reports_a_possibly_late_load_at_once_and_sets_its_event_after_the_grace():
+    """vLLM 0.34+ mode: the failed load is reported at once (its keys can miss now); only its
+    rows wait, through the event, which take_finished sets once the grace period is over."""
+    pool = TransferPool(1, 1, grace_s=0.3, defer_release=True)
+    try:
+        t0 = time.monotonic()
+        pool.submit(9, LOAD, [b"a", b"b"], [(0, 2, lambda: TaskResult([True, False], may_land_late=True))])
+        (f,) = collect(pool, 1)
+        assert f.job_id == 9 and f.ok == [True, False] and f.not_before == 0.0
+        assert f.release is not None and not f.release.is_set() and pool.busy()
+        assert wait_for(lambda: pool.take_finished() == [] and f.release.is_set())
+        assert time.monotonic() - t0 >= 0.3 and not pool.busy()
+    finally:
+        pool.shutdown()
+
+
+def test_drain_sets_every_deferred_release_before_it_returns():
+    pool = TransferPool(1, 1, grace_s=0.3, defer_release=True)
+    try:
+        pool.submit(9, LOAD, [b"a"], [(0, 1, lambda: TaskResult([False], may_land_late=True))])
+        (f,) = collect(pool, 1)
+        assert pool.wait_idle(timeout_s=5)
+        assert f.release.is_set()
+    finally:
+        pool.shutdown()
+
+
+def test_load_with_a_transfer_past_the_deadline_is_reported_at_once_and_released_when_it_returns():
+    """A stalled read: the job is reported failed at the deadline with its finished blocks kept,
+    its still-queued task is never run, and its event is set only once the stalled task returned."""
+    stalled = threading.Event()
+    ran = []
+    pool = TransferPool(1, 0, grace_s=30.0, defer_release=True, load_deadline_s=0.2)
+    try:
+        pool.submit(5, LOAD, [b"a", b"b", b"c"], [
+            (0, 1, lambda: (ran.append("a"), TaskResult([True]))[1]),
+            (1, 1, lambda: (ran.append("b"), stalled.wait(10), TaskResult([True]))[2]),
+            (2, 1, lambda: (ran.append("c"), TaskResult([True]))[1]),
+        ])
+        (f,) = collect(pool, 1)
+        assert f.job_id == 5 and f.ok == [True, False, False] and ran == ["a", "b"]
+        assert f.release is not None and not pool.loading()
+        assert not pool.wait_idle(timeout_s=0.2) and not f.release.is_set()  # the read is still on
+        stalled.set()
+        assert pool.wait_idle(timeout_s=5) and f.release.is_set()
+        assert pool.take_finished() == [] and ran == ["a", "b"]  # reported once; "c" never ran
+    finally:
+        stalled.set()
+        pool.shutdown()
+
+
+def test_a_job_queued_behind_busy_threads_is_not_failed_by_the_deadline():
+    gate = threading.Event()
+    pool = TransferPool(1, 0, grace_s=0, defer_release=True, load_deadline_s=0.1)
+    try:
+        pool.submit(1, STORE, [b"s"], [(0, 1, lambda: (gate.wait(5), TaskResult([True]))[1])])
+        assert wait_for(lambda: not pool._queues[STORE])
+        pool.submit(2, LOAD, [b"l"], [(0, 1, lambda: TaskResult([True]))])
+        time.sleep(0.3)  # three deadlines pass while the load is only queued
+        assert pool.take_finished() == []
+        gate.set()
+        assert {(f.job_id, tuple(f.ok)) for f in collect(pool, 2)} == {(1, (True,)), (2, (True,))}
+    finally:
+        gate.set()
         pool.shutdown()
 
 
