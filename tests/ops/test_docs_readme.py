@@ -38,7 +38,7 @@ def test_readme_names_the_client_defaults_the_code_uses(monkeypatch) -> None:
 
 
 def test_readme_says_how_much_disk_the_test_command_needs() -> None:
-    assert re.search(r"about 7 GB of free disk for the nox environments", README)
+    assert re.search(r"about 9 GB of free disk for the nox environments", README)
 
 
 def test_readme_labels_the_bench_figure_as_a_median_and_keeps_its_setup_commands() -> None:
