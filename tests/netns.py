@@ -2,9 +2,9 @@
 
 A `NetnsHost` is a network namespace with its own loopback and a veth pair to the test process's
 namespace: host side 10.231.X.(4i+1), namespace side 10.231.X.(4i+2), a /30 per host (X from the
-test process's pid, i a per-process counter, so parallel runs and several hosts per run never
-collide). A node started there with `start_node()` shares nothing with the test's clients but
-the veth link: no abstract Unix socket (those are per network namespace), no shared memory, no
+test process's pid, i an index per process that a closed host gives back, so parallel runs and
+several hosts per run never collide). A node started there with `start_node()` shares nothing
+with the test's clients but the veth link: no abstract Unix socket (those are per network namespace), no shared memory, no
 127.0.0.1, exactly what a client on another host gets. `cut()` sets the namespace's end of the
 link down, so every packet to the node is dropped silently (no RST, no ICMP: TCP retransmits into
 the void, as for a switch or a host that vanished), and `heal()` brings it back. `close()`
@@ -18,7 +18,6 @@ node on loopback.
 
 from __future__ import annotations
 
-import itertools
 import os
 import shutil
 import subprocess
@@ -28,8 +27,9 @@ from collections.abc import Sequence
 
 from memkv.local import LocalNode
 
-_HOSTS = itertools.count()  # per process: the i of 10.231.X.(4i+1)
-MAX_HOSTS = 63  # /30s in one 10.231.X.0/24
+MAX_HOSTS = 63  # /30s in one 10.231.X.0/24: hosts alive at once in one test process
+_FREE = set(range(MAX_HOSTS))  # the i of 10.231.X.(4i+1) not in use; a closed host gives its i back
+_FREE_LOCK = threading.Lock()
 
 
 def _address(index: int, side: int) -> str:
@@ -48,9 +48,12 @@ def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
 
 class NetnsHost:
     def __init__(self) -> None:
-        index = next(_HOSTS)
-        if index >= MAX_HOSTS:
-            raise RuntimeError(f"more than {MAX_HOSTS} namespace hosts in one test process")
+        with _FREE_LOCK:
+            if not _FREE:
+                raise RuntimeError(f"more than {MAX_HOSTS} namespace hosts alive at once in one test process")
+            index = min(_FREE)
+            _FREE.discard(index)
+        self.index: int | None = index
         pid = os.getpid()
         self.ns = f"memkv-h{pid}-{index}"
         tag = f"{pid % 100000}{chr(ord('a') + index % 26)}{index // 26}"  # interface names: 15 chars at most
@@ -129,8 +132,13 @@ class NetnsHost:
         _ip("neigh", "flush", "dev", self.host_if, check=False)
 
     def close(self) -> None:
+        """Idempotent; the address pair is free for another host once its link and namespace are gone."""
         if "link" in self._created:
             _ip("link", "del", self.host_if, check=False)
         if "ns" in self._created:
             _ip("netns", "del", self.ns, check=False)
         self._created.clear()
+        if self.index is not None:
+            with _FREE_LOCK:
+                _FREE.add(self.index)
+            self.index = None
