@@ -7,8 +7,9 @@ Why: vLLM's scheduler steps back to back while requests wait on a tier. When the
 GPU work in this process (tensor parallel: the model runs in worker processes), each step is
 pure Python, and the tier's lookup and load threads get the GIL only at forced switches (every
 5 ms). On an H200 TP=2 engine a 512-key lookup took 1.4-5 s instead of 6 ms
-(docs/archive/performance-log.md). The tier now sleeps `step_yield_ms` at the end of a step while a lookup
-or load of its own is in flight.
+(docs/archive/performance-log.md). While a lookup or load of its own is in flight, the tier now
+lowers CPython's switch interval to `step_yield_ms` (memkv_vllm/gil.py); it used to sleep that
+long at the end of each step instead, in a hook vLLM expects not to block.
 
 What runs: two real `memkv serve` nodes; an engine (vLLM's real TieringOffloadingManager,
 headless harness) stores one prompt of `--rows` chunks; then, per repetition and per setting, a
@@ -16,7 +17,9 @@ restarted engine (empty CPU pool) looks the prompt up in a loop with no pause be
 like the busy scheduler, until every chunk is HIT, i.e. promoted into its CPU pool. Rows are
 compared byte for byte after each promotion. Settings:
 
-* `--compare yield` (default): `step_yield_ms` 0 (the old behaviour) and 1; ratio 0 / 1.
+* `--compare yield` (default): `step_yield_ms` 0 (no hand-off at all), 1 (the switch interval),
+  and 0 with the loop sleeping 1 ms after each step end while the tier has a lookup or load in
+  flight (what the tier did before, emulated in this loop); ratios against 0.
   Writes bench/out/busy_scheduler.json.
 * `--compare transport`: MEMKV_TRANSPORT=tcp and MEMKV_TRANSPORT=rdma (NIXL over UCX on
   loopback, `--ucx-tls`, default cma,tcp,self: the node copies into the engine's registered pool
@@ -89,9 +92,13 @@ class Breakdown:
         return out
 
 
-def promote_busy(tier: dict, geometry: h.Geometry, keys, payloads: dict, timeout_s: float) -> dict:
-    """Lookups of every key each step, steps back to back (no model-execution pause)."""
+def promote_busy(
+    tier: dict, geometry: h.Geometry, keys, payloads: dict, timeout_s: float, step_sleep_s: float = 0.0
+) -> dict:
+    """Lookups of every key each step, steps back to back (no model-execution pause); with
+    `step_sleep_s`, a sleep after each step end while the tier waits for a lookup or load."""
     with h.HeadlessEngine([tier], geometry) as engine:
+        (memkv_tier,) = engine.manager.secondary_tiers
         req = engine.new_request()
         start = time.perf_counter()
         steps = 0
@@ -101,6 +108,8 @@ def promote_busy(tier: dict, geometry: h.Geometry, keys, payloads: dict, timeout
                 if all(r is h.LookupResult.HIT for r in results):
                     break
                 engine.end_step_locked()
+                if step_sleep_s and (memkv_tier._lookup.probing() or memkv_tier._pool.loading()):
+                    time.sleep(step_sleep_s)  # inside the step's lock region, as the tier's hook slept
             steps += 1
             if time.perf_counter() - start > timeout_s:
                 raise TimeoutError(f"not promoted after {timeout_s} s ({steps} steps): {results[:4]}")
@@ -171,7 +180,7 @@ def main() -> None:
         ap.error("--rows, --reps and --threads must be positive")
     transport = args.compare == "transport"
     if transport:
-        from memkv.transport.nixl_adapter import INSTALL_HINT, nixl_available, ucx_tls_for_host
+        from memkv.nixl_adapter import INSTALL_HINT, nixl_available, ucx_tls_for_host
 
         ok, why = nixl_available()
         if not ok:
@@ -198,11 +207,15 @@ def main() -> None:
         base["blocks_per_op"] = args.blocks_per_op
     if transport:
         settings = {
-            "tcp": ({"step_yield_ms": args.step_yield_ms}, {"MEMKV_TRANSPORT": "tcp"}),
-            "rdma": ({"step_yield_ms": args.step_yield_ms}, {"MEMKV_TRANSPORT": "rdma"}),
+            "tcp": ({"step_yield_ms": args.step_yield_ms}, {"MEMKV_TRANSPORT": "tcp"}, 0.0),
+            "rdma": ({"step_yield_ms": args.step_yield_ms}, {"MEMKV_TRANSPORT": "rdma"}, 0.0),
         }
     else:
-        settings = {"step_yield_ms=0": ({"step_yield_ms": 0.0}, {}), "step_yield_ms=1": ({"step_yield_ms": 1.0}, {})}
+        settings = {
+            "step_yield_ms=0": ({"step_yield_ms": 0.0}, {}, 0.0),
+            "step_yield_ms=1": ({"step_yield_ms": 1.0}, {}, 0.0),
+            "sleep_1ms_at_step_end": ({"step_yield_ms": 0.0}, {}, 0.001),
+        }
     results: dict[str, list[dict]] = {name: [] for name in settings}
     keys = h.make_keys(args.rows)
     payloads = {k: h.payload_for(k, geometry.row_bytes) for k in keys}
@@ -217,9 +230,9 @@ def main() -> None:
             first.run_until_idle(timeout_s=300, max_steps=10**7, poll_s=0.001)
         warmup = args.warmup if args.warmup is not None else (1 if transport else 0)
         for _ in range(warmup):
-            for name, (tier_keys, tier_env) in settings.items():
+            for name, (tier_keys, tier_env, sleep_s) in settings.items():
                 with env(tier_env):
-                    r = promote_busy({**base, **tier_keys}, geometry, keys, payloads, args.timeout_s)
+                    r = promote_busy({**base, **tier_keys}, geometry, keys, payloads, args.timeout_s, sleep_s)
                 print(f"warm-up {name}: {r['seconds'] * 1000:8.1f} ms (not recorded)", flush=True)
         if breakdown is not None:
             breakdown.install()
@@ -227,10 +240,10 @@ def main() -> None:
             order = list(settings.items())
             if transport and rep % 2:
                 order.reverse()  # neither transport always runs first
-            for name, (tier_keys, tier_env) in order:
+            for name, (tier_keys, tier_env, sleep_s) in order:
                 before = {op: sum(node_requests(n, op) for n in nodes) for op in ("get", "rdma_get")}
                 with env(tier_env):
-                    r = promote_busy({**base, **tier_keys}, geometry, keys, payloads, args.timeout_s)
+                    r = promote_busy({**base, **tier_keys}, geometry, keys, payloads, args.timeout_s, sleep_s)
                 r["node_requests"] = {op: sum(node_requests(n, op) for n in nodes) - v for op, v in before.items()}
                 if breakdown is not None:
                     r["breakdown"] = breakdown.take()
@@ -286,11 +299,16 @@ def main() -> None:
         default_out = OUT / "busy_scheduler_rdma.json"
     else:
         ratios = [a["seconds"] / b["seconds"] for a, b in zip(results["step_yield_ms=0"], results["step_yield_ms=1"])]
+        slept = [
+            a["seconds"] / b["seconds"] for a, b in zip(results["step_yield_ms=0"], results["sleep_1ms_at_step_end"])
+        ]
         print(
             f"promotion time, step_yield_ms 0 / 1, per repetition: {', '.join(f'{x:.1f}x' for x in ratios)} "
-            f"(median {statistics.median(ratios):.1f}x)"
+            f"(median {statistics.median(ratios):.1f}x); 0 / a 1 ms sleep at each step end: "
+            f"{', '.join(f'{x:.1f}x' for x in slept)} (median {statistics.median(slept):.1f}x)"
         )
         doc["ratio_no_yield_over_yield"] = ratios
+        doc["ratio_no_yield_over_step_end_sleep"] = slept
         default_out = OUT / "busy_scheduler.json"
     out = Path(args.out) if args.out else default_out
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -82,7 +82,8 @@ if not (SRC / "memkv" / "__init__.py").is_file():
     sys.exit(f"--src {SRC}: no memkv package there (give the src/ directory of a MemKV checkout)")
 sys.path.insert(0, str(SRC))
 sys.path.insert(1, str(Path(__file__).resolve().parents[1]))  # tests/tlscerts.py for --tls
-NODE_ENV = {"PYTHONPATH": str(SRC)}
+# Ahead of the caller's PYTHONPATH, which may hold the dependencies (a staged host: bench/gpu).
+NODE_ENV = {"PYTHONPATH": os.pathsep.join(p for p in (str(SRC), os.environ.get("PYTHONPATH", "")) if p)}
 
 from memkv.benchmark import fill_pattern, prefaulted_pool  # noqa: E402
 from memkv.client.cluster import Client  # noqa: E402

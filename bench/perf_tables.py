@@ -27,24 +27,37 @@ VM_RESULTS = "bench/results"
 GPU_RESULTS = "bench/gpu/results"
 
 # Source file -> the commit whose code produced it (the JSON records date and machine, not this).
-SHM = f"{VM_RESULTS}/shm_trust_2026-12-06"
+MEMFD = f"{VM_RESULTS}/shm_memfd_2026-12-06"
 # The shared-memory designs measured side by side on 2026-12-06 (datapath JSON, same runs):
-# (label, file name pattern, commit, invocations).
+# (label, file path pattern, commit, invocations).
 SHM_DESIGNS = [
+    ("current: a sealed memfd per value (spares `auto`: off here)", MEMFD + "/memfd_b{b}_{i}", "133b63c", (1, 2)),
+    ("previous: arenas, same run", MEMFD + "/arenas3_b{b}_{i}", "d457ffa", (1, 2)),
+    ("spares on (`--shared-memory-spares on`)", MEMFD + "/ab_spare_b{b}_{i}", "f9a4d5b", (1, 2)),
+    ("spares off, same run", MEMFD + "/ab_nospare_b{b}_{i}", "f9a4d5b", (1, 2)),
+]
+H100_DATAPATH = [
     (
-        "current: a sealed memfd per value, huge pages (`shmem_enabled=advise`)",
-        "thp-advise_branch_bpo{b}_{i}",
-        "e8338cf",
-        (1, 2),
+        "memfds with spares (on there: `auto`), commit 1499605",
+        f"{GPU_RESULTS}/datapath-h100-2026-12-06/new.json",
+        "1499605",
     ),
-    ("previous: arenas, same run", "thp-advise_main_bpo{b}_{i}", "d457ffa", (1, 2)),
-    ("current without huge pages (`shmem_enabled=never`)", "branch_b{b}_r{i}", "c7fec14", (1, 2, 3)),
-    ("previous: arenas, same run", "main_b{b}_r{i}", "d457ffa", (1, 2, 3)),
+    ("previous: arenas, same machine", f"{GPU_RESULTS}/datapath-h100-2026-12-06/old.json", "383289d"),
+    (
+        "memfds without spares, commit 2072e52 (another machine)",
+        f"{GPU_RESULTS}/datapath-h100-2026-12-06/no-spares-2072e52/new_2.json",
+        "2072e52",
+    ),
+    (
+        "previous: arenas, same machine",
+        f"{GPU_RESULTS}/datapath-h100-2026-12-06/no-spares-2072e52/old_2.json",
+        "383289d",
+    ),
 ]
 
 
 def shm_files(pattern: str, b: int, invocations: tuple[int, ...]) -> list[str]:
-    return [f"{SHM}/{pattern.format(b=b, i=i)}.json" for i in invocations]
+    return [f"{pattern.format(b=b, i=i)}.json" for i in invocations]
 
 
 # Source file -> the commit whose code produced it (the JSON records date and machine, not this).
@@ -55,6 +68,11 @@ COMMITS = {
         for b in (1, 8)
         for path in shm_files(pattern, b, invocations)
     },
+    **{path: commit for _, path, commit in H100_DATAPATH},
+    f"{GPU_RESULTS}/run61-h100-colocated-main-restart.json": "f6bd980",
+    f"{GPU_RESULTS}/run62-h100-colocated-arenas-main-restart.json": "383289d",
+    f"{GPU_RESULTS}/run63-h100-colocated-main-restart.json": "1499605",
+    f"{GPU_RESULTS}/run64-h100-colocated-arenas-main-restart.json": "383289d",
     f"{VM_RESULTS}/datapath_2026-12-05/memory.json": "159889a",
     f"{VM_RESULTS}/fleet_2026-12-06/fleet.json": "e8338cf",
     f"{VM_RESULTS}/xxh3_builds_2026-12-06.json": "f5bffac",
@@ -600,6 +618,78 @@ def gpu_cold() -> list[str]:
     ]
 
 
+# The shared-memory designs on the H100 host, each pair on one machine, one after the other.
+H100_DESIGN_RUNS = [
+    (f"{GPU_RESULTS}/run61-h100-colocated-main-restart.json", "61", "memfds, spares (loads mapped)"),
+    (f"{GPU_RESULTS}/run62-h100-colocated-arenas-main-restart.json", "62", "previous: arenas"),
+    (f"{GPU_RESULTS}/run63-h100-colocated-main-restart.json", "63", "memfds, spares, loads read (current)"),
+    (f"{GPU_RESULTS}/run64-h100-colocated-arenas-main-restart.json", "64", "previous: arenas"),
+]
+
+
+def gpu_h100_designs() -> list[str]:
+    rows = []
+    for path, run, label in H100_DESIGN_RUNS:
+        d = load(path)
+        for engine, phase, name in (("main", "memkv", "main"), ("restart", "restart_memkv", "restarted")):
+            cells = []
+            for t in H100_TOKENS:
+                runs = [r for r in d["breakdown"] if (r["engine"], r["phase"], r["tokens"]) == (engine, phase, t)]
+                stage = " / ".join(f"{r['memkv_to_pool_s']:.2f}" for r in runs)
+                cells.append(f"{pair([r['total_s'] for r in runs])} ({stage})")
+            rows.append([f"run {run}: {label}, commit {COMMITS[path]}", name, *cells])
+    what = (
+        "`python3 bench/gpu/ttft.py --phases main,restart --tokens 8192,32768 --gpu-util 0.95`, README's tier "
+        "config, 4 nodes on the engine's host: time to first token of a revisited prompt, the two repetitions "
+        "(in brackets: MemKV -> CPU pool), seconds; runs 61-62 on one machine, 63-64 on another, one after the "
+        "other; the host's `shmem_enabled` is `never`"
+    )
+    paths = [p for p, _, _ in H100_DESIGN_RUNS]
+    return [
+        source_line(paths, what, where=load(paths[0])["meta"]["host"]["gpu"].split(",")[0]),
+        "",
+        *table(["shared memory design", "engine", "8k tokens (2 GiB)", "32k (8 GiB)"], rows),
+    ]
+
+
+def gpu_h100_datapath() -> list[str]:
+    rows = []
+    for label, path, _ in H100_DATAPATH:
+        d = load(path)
+        rows.append(
+            [
+                label,
+                f"{med(d['block_median_ratios']['memkv-shm/raw-unix put']):.2f}",
+                f"{med(d['block_median_ratios']['memkv-shm/raw-unix get']):.2f}",
+                f"{med(d['block_median_ratios']['memkv/raw-unix put']):.2f}",
+                f"{med(d['gbps']['memkv-shm put']):.1f} / {med(d['gbps']['memkv-shm get']):.1f}",
+                f"{med(d['gbps']['raw-unix put']):.1f} / {med(d['gbps']['raw-unix get']):.1f}",
+                f"{med(d['cpu_s_per_gb']['memkv-shm put']):.2f} / {med(d['cpu_s_per_gb']['memkv-shm get']):.2f}",
+            ]
+        )
+    what = (
+        "`python3 bench/datapath.py --no-redis --reps 3 [--src DIR]` on the H100 host (16 vCPUs, "
+        "`shmem_enabled=never`), each memfd build alternating with the arenas on one machine, the last run of each"
+    )
+    paths = [p for _, p, _ in H100_DATAPATH]
+    return [
+        source_line(paths, what, where="NVIDIA H100 80GB HBM3 host"),
+        "",
+        *table(
+            [
+                "shared memory design",
+                "PUT vs raw-unix",
+                "GET vs raw-unix",
+                "socket PUT (shared memory off) vs raw-unix",
+                "memkv-shm GB/s PUT / GET",
+                "raw-unix GB/s PUT / GET",
+                "memkv-shm CPU-s/GB PUT / GET",
+            ],
+            rows,
+        ),
+    ]
+
+
 TABLES: dict[str, Callable[[], list[str]]] = {
     "vm-datapath": vm_datapath,
     "vm-batched": vm_batched,
@@ -612,6 +702,8 @@ TABLES: dict[str, Callable[[], list[str]]] = {
     "vm-tier": vm_tier,
     "gpu-h100-ttft": gpu_h100_ttft,
     "gpu-h100-stages": gpu_h100_stages,
+    "gpu-h100-designs": gpu_h100_designs,
+    "gpu-h100-datapath": gpu_h100_datapath,
     "gpu-ttft": gpu_ttft,
     "gpu-cold": gpu_cold,
 }

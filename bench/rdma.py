@@ -41,11 +41,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 # The node (`python -m memkv serve`) runs this tree's code too, not whatever the venv installed.
 os.environ["PYTHONPATH"] = os.pathsep.join([sys.path[0], *filter(None, [os.environ.get("PYTHONPATH")])])
 
+from memkv import nixl_adapter
 from memkv.benchmark import fill_pattern, prefaulted_pool
 from memkv.client.cluster import Client
 from memkv.config import AuthKey, ClientConfig, format_size, parse_servers, parse_size
 from memkv.local import LocalNode, new_key_hex
-from memkv.transport import nixl_adapter
 
 OUT = Path(__file__).resolve().parent / "out"
 UCX = {"tcp": "tcp", "cma": "cma,tcp,self"}

@@ -22,8 +22,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from memkv.config import parse_size
+from memkv.nixl_adapter import NixlAgent, buffer_address
 from memkv.server.store import ValueBuffer
-from memkv.transport.nixl_adapter import NixlAgent, buffer_address
 
 
 def main() -> int:

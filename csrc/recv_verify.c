@@ -255,6 +255,67 @@ static PyObject *copy_xxh3(PyObject *self, PyObject *args) {
     return PyBytes_FromStringAndSize((const char *)canon.digest, sizeof canon.digest);
 }
 
+static PyObject *read_xxh3(PyObject *self, PyObject *args) {
+    /* read_xxh3(fd, target, piece_bytes) -> digest or None: pread the first len(target) bytes
+     * of the file `fd` into `target` piece by piece, hashing each piece right after the kernel
+     * copied it (in cache), with no GIL: the load of a memfd a same-host node passed
+     * (memkv/client/shared.py). Reading rather than mapping takes no lock of the process's
+     * address space: loader threads of one process mapping and unmapping values serialize on
+     * it. None when the file holds fewer bytes (or a read fails: errno set). */
+    (void)self;
+    int fd;
+    PyObject *target_obj;
+    Py_ssize_t piece;
+    if (!PyArg_ParseTuple(args, "iOn", &fd, &target_obj, &piece)) {
+        return NULL;
+    }
+    if (piece <= 0) {
+        PyErr_SetString(PyExc_ValueError, "piece_bytes must be positive");
+        return NULL;
+    }
+    Py_buffer target;
+    if (PyObject_GetBuffer(target_obj, &target, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0) {
+        return NULL;
+    }
+    XXH3_state_t *state = new_state();
+    if (state == NULL) {
+        PyBuffer_Release(&target);
+        return NULL;
+    }
+    char *dst = (char *)target.buf;
+    size_t total = (size_t)target.len;
+    size_t got = 0;
+    int err = 0;
+    Py_BEGIN_ALLOW_THREADS
+    while (got < total) {
+        size_t want = total - got < (size_t)piece ? total - got : (size_t)piece;
+        ssize_t n = pread(fd, dst + got, want, (off_t)got);
+        if (n > 0) {
+            xxh3_update(state, dst + got, (size_t)n);
+            got += (size_t)n;
+        } else if (n < 0 && errno == EINTR) {
+            continue;
+        } else {
+            err = n < 0 ? errno : 0;
+            break;
+        }
+    }
+    Py_END_ALLOW_THREADS
+    PyBuffer_Release(&target);
+    if (got < total) {
+        XXH3_freeState(state);
+        if (err != 0) {
+            errno = err;
+            return PyErr_SetFromErrno(PyExc_OSError);
+        }
+        Py_RETURN_NONE;
+    }
+    XXH128_canonical_t canon;
+    XXH128_canonicalFromHash(&canon, XXH3_128bits_digest(state));
+    XXH3_freeState(state);
+    return PyBytes_FromStringAndSize((const char *)canon.digest, sizeof canon.digest);
+}
+
 static PyObject *xxh3_128_digest(PyObject *self, PyObject *args) {
     /* The one-shot digest of this build, for the tests that hold it to python-xxhash's:
      * through the update loop chosen at import, or the baseline one when `baseline` is true
@@ -284,6 +345,8 @@ static PyMethodDef methods[] = {
      "recv_xxh3_into(fd, buffer, piece_bytes, deadline) -> (got, errno, digest or None)"},
     {"copy_xxh3", copy_xxh3, METH_VARARGS,
      "copy_xxh3(target, source, piece_bytes, populate=False) -> digest of the copy (16 bytes)"},
+    {"read_xxh3", read_xxh3, METH_VARARGS,
+     "read_xxh3(fd, target, piece_bytes) -> digest of what was read (16 bytes), or None when short"},
     {"xxh3_128_digest", xxh3_128_digest, METH_VARARGS, "xxh3_128_digest(data, baseline=False) -> 16 bytes"},
     {NULL, NULL, 0, NULL},
 };

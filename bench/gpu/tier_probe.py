@@ -45,7 +45,7 @@ class RowPrefaulter:
         import ctypes
         import mmap
 
-        from memkv.transport.nixl_adapter import buffer_address
+        from memkv.nixl_adapter import buffer_address
 
         libc = ctypes.CDLL(None, use_errno=True)
         libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]

@@ -26,7 +26,7 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(HERE)), "src"))
-from memkv.transport.nixl_adapter import ucx_tls_for_host  # noqa: E402  (adds cuda_copy on an NVIDIA host)
+from memkv.nixl_adapter import ucx_tls_for_host  # noqa: E402  (adds cuda_copy on an NVIDIA host)
 
 RDMA_ENV = {"MEMKV_TRANSPORT": "rdma", "UCX_TLS": ucx_tls_for_host("cma,tcp,self"), "UCX_NET_DEVICES": "lo"}
 XFER = [  # (tag, transport, extra env)

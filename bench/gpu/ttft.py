@@ -186,7 +186,7 @@ def stop_nodes(state: dict) -> None:
 def node_status(state: dict) -> list:
     out = []
     try:
-        from memkv.cli import fetch_status
+        from memkv.cli.admin import fetch_status
     except Exception as exc:  # pragma: no cover - informational only
         return [f"fetch_status unavailable: {exc}"]
     for node in state["nodes"]:

@@ -7,10 +7,9 @@ Public surface (pinned by tests/unit/test_exported_members.py):
     the exception classes of memkv.errors (the tree is drawn in its docstring)
 """
 
-__version__ = "0.1.0"
+import importlib
+import typing
 
-from memkv.client.cluster import Client, ClientState, KeyListing, ListedKey, ProbeResult
-from memkv.config import ClientConfig, ServerAddress
 from memkv.errors import (
     AuthError,
     ClientClosed,
@@ -34,7 +33,40 @@ from memkv.errors import (
     WriteError,
     WriteTimeout,
 )
-from memkv.transport.base import LoadResult
+
+if typing.TYPE_CHECKING:
+    from memkv.client.cluster import Client, ClientState, KeyListing, ListedKey, ProbeResult
+    from memkv.config import ClientConfig, ServerAddress
+    from memkv.transport.base import LoadResult
+
+__version__ = "0.1.0"
+
+# Imported on first use (PEP 562), so that a node, which imports memkv.server.*, never loads
+# the client: {name: module that defines it}. The TYPE_CHECKING imports above name the same.
+_LAZY = {
+    "Client": "memkv.client.cluster",
+    "ClientState": "memkv.client.cluster",
+    "KeyListing": "memkv.client.cluster",
+    "ListedKey": "memkv.client.cluster",
+    "ProbeResult": "memkv.client.cluster",
+    "ClientConfig": "memkv.config",
+    "ServerAddress": "memkv.config",
+    "LoadResult": "memkv.transport.base",
+}
+
+
+def __getattr__(name: str) -> object:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # later lookups skip __getattr__
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_LAZY})
+
 
 __all__ = [
     "__version__",

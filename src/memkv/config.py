@@ -287,6 +287,7 @@ def default_key_path() -> Path:
 # --------------------------------------------------------------------------------------------
 
 TRANSPORTS = ("auto", "tcp", "rdma")
+SPARES_MODES = ("auto", "on", "off")
 
 YAML_KEYS = {
     "servers": "host:port list (or {address, weight} mappings)",
@@ -652,9 +653,15 @@ class ServerConfig:
     shared_memory: bool = True
     # Besides peers of the node's own uid, peers in this group (a gid) get shared memory too.
     shared_memory_group: int | None = None
+    # Spares (memkv/server/shared.py): "on", "off", or "auto" (on where the node has cores to spare).
+    shared_memory_spares: str = "auto"
 
     def __post_init__(self) -> None:
         self._check_tls()
+        if self.shared_memory_spares not in SPARES_MODES:
+            raise ConfigError(
+                f"--shared-memory-spares: expected one of {', '.join(SPARES_MODES)}, got {self.shared_memory_spares!r}"
+            )
         if self.transport not in TRANSPORTS:
             raise ConfigError(f"{ENV_TRANSPORT}: expected one of {', '.join(TRANSPORTS)}, got {self.transport!r}")
         if self.max_value_bytes > self.capacity_bytes:

@@ -68,7 +68,12 @@ class RemoteProtocolError(ProtocolError):
 
 
 class AuthError(MemKVError):
-    """Authentication failed: wrong auth key, a forged, altered or replayed frame."""
+    """Authentication failed: wrong auth key, a forged, altered or replayed frame. `reason` says
+    which (a metrics label and what the node answers): "bad_mac", "bad_sequence", "wrong_key"."""
+
+    def __init__(self, msg: str, reason: str = "wrong_key") -> None:
+        super().__init__(msg)
+        self.reason = reason
 
 
 class TransportError(MemKVError):

@@ -297,3 +297,16 @@ def load_failure_reportable() -> bool:
 
     return hasattr(OffloadingConnectorWorker, "take_failed_recving")
 
+
+
+def load_failure_policy() -> str | None:
+    """0.34+: the engine's `kv_load_failure_policy` ("recompute" or "fail", vLLM's default), read
+    from the config vLLM makes current while it builds a worker's connector; None where there is
+    none (another release, or a caller outside vLLM's worker)."""
+    try:
+        from vllm.config import get_current_vllm_config_or_none
+    except ImportError:
+        return None
+    config = get_current_vllm_config_or_none()
+    transfer = getattr(config, "kv_transfer_config", None)
+    return getattr(transfer, "kv_load_failure_policy", None)

@@ -22,7 +22,7 @@ class TierSettings:
     load_failure_grace_s: float = 60.0  # withhold a failed load's report while a transfer could land
     max_store_backlog_mb: int | None = None  # store jobs queued or in flight above this are shed; None: half the CPU pool
     lookup_timeout_s: float = 5.0  # a lookup unresolved this long answers MISS; <= 0 disables
-    step_yield_ms: float = 1.0  # per scheduler step, GIL given to the tier's threads while a promotion is in flight
+    step_yield_ms: float = 1.0  # switch interval (gil.py) while a lookup or promotion is in flight; 0: left alone
     locality: str | None = None
 
     @classmethod

@@ -36,42 +36,19 @@ its own that worker threads write, except through those two and TierStats.
 from __future__ import annotations
 
 import logging
-import time
 from typing import Any
 
-from memkv import __version__ as memkv_version
-from memkv.client.cluster import Client
-from memkv.config import ClientConfig
-from memkv.errors import AuthError, ConnectError, MemKVError, MemKVTimeout, ProtocolError, ServerError
-from memkv.license import check_license
-from memkv.sockio import COMPILED_RECEIVE
-from memkv_vllm import compat, release
+from memkv_vllm import compat
 from memkv_vllm import metrics as tm
-from memkv_vllm import release
 from memkv_vllm.admission import StoreAdmission
 from memkv_vllm.config import TierSettings
+from memkv_vllm.gil import SwitchInterval
 from memkv_vllm.keys import KeyNamespace
 from memkv_vllm.lookup import LookupService
+from memkv_vllm.startup import Startup
 from memkv_vllm.transfers import LOAD, STORE, TaskResult, TransferPool
 
 log = logging.getLogger("vllm.memkv_vllm")
-
-
-class TierStartupError(RuntimeError):
-    """The tier cannot start: the message names the server or setting and the likely cause."""
-
-
-def explain_probe_failure(exc: MemKVError) -> str:
-    """A startup message with the likely cause, for each way a server can fail the probe."""
-    if isinstance(exc, AuthError):
-        return f"{exc} -- check that MEMKV_AUTH_KEY matches the key the node was started with"
-    if isinstance(exc, (ConnectError, MemKVTimeout)):
-        return f"{exc} -- check the address in MEMKV_SERVERS and that `memkv serve` runs there and is reachable"
-    if isinstance(exc, ProtocolError):
-        return f"{exc} -- is this the node's data port (not its admin port), and is the node the same protocol version?"
-    if isinstance(exc, ServerError):
-        return f"{exc} -- the node refused the connection"
-    return str(exc)
 
 
 class MemKVSecondaryTierManager(compat.SecondaryTierManager):
@@ -92,16 +69,17 @@ class MemKVSecondaryTierManager(compat.SecondaryTierManager):
         assert primary_kv_view.strides is not None, "primary_kv_view.strides cannot be None"
         self.row_bytes = primary_kv_view.strides[0]
         pool_bytes = primary_kv_view.nbytes
-        client_config = ClientConfig.from_env()
-        license_status = check_license(client_config.license, client_config.license_public_key)
-        if license_status is not None:
-            log.info(license_status.log_line())
-        self.client = Client(client_config)
+        startup = Startup("MemKV tier", log)
+        self.client = startup.open_client()
         try:
-            self._probe_all()
+            startup.probe(self.client, self.row_bytes, "a CPU-pool row")
             self.namespace = KeyNamespace(self.settings.prefix, offloading_spec, self.row_bytes)
-            self._write_config_record()
-            self._register_pool(primary_kv_view)
+            startup.write_config_record(self.client, self.namespace.config_key, self.namespace.config_record())
+            pool = primary_kv_view.cast("B")  # RDMA: the whole pool, once; the client keeps its range, not a view
+            try:
+                startup.register_pool(self.client, pool)
+            finally:
+                pool.release()
         except BaseException:
             self.client.close()
             raise
@@ -121,63 +99,15 @@ class MemKVSecondaryTierManager(compat.SecondaryTierManager):
         self._lookup = LookupService(self.client.exists_stream, self.settings.lookup_deadline_s,
                                      on_timeout=lambda n: self.stats.count(tm.LOOKUPS, n, ("timeout",)),
                                      store_keys=self.namespace.keys)
-        self._step_yield_s = self.settings.step_yield_ms / 1000.0
+        self._gil = SwitchInterval(self.settings.step_yield_ms / 1000.0)
         self._closed = False
-        problem = compat.block_hash_reuse_problem()
-        if problem:
-            log.warning("MemKV tier: %s: blocks stored by this engine cannot be reused by a restarted or "
-                        "another engine. Set PYTHONHASHSEED (e.g. 0) on every instance that should share KV.", problem)
+        startup.warn_block_hashes("blocks")
         s = self.settings
-        log.info(
-            "MemKV tier ready (servers=%s, rdma=%s, same_host=%d/%d, shared_memory=%d/%d, block_bytes=%d, "
-            "namespace=%s, n_read_threads=%d, n_write_threads=%d, blocks_per_op=%d, lookup_timeout_s=%s, max_store_backlog_mb=%d%s, receive=%s, memkv=%s, %s)",
-            [a.name for a in self.client.servers()], self.client.has_rdma(), len(self.client.local_servers()),
-            len(self.client.servers()), len(self.client.shared_memory_servers()), len(self.client.servers()),
-            self.row_bytes, self.namespace.namespace,
-            s.n_read_threads, s.n_write_threads, s.blocks_per_op, s.lookup_timeout_s, backlog_mb,
-            "" if s.max_store_backlog_mb is not None else " (half the CPU pool)",
-            "compiled" if COMPILED_RECEIVE else "python", memkv_version, release.vllm_field(),
-        )
-        release.warn_if_unqualified()
-
-    # ---------------------------------------------------------------------------------------------
-    # Startup
-    # ---------------------------------------------------------------------------------------------
-
-    def _probe_all(self) -> None:
-        """Every configured server, not just one: with HRW a bad entry would silently lose its
-        share of the keys at runtime."""
-        for node in self.client._nodes:
-            try:
-                node.ping()
-            except MemKVError as exc:
-                raise TierStartupError(f"MemKV tier cannot start: server {node.name}: {explain_probe_failure(exc)}") from exc
-            limit = node.limits.max_value_bytes if node.limits else 0
-            if limit < self.row_bytes:
-                raise TierStartupError(
-                    f"MemKV tier cannot start: server {node.name} accepts values up to {limit} bytes but a CPU-pool "
-                    f"row is {self.row_bytes} bytes -- start the node with --max-value-size >= {self.row_bytes} or "
-                    "use a smaller block_size"
-                )
-
-    def _register_pool(self, primary_kv_view: memoryview) -> None:
-        """RDMA (docs/rdma.md): register the whole CPU pool once, so that nodes WRITE loads
-        straight into its rows. MEMKV_TRANSPORT=rdma refuses to start without it; `auto` and
-        `tcp` go on over TCP. The client keeps the address range, not a view of the pool."""
-        pool = primary_kv_view.cast("B")
-        try:
-            self.client.register_pool(pool)
-        except MemKVError as exc:
-            raise TierStartupError(f"MemKV tier cannot start: {exc}") from exc
-        finally:
-            pool.release()
-
-    def _write_config_record(self) -> None:
-        key = self.namespace.config_key
-        if not self.client.exists([key])[0]:
-            record = self.namespace.config_record()
-            if not self.client.batch_put_views([(key, record)])[0]:
-                log.warning("MemKV tier: could not write the namespace record %r", key)
+        startup.ready(self.client, "block_bytes=%d, namespace=%s, n_read_threads=%d, n_write_threads=%d, "
+                      "blocks_per_op=%d, lookup_timeout_s=%s, max_store_backlog_mb=%d%s",
+                      self.row_bytes, self.namespace.namespace, s.n_read_threads, s.n_write_threads, s.blocks_per_op,
+                      s.lookup_timeout_s, backlog_mb,
+                      "" if s.max_store_backlog_mb is not None else " (half the CPU pool)")
 
     # ---------------------------------------------------------------------------------------------
     # Lookups
@@ -198,14 +128,9 @@ class MemKVSecondaryTierManager(compat.SecondaryTierManager):
     def on_schedule_end(self, context) -> None:
         self._lookup.flush()
         self._admission.end_step()
-        if self._step_yield_s and (self._lookup.probing() or self._pool.loading()):
-            # A scheduler with nothing for the GPU to do (requests waiting on this tier; TP > 1,
-            # where the GPU work runs in worker processes) steps in pure Python back to back and
-            # keeps the GIL: the lookup and load threads then get it only at forced switches
-            # (5 ms each, several per round). Measured on an H200 TP=2 engine: a 512-key exists
-            # round took 1.4-5 s instead of 6 ms. Sleeping releases the GIL; only while a
-            # promotion is pending, so the steps of running requests are not slowed otherwise.
-            time.sleep(self._step_yield_s)
+        # While a lookup or promotion is in flight, its threads get the GIL within step_yield_ms
+        # of asking, and this step never waits for them (gil.py says why).
+        self._gil.hold(self._lookup.probing() or self._pool.loading())
 
     def on_request_finished(self, req_context) -> None:
         self._lookup.cleanup(req_context.req_id)
@@ -329,6 +254,7 @@ class MemKVSecondaryTierManager(compat.SecondaryTierManager):
         if getattr(self, "_closed", True):
             return
         self._closed = True
+        self._gil.close()
         self._lookup.shutdown()
         self._pool.shutdown()
         self.client.close()

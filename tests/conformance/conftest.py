@@ -15,7 +15,14 @@ import contextlib
 import glob
 import logging
 import os
+import queue
+import select
+import socket
+import sys
+import threading
+import time
 from collections.abc import Iterator
+from typing import ClassVar
 
 import pytest
 
@@ -123,3 +130,37 @@ class PluginLog(logging.Handler):
     def __exit__(self, *exc) -> None:
         self.logger.removeHandler(self)
         self.logger.setLevel(self._level)
+
+
+class WaitingCalls:
+    """Records the waiting calls this thread makes while entered: sleeps, waits on events and
+    conditions, joins, queue gets, select/poll and socket receives. A profile hook of the thread
+    itself (sys.setprofile) sees every call, so the record is exact, not a timing."""
+
+    _PY: ClassVar[dict] = {threading.Event.wait.__code__: "Event.wait", threading.Condition.wait.__code__: "Condition.wait",
+           threading.Thread.join.__code__: "Thread.join", queue.Queue.get.__code__: "Queue.get"}
+    _C_OWNERS = (select.epoll, type(select.poll()), socket.socket)
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+
+    def _hook(self, frame, event, arg) -> None:
+        if event == "call" and frame.f_code in self._PY:
+            self.calls.append(self._PY[frame.f_code])
+        elif event == "c_call":
+            name = getattr(arg, "__name__", "")
+            owner = getattr(arg, "__self__", None)
+            if arg is time.sleep or getattr(arg, "__module__", None) == "select" or (
+                    isinstance(owner, self._C_OWNERS) and name in ("poll", "recv", "recv_into", "recvfrom", "accept")):
+                where = getattr(arg, "__module__", None) if owner is None or isinstance(owner, type(sys)) else None
+                self.calls.append(f"{where or type(owner).__name__}.{name}")
+            elif isinstance(owner, queue.SimpleQueue) and name == "get":
+                self.calls.append("SimpleQueue.get")
+
+    def __enter__(self) -> WaitingCalls:
+        self._before = sys.getprofile()
+        sys.setprofile(self._hook)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        sys.setprofile(self._before)

@@ -17,7 +17,6 @@ the request recomputes from that chunk on. Asserted here, with real `memkv serve
 from __future__ import annotations
 
 import signal
-import threading
 import time
 import uuid
 
@@ -28,7 +27,7 @@ from tests.conformance import direct_harness as dh
 from tests.conformance.conftest import point_at
 from tests.conformance.test_memkv_tier import _sigstop
 from tests.faults.nodeops import NO_LOCAL_SOCKET
-from tests.faults.proxy import C2S, Fault, FaultProxy
+from tests.faults.proxy import FaultProxy, FlipNextPut
 
 pytestmark = pytest.mark.conformance
 
@@ -160,13 +159,7 @@ def test_values_evicted_after_the_hit_are_still_loaded_byte_exact_from_staging(d
 
 def test_corrupt_value_is_a_miss_from_that_chunk_and_is_purged(monkeypatch, start_node, auth_key_hex):
     node = start_node(capacity="64MiB", extra_args=[NO_LOCAL_SOCKET])
-    flip_next_put = threading.Event()
-
-    def plan(frame):
-        if frame.direction == C2S and frame.opcode == 0x10 and flip_next_put.is_set():
-            flip_next_put.clear()
-            return Fault.flip(frame.payload_start + 100, xor=0x20)  # a byte of the frame's first value
-        return None
+    plan = FlipNextPut(offset=100)  # a byte of the frame's first value
 
     g = dh.Geometry()
     tag = uuid.uuid4().hex
@@ -174,7 +167,7 @@ def test_corrupt_value_is_a_miss_from_that_chunk_and_is_purged(monkeypatch, star
         point_at(monkeypatch, [proxy], auth_key_hex)
         with dh.DirectEngine(g, dh.direct_config(blocks_per_op=1, load_guarantee="staged")) as engine:
             m = engine.manager
-            flip_next_put.set()
+            plan.arm()
             engine.run(tag, _tokens(g))
             flipped = [a for a in proxy.applied if a.fault.kind == "flip" and a.keys]
             assert len(flipped) == 1, proxy.applied

@@ -45,7 +45,7 @@ from tests.conformance import direct_harness as dh
 from tests.conformance.conftest import point_at
 from tests.conformance.test_memkv_tier import _sigstop
 from tests.faults.nodeops import NO_LOCAL_SOCKET, metric_value, metrics_of
-from tests.faults.proxy import C2S, Fault, FaultProxy
+from tests.faults.proxy import FaultProxy, FlipNextPut
 
 pytestmark = pytest.mark.conformance
 
@@ -273,13 +273,7 @@ def test_stalled_node_back_within_the_retry_window_loads_byte_exact(monkeypatch,
 
 def test_corrupt_value_never_reaches_the_gpu_fails_the_load_and_is_purged(monkeypatch, start_node, auth_key_hex):
     node = start_node(capacity="64MiB", extra_args=[NO_LOCAL_SOCKET])
-    flip_next_put = threading.Event()
-
-    def plan(frame):
-        if frame.direction == C2S and frame.opcode == 0x10 and flip_next_put.is_set():
-            flip_next_put.clear()
-            return Fault.flip(frame.payload_start + 100, xor=0x20)  # a byte of the frame's first value
-        return None
+    plan = FlipNextPut(offset=100)  # a byte of the frame's first value
 
     g = dh.Geometry()
     tag = uuid.uuid4().hex
@@ -288,7 +282,7 @@ def test_corrupt_value_never_reaches_the_gpu_fails_the_load_and_is_purged(monkey
     with FaultProxy((node.host, node.port), plan, name="flip") as proxy:
         point_at(monkeypatch, [proxy], auth_key_hex)
         with dh.DirectEngine(g, config) as engine:
-            flip_next_put.set()
+            plan.arm()
             engine.run(tag, tokens)
             flipped = [a for a in proxy.applied if a.fault.kind == "flip" and a.keys]
             assert len(flipped) == 1, proxy.applied

@@ -14,7 +14,9 @@ first block that is not chunk-aligned, TP=1 and TP=2 (one worker per rank, one s
   only, no MemKV node) bring back every byte of every layer of every block, on every rank, and
   write nothing into blocks outside the load job;
 * 0.34: pointers that do not address whole rows of the worker's tensors are refused with a
-  RuntimeError (never a copy into some other row).
+  RuntimeError (never a copy into some other row);
+* 0.34: a worker built under kv_load_failure_policy "fail" (vLLM's default) logs one WARNING
+  naming "recompute"; under "recompute" none.
 
 CPU tensors stand in for the GPU. With vLLM 0.34's extensible KV cache (GPU virtual memory, the
 default on CUDA) the registered tensors are views over the committed part of a reserved range,
@@ -23,9 +25,11 @@ with the same rows and strides as here; only a GPU run exercises that memory its
 
 from __future__ import annotations
 
+import logging
 import os
 import random
 import uuid
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -163,3 +167,29 @@ def test_pointers_that_do_not_address_whole_rows_are_refused(damage):
                     group_data_ref_counts=arg.group_data_ref_counts, block_indices=arg.block_indices)
     with pytest.raises(RuntimeError, match="DevicePointers"):
         compat.gpu_blocks(bad, kv)
+
+
+@pytest.mark.skipif(not compat.load_failure_reportable(), reason="vLLM 0.34+: kv_load_failure_policy")
+@pytest.mark.parametrize("policy", ["fail", "recompute"])
+def test_the_worker_warns_once_when_a_failed_load_would_end_the_request(monkeypatch, caplog, policy):
+    """vLLM builds a worker's connector with its config made current: under vLLM's default
+    kv_load_failure_policy "fail" a load MemKV cannot complete ends the request with an error, so
+    the worker says how to have it recomputed; under "recompute" it says nothing."""
+    import vllm.config
+
+    current = SimpleNamespace(kv_transfer_config=SimpleNamespace(kv_load_failure_policy=policy))
+    monkeypatch.setattr(vllm.config, "get_current_vllm_config_or_none", lambda: current)
+    path = os.path.join("/dev/shm", f"memkv_test_policy_{uuid.uuid4().hex}.staging")
+    with caplog.at_level(logging.WARNING, logger="vllm.memkv_vllm"):
+        worker = MemKVDirectWorker(_kv_caches(packed=False, seed=5), _layout(0, 1, 2, path),
+                                   DirectSettings(load_guarantee="staged"))
+    try:
+        warned = [r.getMessage() for r in caplog.records if "kv_load_failure_policy" in r.getMessage()]
+        if policy == "fail":
+            assert len(warned) == 1 and '"kv_load_failure_policy": "recompute"' in warned[0]
+        else:
+            assert warned == []
+    finally:
+        worker.shutdown()
+        if os.path.exists(path):
+            os.unlink(path)

@@ -25,7 +25,7 @@ from memkv.config import AuthKey, ClientConfig, parse_servers
 from memkv.local import LocalNode
 from memkv_vllm import compat
 from tests.conformance import vllm_harness as h
-from tests.conformance.conftest import PluginLog, point_at
+from tests.conformance.conftest import PluginLog, WaitingCalls, point_at
 from tests.conftest import REMOTE
 
 pytestmark = pytest.mark.conformance
@@ -266,6 +266,42 @@ def test_stalled_node_without_deadline_keeps_answering_retry(monkeypatch, privat
             assert not trace.resolved and set(trace.final) == {LookupResult.RETRY}
         finally:
             stalled.signal(signal.SIGCONT)
+
+
+def test_step_end_never_waits_while_a_lookup_is_pending_and_the_tier_threads_get_the_gil(
+        monkeypatch, private_cluster, auth_key_hex):
+    """vLLM runs on_schedule_end on its scheduler loop and expects it not to block. With a node
+    stopped (no deadline), lookups of its keys stay pending step after step, and no step end
+    makes a waiting call (WaitingCalls: a profile hook of the scheduler thread, no timing).
+    What a sleep there once bought is kept without waiting: while the lookup is pending the
+    switch interval is step_yield_ms, so the tier's threads get the GIL within it of asking
+    (memkv_vllm/gil.py); once the lookup resolved, the step end puts the interval back."""
+    import memkv_vllm
+
+    point_at(monkeypatch, private_cluster, auth_key_hex)
+    memkv_vllm.register()
+    before = sys.getswitchinterval()
+    with h.HeadlessEngine([memkv({"lookup_timeout_s": 0, "step_yield_ms": 0.5})], h.Geometry(num_rows=16)) as engine:
+        owners = _keys_by_owner(engine, 12, private_cluster)
+        stalled = private_cluster[0]
+        keys = owners[stalled.address]
+        req = engine.new_request()
+        _sigstop(stalled)
+        try:
+            for _ in range(3):
+                with engine.lock:
+                    assert {engine.manager.lookup(k, req) for k in keys} == {LookupResult.RETRY}
+                    with WaitingCalls() as waits:
+                        engine.end_step_locked()
+                assert waits.calls == [], f"the step end waited: {waits.calls}"
+                assert tier_of(engine).has_pending_work()
+                assert sys.getswitchinterval() == pytest.approx(0.0005)
+        finally:
+            stalled.signal(signal.SIGCONT)
+        trace = engine.lookup_until_resolved(keys, req, max_steps=5000, timeout_s=20)
+        assert trace.resolved and set(trace.final) == {LookupResult.MISS}  # never stored
+        engine.step()
+        assert sys.getswitchinterval() == before
 
 
 @pytest.mark.skipif(not compat.HAS_DEFERRED_RELEASE, reason="vLLM 0.34+: JobResult.deferred_release")

@@ -20,7 +20,7 @@ import urllib.request
 import pytest
 
 from memkv.local import LocalNode
-from memkv.transport.nixl_adapter import INSTALL_HINT, nixl_available, ucx_tls_for_host
+from memkv.nixl_adapter import INSTALL_HINT, nixl_available, ucx_tls_for_host
 from tests.conformance import vllm_harness as h
 from tests.conformance.conftest import PluginLog, point_at
 

@@ -189,6 +189,24 @@ class _Cursor:
         self.meta = bytearray()  # C2S PUT frames' (the keys a fault touched), S2C HELLO_OK's (_check_no_bypass)
 
 
+class FlipNextPut:
+    """A fault plan: once armed (`arm`), flip one byte of the next PUT frame the client sends,
+    `offset` bytes into its payload (a byte of its first value), then pass everything through."""
+
+    def __init__(self, offset: int, xor: int = 0x20) -> None:
+        self.offset, self.xor = offset, xor
+        self._armed = threading.Event()
+
+    def arm(self) -> None:
+        self._armed.set()
+
+    def __call__(self, frame: FrameInfo) -> Fault | None:
+        if frame.direction == C2S and frame.opcode == p.Opcode.PUT and self._armed.is_set():
+            self._armed.clear()
+            return Fault.flip(frame.payload_start + self.offset, xor=self.xor)
+        return None
+
+
 class FaultProxy:
     """See the module docstring. Use as a context manager or call close()."""
 

@@ -18,19 +18,18 @@ Bounded by a round count and a wall-clock budget, both scaled by MEMKV_FAULT_SCA
 from __future__ import annotations
 
 import random
-import threading
 import time
 
 import pytest
 
 pytest.importorskip("vllm.v1.kv_offload.tiering.factory", reason="tier fault tests need vLLM (run them in a nox venv)")
 
-from tests.conformance import vllm_harness as h  # noqa: E402
-from tests.conftest import poll_until  # noqa: E402
-from tests.faults import tier_sim as ts  # noqa: E402
-from tests.faults.figures import scaled, scaled_s  # noqa: E402
-from tests.faults.nodeops import NO_LOCAL_SOCKET, NodeKiller, integrity_failures, start_on_port  # noqa: E402
-from tests.faults.proxy import C2S, Fault, FaultProxy, RandomFaults  # noqa: E402
+from tests.conformance import vllm_harness as h
+from tests.conftest import poll_until
+from tests.faults import tier_sim as ts
+from tests.faults.figures import scaled, scaled_s
+from tests.faults.nodeops import NO_LOCAL_SOCKET, NodeKiller, integrity_failures, start_on_port
+from tests.faults.proxy import C2S, Fault, FaultProxy, FlipNextPut, RandomFaults
 
 pytestmark = [pytest.mark.faults, pytest.mark.conformance]  # conformance: runs in each nox vLLM session
 
@@ -108,20 +107,14 @@ def test_promotions_under_fault_injection_are_byte_exact_or_a_miss(monkeypatch, 
 @pytest.mark.over_tls_too  # [tls]: a TLS-only node, the proxy re-encrypting the flipped byte
 def test_flipped_byte_in_a_stored_value_is_a_miss_and_is_purged(monkeypatch, start_node, auth_key_hex, tmp_path, figures):
     node = start_node(capacity="64MiB", extra_args=[NO_LOCAL_SOCKET])
-    flip_next_put = threading.Event()
-
-    def plan(frame):
-        if frame.direction == C2S and frame.opcode == 0x10 and flip_next_put.is_set():
-            flip_next_put.clear()
-            return Fault.flip(frame.payload_start + 1000, xor=0x20)  # a byte of the first value
-        return None
+    plan = FlipNextPut(offset=1000)  # a byte of the frame's first value
 
     with FaultProxy((node.host, node.port), plan, name="flip", tls=node.client_tls is not None) as proxy:
         ts.point_tier_at(monkeypatch, [proxy.address], auth_key_hex, tls=node.client_tls)
         with h.HeadlessEngine([ts.memkv_tier(blocks_per_op=1)], h.Geometry(num_rows=16)) as engine:
             tier = ts.tier_of(engine)
             corrupt, clean = h.make_keys(2)
-            flip_next_put.set()
+            plan.arm()
             payloads = ts.store_all(engine, [corrupt])  # its bytes are flipped on the way in
             payloads.update(ts.store_all(engine, [clean]))
             (applied,) = proxy.applied

@@ -24,8 +24,11 @@ Behaviour under test, against real `memkv serve` processes on 127.0.0.1:
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import os
+import threading
+import time
 import urllib.request
 
 import pytest
@@ -34,10 +37,11 @@ from memkv import protocol as p
 from memkv.client import node as client_node
 from memkv.client import shared
 from memkv.client.node import NodeConnection, local_connect
-from memkv.client.shared import SealError, copy_verified, map_value, unmap, write_value
+from memkv.client.shared import SealError, copy_verified, map_value, write_value
 from memkv.config import AuthKey, ServerAddress
 from memkv.errors import LocalProtocolError, ServerError
 from memkv.integrity import Checksummer
+from memkv.memfd import unmap
 from tests.faults.nodeops import restart_empty
 from tests.integration.test_integrity_counted import integrity_failures
 
@@ -56,6 +60,25 @@ def metric(node, series: str) -> float:
         text = resp.read().decode()
     found = [x for x in text.splitlines() if x.startswith(series + " ")]
     return float(found[0].split()[1]) if found else 0.0
+
+
+def settled_status(node) -> dict:
+    """The node's status once its spares stopped changing (the node faults fresh memfds in for
+    the same-host stores to come, counted in allocated_bytes: memkv/server/shared.py)."""
+    deadline = time.monotonic() + 10.0
+    while True:
+        first = status_of(node)
+        time.sleep(0.05)
+        second = status_of(node)
+        keys = [(s["allocated_bytes"], s["shared_memory"]["spares"], s["shared_memory"]["spare_bytes"]) for s in (first, second)]
+        if keys[0] == keys[1] or time.monotonic() > deadline:
+            return second
+
+
+def memory_beyond_spares(node) -> int:
+    """allocated_bytes less the spares', once they settled."""
+    status = settled_status(node)
+    return status["allocated_bytes"] - status["shared_memory"]["spare_bytes"]
 
 
 def requests_of(node, op: str) -> float:
@@ -121,6 +144,82 @@ def test_every_client_loads_shared_values_from_memfds_the_writer_from_its_own_ma
     assert own_node._memory.mapped == 0, "and the stale mapping is gone"
     got, ops = load(own, ["mine"])
     assert got == [replaced] and ops == {"shm_get": 1, "get": 0}, "then passed as a memfd"
+
+
+def memfd_mappings() -> int:
+    """Mappings of value memfds this process holds (the node names them memkv-value)."""
+    with open("/proc/self/maps") as f:
+        return sum("memkv-value" in line for line in f)
+
+
+def test_a_client_busy_in_several_threads_keeps_no_mapping_it_dropped(start_node, make_client):
+    """Two threads storing back to back, so that some copy nearly always runs: what a store
+    replaces is unmapped all the same, while they run (else the client's memory, and the pages
+    the node freed, grow with every store for as long as the client is busy)."""
+    node = start_node(capacity="256MiB")
+    client = make_client([node], shared_memory=True)
+    keys = [f"busy/{i}" for i in range(4)]
+    values = [os.urandom(2 * MiB) for _ in keys]
+    before = memfd_mappings()
+    peak = 0
+    running = threading.Event()
+    running.set()
+
+    def watch() -> None:
+        nonlocal peak
+        while running.is_set():
+            peak = max(peak, memfd_mappings() - before)
+            time.sleep(0.002)
+
+    def work(t: int) -> None:
+        for n in range(80):  # bounded: 80 stores per thread
+            i = (n + t) % len(keys)
+            assert client.batch_put_views([(keys[i], values[i])]) == [True]
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    try:
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            list(pool.map(work, range(2)))
+    finally:
+        running.clear()
+        watcher.join()
+    assert requests_of(node, "shm_put") >= 160, "the stores went through shared memory"
+    # One kept mapping per key, plus per thread the value it is writing and the one it keeps.
+    assert peak <= len(keys) + 2 * 2, f"{peak} memfd mappings at once for {len(keys)} keys"
+    assert memfd_mappings() - before <= len(keys)
+
+
+def test_the_node_keeps_spares_for_the_next_stores_within_their_budget(start_node, make_client, wait_until):
+    """After an SHM_PUT of a value size the node faults fresh memfds of that size in ahead
+    (spares, capacity / 16 at most: here 16 MiB), counted in allocated_bytes; the next stores
+    take them, and what they stored loads byte-exact elsewhere. (`auto`, the default, turns them
+    on only where the node may use 4 CPUs or more.)"""
+    node = start_node(capacity="256MiB", extra_args=["--shared-memory-spares", "on"])
+    client = make_client([node], shared_memory=True)
+    first = [(f"a{i}", os.urandom(2 * MiB)) for i in range(2)]
+    assert client.batch_put_views(first) == [True] * 2
+    wait_until(lambda: status_of(node)["shared_memory"]["spares"] == 8, 10.0, what="8 spares of 2 MiB")
+    status = settled_status(node)
+    assert status["shared_memory"]["spare_bytes"] == 16 * MiB == metric(node, "memkv_node_shm_spare_bytes")
+    assert status["allocated_bytes"] == 4 * MiB + 16 * MiB
+    # The first batch's second item may already have found the spare made after its first.
+    taken = metric(node, "memkv_node_shm_spares_taken_total")
+    second = [(f"b{i}", os.urandom(2 * MiB)) for i in range(4)]
+    assert client.batch_put_views(second) == [True] * 4
+    assert metric(node, "memkv_node_shm_spares_taken_total") - taken == 4, "every store of the batch took one"
+    reader = make_client([node], shared_memory=False)
+    for key, value in first + second:
+        assert reader.get(key) == value
+
+
+def test_a_node_with_spares_off_makes_none(start_node, make_client):
+    node = start_node(capacity="256MiB", extra_args=["--shared-memory-spares", "off"])
+    client = make_client([node], shared_memory=True)
+    assert client.batch_put_views([(f"a{i}", os.urandom(2 * MiB)) for i in range(4)]) == [True] * 4
+    status = settled_status(node)
+    assert status["shared_memory"]["spares"] == 0 and status["allocated_bytes"] == 4 * 2 * MiB
+    assert metric(node, "memkv_node_shm_spares_taken_total") == 0
 
 
 def test_on_by_default_off_with_the_client_switch_or_on_a_private_node(start_node, make_client):
@@ -190,8 +289,9 @@ def test_a_value_replaced_or_deleted_mid_copy_reads_whole_and_is_gone_after(star
         assert [it.status for it in reply.items] == [p.ItemStatus.MISS] and fds == []
     finally:
         conn.close()
-    assert node_memfds(node) == 0, "the node holds no memfd of a deleted value"
-    assert status_of(node)["allocated_bytes"] == 0
+    status = settled_status(node)
+    assert node_memfds(node) == status["shared_memory"]["spares"], "the node holds no memfd of a deleted value"
+    assert status["allocated_bytes"] == status["shared_memory"]["spare_bytes"]
 
 
 def test_silent_readers_pin_nothing_a_put_still_stores(start_node, make_client, auth_key_hex):
@@ -332,7 +432,7 @@ def test_a_frame_other_than_the_commit_ends_the_connection_and_stores_nothing(st
         conn.close()
     assert client.get("k") is None
     assert metric(node, "memkv_node_shm_reservations_reclaimed_total") == 1
-    assert status_of(node)["allocated_bytes"] == 0
+    assert memory_beyond_spares(node) == 0
 
 
 def test_a_commit_stores_what_was_written_and_drops_what_was_not(start_node, make_client, auth_key_hex):
@@ -394,7 +494,8 @@ def test_a_commit_whose_checksum_is_not_of_the_bytes_written_is_a_miss_for_every
 def shmem_huge_pages():
     """Sets the host's transparent-huge-page mode for shared memory for one test, then puts back
     what was there (root only; skips where the file cannot be written)."""
-    from memkv.server.shared import SHMEM_THP, shmem_huge_pages as mode_now
+    from memkv.server.shared import SHMEM_THP
+    from memkv.server.shared import shmem_huge_pages as mode_now
 
     before = mode_now()
     if before is None or not os.access(SHMEM_THP, os.W_OK):

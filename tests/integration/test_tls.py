@@ -70,7 +70,7 @@ def probe_error(client: Client) -> TlsError:
 
 def tier_explain():
     """The tier's own explain_probe_failure (tests/ops/test_docs_troubleshooting.py compiles it
-    from tier.py's source: importing tier.py needs vLLM)."""
+    from memkv_vllm/startup.py's source: importing memkv_vllm's modules needs vLLM)."""
     from tests.ops.test_docs_troubleshooting import explain_probe_failure
 
     return explain_probe_failure()

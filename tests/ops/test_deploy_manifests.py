@@ -411,7 +411,7 @@ def test_the_dockerfile_healthcheck_is_memkv_health() -> None:
     against real plain and TLS nodes, as Docker runs it, in tests/ops/test_cli_health.py."""
     argv = healthcheck_argv()
     assert argv == ["memkv", "health"]
-    assert cli._parser().parse_args(argv[1:]).func is cli.cmd_health
+    assert cli._parser().parse_args(argv[1:]).func is cli.health.cmd_health
 
 
 @pytest.mark.integration

@@ -1,15 +1,15 @@
 """docs/troubleshooting.md quotes every startup error the tier and the node can print.
 
 Behaviour under test:
-* every message built at a `raise ConfigError(...)` / `raise TierStartupError(...)` site of the
-  configuration code (memkv/config.py, memkv/license.py, memkv/integrity.py, memkv/cli.py,
-  memkv_vllm/config.py, memkv_vllm/tier.py), and every hint `explain_probe_failure` appends,
+* every message built at a `raise ConfigError(...)` / `raise StartupError(...)` site of the
+  configuration code (memkv/config.py, memkv/license.py, memkv/integrity.py, memkv/cli/,
+  memkv_vllm/config.py, memkv_vllm/startup.py), and every hint `explain_probe_failure` appends,
   appears in the page: its longest literal fragment is quoted verbatim (found by reading the
   source, so a new error fails this test until it is documented);
 * the probe failures the tier turns into `MemKV tier cannot start: ...` are the ones the page
   shows: real failures against real nodes on 127.0.0.1 (nothing listening, a wrong key, a full
   node, a name that does not resolve), worded by the tier's own `explain_probe_failure` (taken
-  from tier.py's source, since importing tier.py needs vLLM), match one of the page's
+  from startup.py's source, since importing memkv_vllm's modules needs vLLM), match one of the page's
   `MemKV tier cannot start:` templates with `<...>` as wildcards.
 """
 
@@ -33,11 +33,11 @@ SOURCES = [
     "src/memkv/config.py",
     "src/memkv/license.py",
     "src/memkv/integrity.py",
-    "src/memkv/cli.py",
+    *sorted(str(p.relative_to(REPO)) for p in (REPO / "src/memkv/cli").glob("*.py")),
     "src/memkv_vllm/config.py",
-    "src/memkv_vllm/tier.py",
+    "src/memkv_vllm/startup.py",
 ]
-ERROR_CLASSES = {"ConfigError", "TierStartupError"}
+ERROR_CLASSES = {"ConfigError", "StartupError"}
 MIN_FRAGMENT = 8  # shorter literal pieces (": ", " in ") identify nothing
 
 
@@ -75,11 +75,11 @@ def error_messages() -> list[tuple[str, int, str]]:
 
 
 def explain_probe_failure():
-    """tier.py's own `explain_probe_failure`, compiled from its source with memkv.errors."""
-    tree = ast.parse((REPO / "src/memkv_vllm/tier.py").read_text())
+    """startup.py's own `explain_probe_failure`, compiled from its source with memkv.errors."""
+    tree = ast.parse((REPO / "src/memkv_vllm/startup.py").read_text())
     (fn,) = [n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "explain_probe_failure"]
     namespace = {name: getattr(errors, name) for name in dir(errors) if not name.startswith("_")}
-    exec(compile(ast.Module(body=[fn], type_ignores=[]), "tier.py", "exec"), namespace)  # noqa: S102
+    exec(compile(ast.Module(body=[fn], type_ignores=[]), "startup.py", "exec"), namespace)  # noqa: S102
     return namespace["explain_probe_failure"]
 
 
@@ -97,7 +97,7 @@ def documented_templates() -> list[re.Pattern]:
 def test_the_source_scan_finds_the_startup_errors() -> None:
     # Guards the scan itself: an empty result would make the next test vacuous.
     files = {f for f, _, _ in error_messages()}
-    assert {"src/memkv/config.py", "src/memkv_vllm/config.py", "src/memkv_vllm/tier.py"} <= files
+    assert {"src/memkv/config.py", "src/memkv_vllm/config.py", "src/memkv_vllm/startup.py"} <= files
     assert len(error_messages()) >= 40
 
 
@@ -120,7 +120,7 @@ def probe_failure(address: ServerAddress, key_hex: str) -> MemKVError:
     config = ClientConfig(servers=(address,), auth_key=AuthKey.from_hex(key_hex, "test"),
                           connect_timeout_s=2.0, io_timeout_s=2.0)
     with Client(config) as client:
-        (node,) = client._nodes  # what the tier's _probe_all iterates
+        (node,) = client._nodes  # what Startup.probe iterates
         with pytest.raises(MemKVError) as info:
             node.ping()
     return info.value
@@ -133,7 +133,7 @@ def test_real_probe_failures_read_as_the_page_shows_them(ops_key: str) -> None:
     assert len(templates) >= 8
 
     def tier_message(server: ServerAddress, exc: MemKVError) -> str:
-        return f"MemKV tier cannot start: server {server.name}: {explain(exc)}"  # as tier.py words it
+        return f"MemKV tier cannot start: server {server.name}: {explain(exc)}"  # as startup.py words it
 
     failures = []
     with socket.socket() as closed:  # a port nothing listens on

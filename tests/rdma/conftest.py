@@ -25,7 +25,7 @@ import pytest
 
 from memkv.benchmark import prefaulted_pool
 from memkv.local import READY_RE
-from memkv.transport.nixl_adapter import INSTALL_HINT, nixl_available, ucx_tls_for_host
+from memkv.nixl_adapter import INSTALL_HINT, nixl_available, ucx_tls_for_host
 
 HAVE_NIXL, NIXL_WHY = nixl_available()
 requires_nixl = pytest.mark.skipif(not HAVE_NIXL, reason=f"NIXL is not installed ({INSTALL_HINT})")

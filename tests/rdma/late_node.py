@@ -43,7 +43,7 @@ if os.environ.get("LATE_NODE_PRE_RDMA") == "1":
     from memkv.server import node as server_node
 
     for op in (p.Opcode.RDMA_ATTACH, p.Opcode.RDMA_GET):
-        server_node._OP_NAMES.pop(op, None)
+        server_node._HANDLERS.pop(op, None)
 
 if __name__ == "__main__":
     sys.exit(cli.main(sys.argv[1:]))

@@ -14,11 +14,11 @@ import sys
 
 import pytest
 
-from memkv.transport import nixl_adapter
+from memkv import nixl_adapter
 from tests.rdma.conftest import requires_nixl
 
 _SCRIPT = """
-from memkv.transport.nixl_adapter import NixlAgent
+from memkv.nixl_adapter import NixlAgent
 from memkv.errors import RdmaError
 try:
     NixlAgent("client")

@@ -24,7 +24,7 @@ import time
 import pytest
 
 from memkv.errors import RdmaError
-from memkv.transport.nixl_adapter import NixlAgent, buffer_address
+from memkv.nixl_adapter import NixlAgent, buffer_address
 from memkv.transport.rdma import _NotifInbox
 from tests.rdma.conftest import requires_nixl, wait_for
 

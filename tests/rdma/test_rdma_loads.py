@@ -29,7 +29,7 @@ from memkv import ServerError
 from memkv import protocol as p
 from memkv.client.node import NodeConnection
 from memkv.config import ServerAddress
-from memkv.transport.nixl_adapter import buffer_address
+from memkv.nixl_adapter import buffer_address
 from tests.faults.nodeops import all_threads_stopped, integrity_failures
 from tests.rdma.conftest import node_requests, requires_nixl, wait_for
 

@@ -23,9 +23,9 @@ import time
 
 import pytest
 
-from memkv import Client, ClientConfig, ConfigError
+from memkv import Client, ClientConfig, ConfigError, nixl_adapter
 from memkv.config import AuthKey, ServerAddress
-from memkv.transport import RdmaError, TcpTransport, nixl_adapter
+from memkv.transport import RdmaError, TcpTransport
 from tests.rdma.conftest import node_requests, requires_nixl
 
 MiB = 1 << 20

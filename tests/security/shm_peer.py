@@ -29,7 +29,7 @@ from memkv.client.cluster import Client
 from memkv.config import AuthKey, ClientConfig, ServerAddress
 from memkv.errors import MemKVError
 from memkv.integrity import Checksummer
-from memkv.transport import nixl_adapter  # noqa: F401
+from memkv import nixl_adapter  # noqa: F401
 
 _LIBC = ctypes.CDLL(None, use_errno=True)
 _LIBC.mmap.restype = ctypes.c_void_p

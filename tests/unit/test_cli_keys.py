@@ -1,4 +1,4 @@
-r"""How the `memkv` command writes and reads keys (memkv.cli.format_key / parse_key).
+r"""How the `memkv` command writes and reads keys (memkv.cli.keys.format_key / parse_key).
 
 Behaviour under test:
 * `format_key` prints printable ASCII but space and backslash as is, a backslash as `\\` and
@@ -19,7 +19,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from memkv.cli import UsageError, _key_arg, format_key, parse_key
+from memkv.cli.common import UsageError
+from memkv.cli.keys import _key_arg, format_key, parse_key
 
 pytestmark = pytest.mark.unit
 

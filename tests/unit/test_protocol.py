@@ -33,6 +33,7 @@ from hypothesis import strategies as st
 from memkv import protocol as p
 from memkv.errors import AuthError, LocalProtocolError, RemoteProtocolError
 from memkv.integrity import Checksummer
+from memkv.protocol import codec
 
 pytestmark = pytest.mark.unit
 
@@ -990,11 +991,12 @@ def _union_members(alias) -> set[type]:
 
 
 def _message_classes() -> set[type]:
-    """Every frame message class the module defines (value objects with a frame of their own)."""
+    """Every frame message class the package defines (value objects with a frame of their own)."""
     parts = {p.PutItem, p.GetReplyItem, p.Limits, p.FrameHeader}
     return {
         obj for obj in vars(p).values()
-        if isinstance(obj, type) and dataclasses.is_dataclass(obj) and obj.__module__ == p.__name__ and obj not in parts
+        if isinstance(obj, type) and dataclasses.is_dataclass(obj) and obj.__module__.startswith(f"{p.__name__}.")
+        and obj not in parts
     }
 
 
@@ -1013,7 +1015,7 @@ def test_every_message_class_has_a_round_trip_fixture() -> None:
 def test_every_request_opcode_and_its_reply_decode_and_nothing_else_does() -> None:
     requests = [op for op in p.Opcode if op not in (p.Opcode.HELLO_OK, p.Opcode.ERROR, p.Opcode.REPLY)]
     known = {int(p.Opcode.HELLO_OK), int(p.Opcode.ERROR)} | {int(op) for op in requests} | {op | p.Opcode.REPLY for op in requests}
-    assert set(p._DECODERS) == known
+    assert set(codec._DECODERS) == known
     for opcode in sorted(set(range(256)) - known):
         _, server = session()
         with pytest.raises(RemoteProtocolError) as info:

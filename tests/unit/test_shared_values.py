@@ -9,7 +9,12 @@ Behaviour under test (real memfds, no node process):
   holds none; a memfd bound reached makes `begin_shared_put` answer None without evicting;
 * `write_value` leaves no writable mapping (the seal then succeeds) and keeps a read-only one;
   `check_sealed` refuses a memfd without its seals or of another size than the value's buffer; `copy_verified` copies whole and verified,
-  and fails a checksum of other bytes; `MappedValues` stays within its bounds.
+  and fails a checksum of other bytes; `MappedValues` stays within its bounds and unmaps what it
+  dropped once the copies reading it end, whatever other copies run;
+* spares: an SHM_PUT makes its size wanted, the refill makes faulted-in memfds of it within the
+  spare budget, counted once in allocated_bytes, the next SHM_PUT of the size takes one; sizes
+  not asked for within SPARE_KEEP_S lose theirs; a full store evicts for a spare and frees the
+  spares before refusing a store.
 """
 
 from __future__ import annotations
@@ -23,10 +28,20 @@ import os
 import pytest
 
 from memkv.client import shared as client_shared
-from memkv.client.shared import MappedValues, SealError, check_sealed, copy_verified, map_value, unmap, write_value
+from memkv.client.shared import (
+    MappedValues,
+    SealError,
+    check_sealed,
+    copy_verified,
+    map_value,
+    read_verified,
+    write_value,
+)
+from memkv.config import ConfigError, ServerConfig
 from memkv.integrity import Checksummer
-from memkv.protocol import ChecksumAlgo
-from memkv.server.shared import SealedBuffer, SharedValues, StillMapped
+from memkv.memfd import unmap
+from memkv.protocol import ChecksumAlgo, ItemStatus
+from memkv.server.shared import SEALS_OPEN, SPARE_KEEP_S, SealedBuffer, SharedValues, StillMapped, spares_on
 from memkv.server.store import Store, ValueBuffer
 
 MiB = 1 << 20
@@ -99,6 +114,81 @@ def test_past_the_memfd_bound_a_shared_reservation_is_refused_without_evicting()
     assert shared.values == 0 and shared.pending == 0 and store.allocated_bytes == 0
 
 
+def _store_with_spares(capacity: int, now: list[float]) -> tuple[Store, SharedValues]:
+    shared = SharedValues(max_values=100)
+    return Store(capacity, shared=shared, clock=lambda: now[0]), shared
+
+
+def _memfd_pages(buf: SealedBuffer) -> int:
+    return os.fstat(buf.fd).st_blocks * 512
+
+
+def test_spares_are_made_for_the_size_asked_within_their_budget_and_counted() -> None:
+    """An SHM_PUT of a size makes that size wanted: the refill makes spares of it, faulted in,
+    up to capacity / SPARE_CAPACITY_DIVISOR (at most MAX_SPARE_BYTES), counted in allocated_bytes;
+    the next SHM_PUT of that size takes one (no fresh memfd), byte for byte a value's memfd."""
+    now = [0.0]
+    store, shared = _store_with_spares(64 * MiB, now)  # budget: 4 MiB = 2 spares of 2 MiB
+    assert not store.refill_spare(), "no size wanted yet"
+    first = store.begin_shared_put(b"a", 2 * MiB - 100, 1, bytes(32))
+    assert first is not None and shared.spares_taken == 0
+    made = 0
+    while store.refill_spare():
+        made += 1
+    assert made == 2 and shared.spares == 2 and shared.spare_bytes == 4 * MiB
+    assert store.allocated_bytes == 2 * MiB + 4 * MiB
+    spare = store._spares[2 * MiB][-1]
+    assert _memfd_pages(spare) == 2 * MiB, "faulted in ahead"
+    assert fcntl.fcntl(spare.fd, fcntl.F_GET_SEALS) & SEALS_OPEN == SEALS_OPEN, "sealed against resizing already"
+    second = store.begin_shared_put(b"b", 2 * MiB - 100, 1, bytes(32))
+    assert second is not None and second.buf is spare and shared.spares_taken == 1
+    assert shared.spares == 1 and shared.values == 2 and store.allocated_bytes == 6 * MiB, "moved, not counted twice"
+    for ticket in (first, second):
+        ticket.buf.seal()
+        assert store.commit(ticket)
+    assert store.refill_spare() and not store.refill_spare(), "back to its budget"
+    assert store.allocated_bytes == 4 * MiB + 4 * MiB <= store.capacity_bytes
+
+
+def test_spares_of_a_size_no_longer_asked_for_are_freed() -> None:
+    now = [0.0]
+    store, shared = _store_with_spares(64 * MiB, now)
+    ticket = store.begin_shared_put(b"a", 2 * MiB, 1, bytes(32))
+    assert ticket is not None
+    store.abort(ticket)
+    while store.refill_spare():
+        pass
+    assert shared.spares == 2
+    now[0] += SPARE_KEEP_S + 1
+    assert not store.refill_spare()
+    assert shared.spares == 0 and shared.spare_bytes == 0 and store.allocated_bytes == 0
+
+
+def test_a_full_store_evicts_for_spares_and_gives_them_up_before_refusing_a_store() -> None:
+    """Spares stand for the stores to come: a full store evicts its least recently used value
+    for one, as that store would; a store that finds nothing else to evict (all leased) frees
+    the spares instead of answering NoSpace."""
+    now = [0.0]
+    store, shared = _store_with_spares(32 * MiB, now)  # budget: 2 MiB = 1 spare
+    for i in range(16):
+        ticket = store.begin_put(b"v%d" % i, 2 * MiB, 1, bytes(32))
+        ticket.target[:1] = b"x"
+        assert store.commit(ticket)
+    ticket = store.begin_shared_put(b"v0", 2 * MiB, 1, bytes(32))  # replaces v0: no eviction
+    assert ticket is not None
+    ticket.buf.seal()
+    assert store.commit(ticket)
+    evictions = store.evictions
+    assert store.refill_spare() and store.evictions == evictions + 1 and shared.spares == 1
+    assert store.allocated_bytes == store.capacity_bytes
+    store.max_lease_bytes = store.max_lease_bytes_per_holder = store.capacity_bytes
+    statuses, _, _ = store.lease([k for k in store._index], token=7, ttl_s=60)
+    assert all(s == ItemStatus.OK for s in statuses), "every value leased: none can be evicted"
+    ticket = store.begin_put(b"new", 2 * MiB, 1, bytes(32))
+    assert shared.spares == 0, "the spare went instead"
+    store.abort(ticket)
+
+
 def test_write_value_leaves_no_writable_mapping_and_keeps_a_read_only_one() -> None:
     buf = SealedBuffer(2 * MiB)
     try:
@@ -133,9 +223,8 @@ def test_a_memfd_without_its_seals_is_refused() -> None:
         os.close(fd)
 
 
-@pytest.mark.parametrize("compiled", [True, False])
-@pytest.mark.parametrize("algo", [ChecksumAlgo.XXH3_128, ChecksumAlgo.BLAKE3_KEYED])
-def test_copy_verified_copies_out_of_a_read_only_mapping(monkeypatch, compiled: bool, algo: ChecksumAlgo) -> None:
+def _sealed_value(monkeypatch, compiled: bool) -> tuple[SealedBuffer, bytes]:
+    """A committed 4 MiB memfd value, with the compiled copy loop on or off."""
     if compiled and not client_shared.COMPILED_COPY:
         pytest.skip("the compiled copy loop is not built here")
     monkeypatch.setattr(client_shared, "COMPILED_COPY", compiled)
@@ -143,6 +232,13 @@ def test_copy_verified_copies_out_of_a_read_only_mapping(monkeypatch, compiled: 
     value = os.urandom(4 * MiB - 123)
     os.pwrite(buf.fd, value, 0)
     buf.seal()
+    return buf, value
+
+
+@pytest.mark.parametrize("compiled", [True, False])
+@pytest.mark.parametrize("algo", [ChecksumAlgo.XXH3_128, ChecksumAlgo.BLAKE3_KEYED])
+def test_copy_verified_copies_out_of_a_read_only_mapping(monkeypatch, compiled: bool, algo: ChecksumAlgo) -> None:
+    buf, value = _sealed_value(monkeypatch, compiled)
     addr = map_value(buf.fd, buf.size)
     try:
         checksum = SUMS.compute(value, algo)
@@ -156,22 +252,94 @@ def test_copy_verified_copies_out_of_a_read_only_mapping(monkeypatch, compiled: 
         buf.free()
 
 
+def _value_mappings() -> int:
+    with open("/proc/self/maps") as f:
+        return f.read().count("memkv-value")
+
+
+@pytest.mark.parametrize("compiled", [True, False])
+@pytest.mark.parametrize("algo", [ChecksumAlgo.XXH3_128, ChecksumAlgo.BLAKE3_KEYED])
+def test_read_verified_reads_a_memfd_without_mapping_it(monkeypatch, compiled: bool, algo: ChecksumAlgo) -> None:
+    """A passed memfd is read (pread) into the target, hashed as it lands: byte-exact and
+    verified; another checksum fails; a memfd shorter than the target fails, nothing raised."""
+    buf, value = _sealed_value(monkeypatch, compiled)
+    try:
+        maps_before = _value_mappings()
+        checksum = SUMS.compute(value, algo)
+        target = bytearray(len(value))
+        assert read_verified(memoryview(target), buf.fd, algo, checksum, SUMS)
+        assert target == value
+        assert _value_mappings() == maps_before, "no mapping made"
+        other = SUMS.compute(value[::-1], algo)
+        assert not read_verified(memoryview(bytearray(len(value))), buf.fd, algo, other, SUMS)
+        longer = bytearray(buf.size + MiB)
+        assert not read_verified(memoryview(longer), buf.fd, algo, SUMS.compute(bytes(longer), algo), SUMS)
+    finally:
+        buf.free()
+
+
+def _mapped(buf: SealedBuffer) -> bool:
+    """Whether this process maps `buf`'s memfd other than through the buffer's own view."""
+    inode = os.fstat(buf.fd).st_ino
+    with open("/proc/self/maps") as f:
+        rows = [line.split() for line in f]
+    return sum(len(row) > 4 and int(row[4]) == inode for row in rows) > (1 if buf.view.nbytes else 0)
+
+
 def test_mapped_values_stay_within_their_bounds_and_unmap_after_the_last_copy() -> None:
     values = MappedValues("test", max_values=2, max_bytes=3 * MiB)
     bufs = [SealedBuffer(MiB) for _ in range(4)]
     try:
+        addrs = []
         for i, b in enumerate(bufs):
             b.seal()
-            values.add(b"k%d" % i, map_value(b.fd, MiB), MiB, MiB, bytes(32))
+            addrs.append(map_value(b.fd, MiB))
+            values.add(b"k%d" % i, addrs[-1], MiB, MiB, bytes(32))
         assert values.has([b"k0", b"k1", b"k2", b"k3"]) == [False, False, True, True]
-        assert values.use()
+        assert not _mapped(bufs[0]) and not _mapped(bufs[1]), "pushed out of the LRU: unmapped at once"
         found = values.find(b"k2")
+        assert found is not None and found.addr == addrs[2]
         values.forget(b"k2")
-        assert values.find(b"k2") is None and found is not None
-        assert bytes((ctypes.c_char * 16).from_address(found[0])) == bytes(16), "still mapped while a copy runs"
-        values.unuse()
+        assert values.find(b"k2") is None
+        assert bytes((ctypes.c_char * 16).from_address(found.addr)) == bytes(16), "still mapped while a copy runs"
+        values.done(found)
+        assert not _mapped(bufs[2]), "unmapped by the last copy"
         values.retire()
-        assert values.mapped == 0 and not values.use()
+        assert values.mapped == 0 and values.retired and not _mapped(bufs[3])
     finally:
         for b in bufs:
             b.free()
+
+
+def test_a_copy_in_progress_keeps_only_its_own_mapping() -> None:
+    """A process whose copies never all end at once (two threads loading back to back) must
+    still unmap what it drops: one running copy holds its one mapping, not every later drop."""
+    values = MappedValues("test", max_values=1, max_bytes=8 * MiB)
+    bufs = [SealedBuffer(MiB) for _ in range(6)]
+    try:
+        addrs = []
+        for b in bufs:
+            b.seal()
+            addrs.append(map_value(b.fd, MiB))
+        values.add(b"held", addrs[0], MiB, MiB, bytes(32))
+        held = values.find(b"held")  # a copy that outlives every drop below
+        assert held is not None
+        for i in range(1, 6):
+            values.add(b"k%d" % i, addrs[i], MiB, MiB, bytes(32))  # max_values=1: the previous one goes
+        assert [_mapped(b) for b in bufs] == [True, False, False, False, False, True]
+        values.done(held)
+        assert not _mapped(bufs[0])
+    finally:
+        values.retire()
+        for b in bufs:
+            b.free()
+
+
+def test_the_spares_mode_is_checked_and_auto_follows_the_cpus_the_node_may_use(monkeypatch) -> None:
+    with pytest.raises(ConfigError, match="--shared-memory-spares: expected one of auto, on, off, got 'yes'"):
+        ServerConfig(capacity_bytes=1 << 30, shared_memory_spares="yes")
+    assert spares_on("on") and not spares_on("off")
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(2)))
+    assert not spares_on("auto"), "2 CPUs: the writers need them"
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)))
+    assert spares_on("auto")

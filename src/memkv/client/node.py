@@ -33,7 +33,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 
 from memkv import protocol as p
-from memkv.client.shared import MappedValues, SealError, check_sealed, copy_verified, map_value, unmap, write_value
+from memkv.client.shared import MappedValues, SealError, check_sealed, copy_verified, read_verified, write_value
 from memkv.config import ServerAddress
 from memkv.errors import (
     AuthError,
@@ -50,6 +50,7 @@ from memkv.errors import (
     map_os_error,
 )
 from memkv.integrity import Checksummer
+from memkv.memfd import unmap
 from memkv.protocol import ChecksumAlgo
 from memkv.sockio import (
     PeerClosed,
@@ -210,7 +211,7 @@ class NodeConnection:
                     ) from None
                 raise type(exc)(f"{self.name}: {exc}", exc.code) from None
             except AuthError as exc:
-                raise AuthError(f"{self.name}: {exc}") from None
+                raise AuthError(f"{self.name}: {exc}", exc.reason) from None
             send_all(self.sock, [auth], deadline)
             first = bytes(recv_exactly(self.sock, p.AUTH_REJECT.size, deadline))
             code = p.parse_auth_outcome_prefix(first)
@@ -264,11 +265,18 @@ class NodeConnection:
 
     def request(self, msg: p.Request, payload: Sequence[memoryview] = (), timeout_s: float | None = None) -> p.Message:
         """Send one request (plus value payload) and read a reply that carries no payload, within
-        io_timeout_s (or `timeout_s`, for control requests the node may take longer to answer)."""
+        io_timeout_s (or `timeout_s`, for control requests the node may take longer to answer):
+        the reply, checked against the request (`matched`)."""
         self.send(msg, payload)
-        if timeout_s is None:
-            return self.read_reply()
-        return self._read_reply(self.codec, deadline=time.monotonic() + timeout_s)
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        return self.matched(msg, self._read_reply(self.codec, deadline=deadline))
+
+    def matched(self, msg: p.Request, reply: p.Message) -> p.Message:
+        """`reply` when it can answer `msg` (protocol.reply_mismatch), else RemoteProtocolError."""
+        mismatch = p.reply_mismatch(msg, reply)
+        if mismatch is not None:
+            raise RemoteProtocolError(f"{self.name}: {mismatch}")
+        return reply
 
     def send(self, msg: p.Request, payload: Sequence[memoryview] = ()) -> None:
         frame = self.codec.encode(msg)
@@ -366,13 +374,12 @@ class NodeConnection:
         self, keys: Sequence[bytes], views: Sequence[memoryview], checksummer: Checksummer
     ) -> tuple[list[bool], int]:
         """GET: the values come over the socket."""
-        frame = self.codec.encode(p.GetRequest(tuple(keys), tuple(len(v) for v in views)))
+        request = p.GetRequest(tuple(keys), tuple(len(v) for v in views))
         with self._io("write"):
-            send_all(self.sock, [frame], self._deadline())
+            send_all(self.sock, [self.codec.encode(request)], self._deadline())
         deadline = self._deadline()  # for the whole reply, values included
-        reply = self._read_reply(self.codec, deadline=deadline)
-        if not isinstance(reply, p.GetReply) or len(reply.items) != len(keys):
-            raise RemoteProtocolError(f"{self.name}: GET reply does not match the request")
+        reply = self.matched(request, self._read_reply(self.codec, deadline=deadline))
+        assert isinstance(reply, p.GetReply)
         results = []
         bad_sums = 0
         for item, view in zip(reply.items, views):
@@ -397,41 +404,38 @@ class NodeConnection:
         big = [i for i, v in enumerate(views) if len(v) >= p.SHM_MIN_VALUE]
         if not big:
             return self._get_received(keys, views, checksummer)
-        if not memory.use():  # the node process it maps is gone (see NodeClient._memory_for)
+        if memory.retired:  # the node process it maps is gone (see NodeClient._memory_for)
             self.memory = None
             return self._get_received(keys, views, checksummer)
         results = [False] * len(keys)
         bad_sums = 0
         by_socket = [i for i, v in enumerate(views) if len(v) < p.SHM_MIN_VALUE]
+        big_keys = [keys[i] for i in big]
+        want = bytes(not mapped for mapped in memory.has(big_keys))
+        request = p.ShmGetRequest(tuple(big_keys), tuple(len(views[i]) for i in big), want)
+        reply, fds = self._shm_request(request, p.Opcode.SHM_GET)
         try:
-            big_keys = [keys[i] for i in big]
-            want = bytes(not mapped for mapped in memory.has(big_keys))
-            request = p.ShmGetRequest(tuple(big_keys), tuple(len(views[i]) for i in big), want)
-            reply, fds = self._shm_request(request, p.Opcode.SHM_GET)
-            try:
-                for j, i in enumerate(big):
-                    item = reply.items[j]
-                    fd = fds.pop(0) if reply.passed[j] else None
-                    if item.status not in (p.ItemStatus.OK, p.ItemStatus.NOT_SHARED):
-                        memory.forget(keys[i])  # gone from the node: the bytes this process still maps go too
-                        continue  # a miss, not a checksum failure (a passed item is OK: _shm_request)
-                    try:
-                        ok = self._copy_shared(memory, keys[i], item, fd, views[i], checksummer)
-                    finally:
-                        if fd is not None:
-                            os.close(fd)
-                    if ok is None:
-                        by_socket.append(i)
-                    else:
-                        bad_sums += not ok
-                        results[i] = ok
-            finally:
-                for fd in fds:
-                    os.close(fd)
-            if memory.refused:
-                self.memory = None
+            for j, i in enumerate(big):
+                item = reply.items[j]
+                fd = fds.pop(0) if reply.passed[j] else None
+                if item.status not in (p.ItemStatus.OK, p.ItemStatus.NOT_SHARED):
+                    memory.forget(keys[i])  # gone from the node: the bytes this process still maps go too
+                    continue  # a miss, not a checksum failure (a passed item is OK: _shm_request)
+                try:
+                    ok = self._copy_shared(memory, keys[i], item, fd, views[i], checksummer)
+                finally:
+                    if fd is not None:
+                        os.close(fd)
+                if ok is None:
+                    by_socket.append(i)
+                else:
+                    bad_sums += not ok
+                    results[i] = ok
         finally:
-            memory.unuse()
+            for fd in fds:
+                os.close(fd)
+        if memory.refused:
+            self.memory = None
         if by_socket:
             by_socket.sort()
             got, bad = self._get_received([keys[i] for i in by_socket], [views[i] for i in by_socket], checksummer)
@@ -457,21 +461,22 @@ class NodeConnection:
             raise RemoteProtocolError(f"{self.name}: SHM_GET gave {item.length} bytes for a {len(view)}-byte GET")
         if fd is None:
             found = memory.find(key)
-            if found is None or found[1] != item.length or not hmac.compare_digest(found[2], item.checksum):
-                memory.forget(key)  # the node holds another value of this key now
+            if found is None:
                 return None
-            return copy_verified(view, found[0], item.algo, item.checksum, checksummer)
+            try:
+                if found.length != item.length or not hmac.compare_digest(found.checksum, item.checksum):
+                    memory.forget(key)  # the node holds another value of this key now
+                    return None
+                return copy_verified(view, found.addr, item.algo, item.checksum, checksummer)
+            finally:
+                memory.done(found)
         try:
-            size = check_sealed(fd, item.length)
-            addr = map_value(fd, size)
+            check_sealed(fd, item.length)
         except SealError as exc:
             log.warning("MemKV: %s: shared memory off for this node process: %s", self.name, exc.strerror)
             memory.refuse(str(exc.strerror))
             return None
-        try:
-            return copy_verified(view, addr, item.algo, item.checksum, checksummer)
-        finally:
-            unmap(addr, size)
+        return read_verified(view, fd, item.algo, item.checksum, checksummer)
 
     def _shm_request(self, msg: p.ShmGetRequest | p.ShmPutRequest, opcode: p.Opcode) -> tuple[p.ShmGetReply, list[int]]:
         """Send an SHM_GET or SHM_PUT; its reply and the descriptors it passed, exactly one per
@@ -492,14 +497,12 @@ class NodeConnection:
             reply = self.codec.open(header, bytes(prefix), meta)
             if isinstance(reply, p.ErrorReply):
                 raise ServerError(f"{self.name}: node error {p.error_name(reply.code)}: {reply.message}", reply.code)
-            if (
-                not isinstance(reply, p.ShmGetReply)
-                or reply.opcode != opcode
-                or len(reply.items) != len(msg.keys if isinstance(msg, p.ShmGetRequest) else msg.items)
-                or sum(reply.passed) != len(fds)
-                or any(passed and item.status != p.ItemStatus.OK for item, passed in zip(reply.items, reply.passed))
-            ):
-                raise RemoteProtocolError(f"{self.name}: {opcode.name} reply does not match the request")
+            reply = self.matched(msg, reply)
+            assert isinstance(reply, p.ShmGetReply)
+            if sum(reply.passed) != len(fds):
+                raise RemoteProtocolError(
+                    f"{self.name}: {opcode.name} reply flags {sum(reply.passed)} memfd(s), passed {len(fds)}"
+                )
         except BaseException:
             for fd in fds:
                 os.close(fd)
@@ -514,7 +517,7 @@ class NodeConnection:
         no writable mapping left after), SHM_COMMIT them with those checksums: (one status per
         key, the indexes answered NOT_SHARED, which the caller PUTs over the socket). This
         process keeps a read-only mapping of each value stored so (`MappedValues`)."""
-        if not memory.use():
+        if memory.retired:
             self.memory = None
             return bytes([p.ItemStatus.NOT_SHARED]) * len(keys), list(range(len(keys)))
         algo = checksummer.algo
@@ -557,8 +560,7 @@ class NodeConnection:
             statuses = bytearray(item.status for item in reply.items)
             if places:
                 done = self.request(p.ShmCommitRequest(bytes(written), tuple(checksums)))
-                if not isinstance(done, p.StatusReply) or len(done.statuses) != len(places):
-                    raise RemoteProtocolError(f"{self.name}: SHM_COMMIT reply does not match the request")
+                assert isinstance(done, p.StatusReply)  # one status per flag: NodeConnection.matched
                 for i, ok, checksum, status in zip(places, written, checksums, done.statuses):
                     statuses[i] = status if ok else p.ItemStatus.NOT_SHARED
                     if ok and status == p.ItemStatus.OK:
@@ -569,7 +571,6 @@ class NodeConnection:
         finally:
             for addr, size in kept.values():  # not stored: nothing to load from
                 unmap(addr, size)
-            memory.unuse()
         return bytes(statuses), [i for i, s in enumerate(statuses) if s == p.ItemStatus.NOT_SHARED]
 
     def _recv_verified(
@@ -595,13 +596,12 @@ class NodeConnection:
         """GET values of unknown length into fresh buffers (convenience path, not the data path).
         Returns (values, checksum_failures): a value whose checksum failed is None, as a miss,
         and counted; the connection stays usable, as after `get_into`."""
-        frame = self.codec.encode(p.GetRequest(tuple(keys), tuple(p.ANY_LENGTH for _ in keys)))
+        request = p.GetRequest(tuple(keys), tuple(p.ANY_LENGTH for _ in keys))
         with self._io("write"):
-            send_all(self.sock, [frame], self._deadline())
+            send_all(self.sock, [self.codec.encode(request)], self._deadline())
         deadline = self._deadline()
-        reply = self._read_reply(self.codec, deadline=deadline)
-        if not isinstance(reply, p.GetReply) or len(reply.items) != len(keys):
-            raise RemoteProtocolError(f"{self.name}: GET reply does not match the request")
+        reply = self.matched(request, self._read_reply(self.codec, deadline=deadline))
+        assert isinstance(reply, p.GetReply)
         out: list[bytes | None] = []
         bad_sums = 0
         for item in reply.items:
@@ -918,9 +918,7 @@ class NodeClient:
         """One round trip (connecting first if needed), ignoring the down mark. Seconds."""
         with self.connection(fail_fast=False) as conn:
             t = time.perf_counter()
-            reply = conn.request(p.PingRequest())
-            if not isinstance(reply, p.PingReply):
-                raise RemoteProtocolError(f"{self.name}: unexpected reply to PING")
+            conn.request(p.PingRequest())
             return time.perf_counter() - t
 
     def list_keys(self, prefix: bytes, limit: int) -> p.ListReply:
@@ -931,10 +929,7 @@ class NodeClient:
         with self.connection(fail_fast=False) as conn:
             asked = min(limit, conn.limits.max_list_keys)
             reply = conn.request(p.ListRequest(prefix, asked))
-            if not isinstance(reply, p.ListReply):
-                raise RemoteProtocolError(f"{self.name}: unexpected reply to LIST ({type(reply).__name__})")
-            if len(reply.keys) > asked or not all(k.startswith(prefix) for k in reply.keys):
-                raise RemoteProtocolError(f"{self.name}: LIST reply does not match the request")
+        assert isinstance(reply, p.ListReply)
         return reply
 
     def statuses(self, msg: p.Request, payload: Sequence[memoryview] = ()) -> bytes:
@@ -975,15 +970,8 @@ class NodeClient:
 
 def _statuses(conn: NodeConnection, msg: p.Request, payload: Sequence[memoryview] = ()) -> bytes:
     reply = conn.request(msg, payload)
-    if not isinstance(reply, (p.StatusReply, p.LeaseReply)) or len(reply.statuses) != _count(msg):
-        raise RemoteProtocolError(f"{conn.name}: reply does not match the request")
+    assert isinstance(reply, (p.StatusReply, p.LeaseReply))
     return reply.statuses
-
-
-def _count(msg: p.Request) -> int:
-    if isinstance(msg, p.PutRequest):
-        return len(msg.items)
-    return len(msg.keys)  # type: ignore[union-attr]
 
 
 __all__ = ["NodeConnection", "NodeClient", "MemKVError"]

@@ -58,8 +58,8 @@ _WRITE = select.POLLOUT
 class _NodeState:
     """One node's share of a pipeline. `queued`: parts not sent yet, as (on_answer, indices,
     keys); `inflight`: one entry per request sent on `conn` whose reply is outstanding: the
-    segments its keys came from, (on_answer, indices) in key order; `deadline`: by when the next
-    reply must be whole."""
+    request and the segments its keys came from, (on_answer, indices) in key order; `deadline`:
+    by when the next reply must be whole."""
 
     __slots__ = ("node", "queued", "conn", "inflight", "deadline", "connecting", "sent_at")
 
@@ -67,7 +67,7 @@ class _NodeState:
         self.node = node
         self.queued: list[tuple[OnAnswer, list[int], list[bytes]]] = []
         self.conn: NodeConnection | None = None
-        self.inflight: collections.deque[list[_Segment]] = collections.deque()
+        self.inflight: collections.deque[tuple[p.Request, list[_Segment]]] = collections.deque()
         self.deadline = 0.0
         self.connecting: concurrent.futures.Future[NodeConnection] | None = None
         self.sent_at = 0.0
@@ -242,10 +242,11 @@ class StatusPipeline:
         keys = parts[0][2] if len(parts) == 1 else [k for _, _, ks in parts for k in ks]
         step = conn.limits.max_batch
         st.conn = conn
-        st.inflight.extend(_segments(parts, step))  # before encoding: answered even if that fails
+        requests = [self._request(tuple(keys[lo : lo + step])) for lo in range(0, len(keys), step)]
+        st.inflight.extend(zip(requests, _segments(parts, step)))  # before encoding: answered even if that fails
         try:
-            for lo in range(0, len(keys), step):
-                conn.queue_request(self._request(tuple(keys[lo : lo + step])))
+            for request in requests:
+                conn.queue_request(request)
             st.sent_at = time.monotonic()
             st.deadline = st.sent_at + self._io_timeout_s
             done = conn.send_ready()
@@ -266,9 +267,9 @@ class StatusPipeline:
                     reply = conn.recv_ready()
                     if reply is None:
                         break
-                    segments = st.inflight[0]
-                    if not isinstance(reply, (p.StatusReply, p.LeaseReply)) or len(reply.statuses) != _count(segments):
-                        raise RemoteProtocolError(f"{st.node.name}: reply does not match the {self._op} request")
+                    request, segments = st.inflight[0]
+                    reply = conn.matched(request, reply)
+                    assert isinstance(reply, (p.StatusReply, p.LeaseReply))
                     st.inflight.popleft()
                     st.deadline = time.monotonic() + self._io_timeout_s  # the next reply's clock
                     _deliver(segments, [s == _OK for s in reply.statuses], self._op)
@@ -304,7 +305,7 @@ class StatusPipeline:
             error = RemoteProtocolError(f"{st.node.name}: bytes left over after the {self._op} replies")
         st.node.give_back(conn, error)
         inflight, st.inflight = st.inflight, collections.deque()
-        for segments in inflight:
+        for _, segments in inflight:
             _deliver(segments, [False] * _count(segments), self._op)
 
     def _answer_false(self, st: _NodeState) -> None:

@@ -2,22 +2,28 @@
 section 13).
 
 Stores: an SHM_PUT passes a memfd per value, of exactly the value's buffer size, sealed against
-shrinking and growing. `write_value` maps it shared and writable, copies the value in and hashes
-the copy piece by piece while it is in cache (one pass over the bytes, no socket, no work in the
+shrinking and growing. `write_value` maps it shared and writable (its pages made already when it
+is one of the node's spares, else faulted in with one call), copies the value in and hashes the
+copy piece by piece while it is in cache (one pass over the bytes, no socket, no work in the
 node), maps it again private and read-only for later loads, then unmaps the writable mapping
 and closes the descriptor: the node seals it against writing at SHM_COMMIT, which the kernel
 refuses while a writable shared mapping exists.
 
 Loads: an SHM_GET passes a value's memfd; `check_sealed` refuses one that is not sealed against
-shrinking, growing and writing (a node not to be trusted, or another process's doing), `map_value`
-maps it private and read-only, `copy_verified` copies and verifies it. A committed memfd never
-changes: what a mapping holds is what was committed, even after the node dropped the value.
+shrinking, growing and writing (a node not to be trusted, or another process's doing), and
+`read_verified` reads it into the target (pread, hashed piece by piece as it lands). A committed
+memfd never changes: what is read is what was committed, even after the node dropped the value.
+Reading rather than mapping: a mapping per load takes this process's address-space lock twice
+and fills page tables, and a vLLM engine's loader threads serialized on it (a restarted engine
+promoted 32k tokens 1.8x slower than over the socket).
 
-Mappings kept (`MappedValues`): filling a mapping's page tables costs about 0.02 s per GiB, enough
-to make a load noticeably slower. So the read-only mappings of values this process stored stay
-(a bounded LRU, per node process) and their loads ask the node for the value's status and
-checksum only; a value the node no longer has (MISS) or holds anew (another checksum) loses its
-mapping. Others are mapped for one load (MAP_POPULATE) and unmapped after.
+Mappings kept (`MappedValues`): the read-only mappings of values this process stored stay (a
+bounded LRU, per node process, made while the store had the value in cache), and their loads
+ask the node for the value's status and checksum only and copy from the mapping
+(`copy_verified`); a value the node no longer has (MISS) or holds anew (another checksum) loses
+its mapping.
+Spares (memkv/server/shared.py) make the memfd of a store exist before the store: then only the
+copy is the writer's.
 """
 
 from __future__ import annotations
@@ -31,31 +37,21 @@ import mmap
 import os
 import stat
 import threading
+from collections.abc import Sequence
 
 from memkv.integrity import Checksummer
+from memkv.memfd import MAP_POPULATE, fault_in, map_fd, unmap
 from memkv.protocol import ChecksumAlgo
 
 try:
     from memkv._recv_verify import copy_xxh3 as _compiled_copy
+    from memkv._recv_verify import read_xxh3 as _compiled_read
 except ImportError:
     _compiled_copy = None  # type: ignore[assignment]
+    _compiled_read = None  # type: ignore[assignment]
 # MEMKV_PURE_PYTHON=1 turns the compiled loop off, as for receives (memkv/sockio.py).
 COMPILED_COPY = _compiled_copy is not None and os.environ.get("MEMKV_PURE_PYTHON", "") in ("", "0")
 
-_LIBC = ctypes.CDLL(None, use_errno=True)
-_LIBC.mmap.restype = ctypes.c_void_p
-_LIBC.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
-_LIBC.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-_LIBC.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-_MAP_FAILED = ctypes.c_void_p(-1).value
-MAP_POPULATE = getattr(mmap, "MAP_POPULATE", 0x8000)
-MADV_POPULATE_WRITE = 23  # Linux 5.14: fault a range in for writing with one call
-# Transparent huge pages for the value's memfd where the host allows them for shared memory
-# (/sys/kernel/mm/transparent_hugepage/shmem_enabled "advise", "within_size" or "always"): a
-# fresh memfd per value needs its page tables filled for every store, about 1 us per 4 KiB page
-# on a VM, which made a 16 MiB store 3-4x slower than the copy itself; 2 MiB pages make that
-# 512 times fewer. Ignored where the host says "never" (docs/operations.md, "Same-host clients").
-MADV_HUGEPAGE = 14
 PAGE = mmap.PAGESIZE
 # Copied and hashed in pieces this large: each piece is hashed while the copy left it in cache.
 COPY_PIECE = 256 << 10
@@ -88,11 +84,10 @@ def check_sealed(fd: int, length: int, seals: int = SEALS_NEEDED) -> int:
 
 
 def _mmap(fd: int, size: int, prot: int, flags: int) -> int:
-    addr = _LIBC.mmap(None, size, prot, flags, fd, 0)
-    if addr is None or addr == _MAP_FAILED:
-        err = ctypes.get_errno()
-        raise SealError(err, f"mmap of a {size}-byte memfd failed: {os.strerror(err)}")
-    return int(addr)
+    try:
+        return map_fd(fd, size, prot, flags)
+    except OSError as exc:
+        raise SealError(exc.errno or errno.EINVAL, exc.strerror or "mmap failed") from None
 
 
 def map_value(fd: int, size: int) -> int:
@@ -100,77 +95,91 @@ def map_value(fd: int, size: int) -> int:
     return _mmap(fd, size, mmap.PROT_READ, mmap.MAP_PRIVATE | MAP_POPULATE)
 
 
-def unmap(addr: int, size: int) -> None:
-    _LIBC.munmap(addr, size)
-
-
 def write_value(
     fd: int, value: memoryview, algo: int, checksummer: Checksummer, keep: bool
 ) -> tuple[bytes, tuple[int, int] | None]:
     """Write `value` into the memfd `fd` an SHM_PUT passed (closed here in every case), hashing
     the copy as it goes: (the checksum of the bytes written, what SHM_COMMIT declares; with
-    `keep`, (address, size) of a private read-only mapping of them, else None). No writable
-    mapping is left: the node's seal needs that. Raises SealError for a descriptor that is not
-    the memfd announced, ValueError for an unknown `algo`."""
+    `keep`, (address, size) of a private read-only mapping of them, its page tables filled now:
+    a load then copies with no fault, else None). No writable mapping is left: the node's seal
+    needs that. Raises SealError for a descriptor that is not the memfd announced, ValueError for
+    an unknown `algo`. (pwrite instead of a mapping measured slower where pages are 4 KiB: the kernel's
+    per-page work on a write costs more than filling the mapping's page tables.)"""
     length = len(value)
     try:
         size = check_sealed(fd, length, SEALS_OPEN)
         addr = _mmap(fd, size, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_SHARED)
         try:
-            _LIBC.madvise(addr, size, MADV_HUGEPAGE)  # before the pages exist: they are made huge
-            _LIBC.madvise(addr, size, MADV_POPULATE_WRITE)  # an error: the copy faults them in
+            fault_in(addr, size)  # a spare's pages exist (memkv/server/shared.py): tables only
             target = memoryview((ctypes.c_char * length).from_address(addr)).cast("B")
             checksum = copy_hashed(target, value.cast("B"), algo, checksummer)
             if checksum is None:
                 raise ValueError(f"unknown checksum algorithm {algo}")
-            kept = (map_value(fd, size), size) if keep else None
         finally:
             unmap(addr, size)
-        return checksum, kept
+        return checksum, ((map_value(fd, size), size) if keep else None)
     finally:
         os.close(fd)
 
 
+class Mapping:
+    """A read-only mapping of one stored value; unmapped once dropped and no copy reads it."""
+
+    __slots__ = ("addr", "size", "length", "checksum", "readers", "dropped")
+
+    def __init__(self, addr: int, size: int, length: int, checksum: bytes) -> None:
+        self.addr, self.size, self.length, self.checksum = addr, size, length, checksum
+        self.readers = 0  # copies reading it now (`MappedValues.find` .. `done`)
+        self.dropped = False
+
+
 class MappedValues:
     """Read-only mappings of values this process stored on one node process, by key: a bounded
-    LRU (MAX_MAPPED_VALUES, MAX_MAPPED_BYTES). Thread-safe; a mapping in use by a copy is unmapped
-    only after it (`use` / `unuse`)."""
+    LRU (MAX_MAPPED_VALUES, MAX_MAPPED_BYTES). Thread-safe. A mapping dropped (pushed out of the
+    LRU, forgotten, retired) is unmapped at once, or by the last copy reading it (`find` pins it,
+    `done` unpins it): copies from other mappings never keep it, so what dropped values hold
+    beyond the bounds is at most what the running copies read, however busy the process."""
 
     def __init__(self, process: str, max_values: int = MAX_MAPPED_VALUES, max_bytes: int = MAX_MAPPED_BYTES) -> None:
         self.process = process  # the node process's same-host socket name
         self.max_values = max_values
         self.max_bytes = max_bytes
         self._lock = threading.Lock()
-        # key -> (address, size, length, checksum)
-        self._maps: collections.OrderedDict[bytes, tuple[int, int, int, bytes]] = collections.OrderedDict()
-        self._bytes = 0
-        self._users = 0
-        self._doomed: list[tuple[int, int]] = []  # unmapped once no copy runs
-        self._retired = False
+        self._maps: collections.OrderedDict[bytes, Mapping] = collections.OrderedDict()
+        self._bytes = 0  # of the mappings in _maps
+        self.retired = False  # the node process is gone or replaced: nothing is kept any more
         self.refused: str | None = None  # why this node process's memfds cannot be used here (then: socket)
 
     def add(self, key: bytes, addr: int, size: int, length: int, checksum: bytes) -> None:
+        new = Mapping(addr, size, length, checksum)
         with self._lock:
-            old = self._maps.pop(key, None)
-            if old is not None:
-                self._drop(old)
-            if self._retired or self.max_values <= 0 or size > self.max_bytes:
-                self._doomed.append((addr, size))
+            dropped = [self._pop(key)]
+            if self.retired or self.max_values <= 0 or size > self.max_bytes:
+                dropped.append(new)
             else:
-                self._maps[key] = (addr, size, length, checksum)
+                self._maps[key] = new
                 self._bytes += size
                 while len(self._maps) > self.max_values or self._bytes > self.max_bytes:
-                    self._drop(self._maps.popitem(last=False)[1])
-        self._collect()
+                    dropped.append(self._pop(next(iter(self._maps))))
+            gone = self._drop(dropped)
+        _unmap_all(gone)
 
-    def find(self, key: bytes) -> tuple[int, int, bytes] | None:
-        """(address, length, checksum) of `key`'s mapping (the caller holds `use`), or None."""
+    def find(self, key: bytes) -> Mapping | None:
+        """`key`'s mapping, pinned for the caller's copy (`done` when it ended), or None."""
         with self._lock:
             found = self._maps.get(key)
             if found is None:
                 return None
             self._maps.move_to_end(key)
-            return found[0], found[2], found[3]
+            found.readers += 1
+            return found
+
+    def done(self, mapping: Mapping) -> None:
+        """A copy from `mapping` (`find`) ended: unmapped now if it was dropped meanwhile."""
+        with self._lock:
+            mapping.readers -= 1
+            gone = [mapping] if mapping.dropped and mapping.readers == 0 else []
+        _unmap_all(gone)
 
     def has(self, keys: list[bytes]) -> list[bool]:
         with self._lock:
@@ -179,54 +188,51 @@ class MappedValues:
     def forget(self, key: bytes) -> None:
         """The node no longer has (or has another) value of `key`: its mapping goes."""
         with self._lock:
-            old = self._maps.pop(key, None)
-            if old is not None:
-                self._drop(old)
-        self._collect()
-
-    def _drop(self, entry: tuple[int, int, int, bytes]) -> None:
-        """Lock held."""
-        self._bytes -= entry[1]
-        self._doomed.append((entry[0], entry[1]))
-
-    def use(self) -> bool:
-        """Count a copy in progress; False once retired."""
-        with self._lock:
-            if self._retired:
-                return False
-            self._users += 1
-            return True
-
-    def unuse(self) -> None:
-        with self._lock:
-            self._users -= 1
-        self._collect()
+            gone = self._drop([self._pop(key)])
+        _unmap_all(gone)
 
     def retire(self) -> None:
-        """The node process is gone or replaced: every mapping goes once the last copy ends."""
+        """The node process is gone or replaced: every mapping goes (a pinned one after its copy)."""
         with self._lock:
-            self._retired = True
-            for entry in self._maps.values():
-                self._drop(entry)
+            self.retired = True
+            dropped = list(self._maps.values())
             self._maps.clear()
-        self._collect()
+            self._bytes = 0
+            gone = self._drop(dropped)
+        _unmap_all(gone)
 
     def refuse(self, reason: str) -> None:
         """A memfd of this node process cannot be used here: its values come over the socket."""
         self.refused = reason
         self.retire()
 
-    def _collect(self) -> None:
-        with self._lock:
-            if self._users or not self._doomed:
-                return
-            doomed, self._doomed = self._doomed, []
-        for addr, size in doomed:
-            unmap(addr, size)
+    def _pop(self, key: bytes) -> Mapping | None:
+        """Lock held."""
+        mapping = self._maps.pop(key, None)
+        if mapping is not None:
+            self._bytes -= mapping.size
+        return mapping
+
+    @staticmethod
+    def _drop(mappings: Sequence[Mapping | None]) -> list[Mapping]:
+        """Lock held: mark `mappings` (out of the LRU) dropped; those no copy reads, to unmap
+        outside the lock."""
+        gone = []
+        for mapping in mappings:
+            if mapping is not None:
+                mapping.dropped = True
+                if mapping.readers == 0:
+                    gone.append(mapping)
+        return gone
 
     @property
     def mapped(self) -> int:
         return len(self._maps)
+
+
+def _unmap_all(mappings: list[Mapping]) -> None:
+    for mapping in mappings:
+        unmap(mapping.addr, mapping.size)
 
 
 def copy_verified(target: memoryview, source_addr: int, algo: int, checksum: bytes, checksummer: Checksummer) -> bool:
@@ -237,14 +243,39 @@ def copy_verified(target: memoryview, source_addr: int, algo: int, checksum: byt
     return got is not None and hmac.compare_digest(got, checksum)
 
 
+def read_verified(target: memoryview, fd: int, algo: int, checksum: bytes, checksummer: Checksummer) -> bool:
+    """Read the first len(target) bytes of the memfd `fd` into `target` (pread: no mapping, so
+    no lock of this process's address space, which loader threads mapping and unmapping values
+    serialize on), hashing each piece as it lands; True when they match `checksum` (an unknown
+    algo or a short file: False). The compiled loop does it in one GIL release."""
+    if algo == ChecksumAlgo.XXH3_128 and COMPILED_COPY:
+        assert _compiled_read is not None
+        digest = _compiled_read(fd, target, COPY_PIECE)
+        got = None if digest is None else Checksummer.padded(digest)
+    else:
+        try:
+            hasher = checksummer.hasher(algo)
+        except ValueError:
+            return False
+        off = 0
+        while off < len(target):
+            n = os.preadv(fd, [target[off : off + COPY_PIECE]], off)
+            if n <= 0:
+                return False
+            hasher.update(target[off : off + n])
+            off += n
+        got = checksummer.finish(hasher)
+    return got is not None and hmac.compare_digest(got, checksum)
+
+
 def copy_hashed(target: memoryview, source: memoryview, algo: int, checksummer: Checksummer) -> bytes | None:
     """Copy `source` into `target` (same length, bytes), hashing each piece of the copy right
     after it is written, while it is in cache: the checksum of the bytes in `target` (None for an
     unknown algo), whatever `source` does meanwhile. The compiled loop does all of it in one GIL
     release (a busy engine makes every re-acquire cost up to its switch interval); the Python one
     copies each piece with ctypes.memmove (no GIL; a read-only source by slice assignment) and
-    hashes it with python-xxhash or blake3. Loads (`copy_verified`) and SHM_PUT stores
-    (`write_value`) both copy so."""
+    hashes it with python-xxhash or blake3. Loads from a kept mapping (`copy_verified`) and
+    SHM_PUT stores into a fresh memfd (`write_value`) both copy so."""
     length = len(target)
     if algo == ChecksumAlgo.XXH3_128 and COMPILED_COPY:
         assert _compiled_copy is not None

@@ -75,6 +75,17 @@ class StoreCollector:
             yield GaugeMetricFamily(
                 "memkv_node_shm_values", "Memfds the node holds (values and pending reservations)", value=shm["values"]
             )
+            yield GaugeMetricFamily(
+                "memkv_node_shm_spare_bytes",
+                "Buffer bytes of spares: fresh memfds faulted in for the same-host stores to come, part of "
+                "memkv_node_allocated_bytes",
+                value=shm["spare_bytes"],
+            )
+            yield CounterMetricFamily(
+                "memkv_node_shm_spares_taken",
+                "SHM_PUT items given a spare (their writer's copy faulted no page in)",
+                value=shm["spares_taken"],
+            )
             yield CounterMetricFamily(
                 "memkv_node_shm_puts_refused",
                 "SHM_PUT items answered NOT_SHARED because a memfd bound was reached (the client stores them over "

@@ -55,35 +55,20 @@ import struct
 import sys
 import threading
 import time
+from collections.abc import Callable
+from typing import Any
 
 from memkv import protocol as p
 from memkv.config import ServerConfig
 from memkv.errors import AuthError, LocalProtocolError, RemoteProtocolError
 from memkv.server.metrics import NodeMetrics
 from memkv.server.rdma import RdmaResponder, RequestContext
-from memkv.server.shared import SealedBuffer, SharedValues, StillMapped
+from memkv.server.shared import SealedBuffer, SharedValues, StillMapped, spares_on
 from memkv.server.store import Leased, NoSpace, PutTicket, Store
 from memkv.sockio import PeerClosed, discard, recv_exactly, recv_exactly_into, send_all, set_recv_timeout, set_timeouts
 from memkv.tls import TLS_HANDSHAKE_BYTE, ServerTls
 
 log = logging.getLogger("memkv.node")
-
-_OP_NAMES: dict[int, str] = {
-    p.Opcode.PING: "ping",
-    p.Opcode.PUT: "put",
-    p.Opcode.GET: "get",
-    p.Opcode.EXISTS: "exists",
-    p.Opcode.DELETE: "delete",
-    p.Opcode.LIST: "list",
-    p.Opcode.LEASE: "lease",
-    p.Opcode.RELEASE: "release",
-    p.Opcode.RDMA_ATTACH: "rdma_attach",  # RDMA control messages: memkv/server/rdma.py
-    p.Opcode.RDMA_GET: "rdma_get",
-    p.Opcode.SHM_GET: "shm_get",  # shared memory: memkv/server/shared.py
-    p.Opcode.SHM_PUT: "shm_put",  # a client writing values into memfds itself
-    p.Opcode.SHM_COMMIT: "shm_commit",
-}
-
 
 # Descriptors the process needs besides its connections: listeners, stdio, the spare descriptor,
 # /proc and log files, and what NIXL opens when a client attaches over RDMA.
@@ -258,6 +243,9 @@ class Node:
 
     def serve_forever(self) -> None:
         side_loops: list[threading.Thread] = []
+        if self.shared is not None and spares_on(self.config.shared_memory_spares):
+            # Spares (memkv/server/shared.py): memfds faulted in while no store waits for them.
+            threading.Thread(target=self._refill_spares, name="memkv-spares", daemon=True).start()
         for listener, tls, name in ((self._tls_listener, True, "tls"), (self._local_listener, False, "local")):
             if listener is not None:
                 loop = threading.Thread(
@@ -325,6 +313,11 @@ class Node:
                 self._spare_fd = os.open(os.devnull, os.O_RDONLY)
             except OSError:
                 self._spare_fd = None  # taken by another thread: retried on the next shed
+
+    def _refill_spares(self) -> None:
+        while not self._stopping.is_set():
+            if not self.store.refill_spare():
+                self.store.wait_for_spare_demand(1.0)
 
     def shutdown(self, timeout_s: float = 5.0) -> None:
         """Stop accepting, close every connection, wait (bounded) for the accept loop."""
@@ -498,8 +491,8 @@ class Connection:
             except OSError:
                 self.metrics.errors.labels("io").inc()
                 return
-            except AuthError as exc:
-                reason = "bad_sequence" if "sequence" in str(exc) else "bad_mac"
+            except AuthError as exc:  # a frame after the handshake: its MAC or its sequence number
+                reason = "bad_sequence" if exc.reason == "bad_sequence" else "bad_mac"
                 self.metrics.auth_failures.labels(reason).inc()
                 self._send_error(
                     p.ErrorCode.BAD_SEQUENCE if reason == "bad_sequence" else p.ErrorCode.BAD_MAC, str(exc)
@@ -591,52 +584,52 @@ class Connection:
             raise RemoteProtocolError(
                 f"{type(msg).__name__} after an SHM_PUT: the next frame must be its SHM_COMMIT", p.ErrorCode.MALFORMED
             )
-        op = header.opcode
-        name = _OP_NAMES.get(op)
-        if name is None:
-            raise RemoteProtocolError(f"opcode 0x{op:02x} is not a request", p.ErrorCode.UNKNOWN_OPCODE)
+        found = _HANDLERS.get(header.opcode)
+        if found is None:
+            raise RemoteProtocolError(f"opcode 0x{header.opcode:02x} is not a request", p.ErrorCode.UNKNOWN_OPCODE)
+        name, handle = found
         started = time.perf_counter()
         # Counted before the reply goes out: a client that got its answer then reads the
         # metrics must see its request (counting after the send raced such a reader).
         self.metrics.requests.labels(name).inc()
         seconds = self.metrics.request_seconds.labels(name)  # the series exists from now on too
-        if isinstance(msg, p.PingRequest):
-            self._reply(p.PingReply())
-        elif isinstance(msg, p.ExistsRequest):
-            statuses = self.node.store.exists(msg.keys)
-            self._count_keys(name, statuses)
-            self._reply(p.StatusReply(p.Opcode.EXISTS, statuses))
-        elif isinstance(msg, p.DeleteRequest):
-            statuses = self.node.store.delete(msg.keys)
-            self._count_keys(name, statuses)
-            self._reply(p.StatusReply(p.Opcode.DELETE, statuses))
-        elif isinstance(msg, p.ListRequest):
-            found, truncated = self.node.store.list_keys(msg.prefix, msg.limit)
-            if found:
-                self.metrics.keys.labels(name, "ok").inc(len(found))
-            self._reply(p.ListReply(tuple(k for k, _ in found), tuple(n for _, n in found), truncated))
-        elif isinstance(msg, p.LeaseRequest):
-            statuses, lengths, ttl_s = self.node.store.lease(msg.keys, msg.token, msg.ttl_ms / 1000.0)
-            self._count_keys(name, statuses)
-            self._reply(p.LeaseReply(statuses, tuple(lengths), max(1, int(ttl_s * 1000))))
-        elif isinstance(msg, p.ReleaseRequest):
-            statuses = self.node.store.end_leases(msg.keys, msg.token)
-            self._count_keys(name, statuses)
-            self._reply(p.StatusReply(p.Opcode.RELEASE, statuses))
-        elif isinstance(msg, p.PutRequest):
-            self._put(msg)
-        elif isinstance(msg, p.GetRequest):
-            self._get(msg)
-        elif isinstance(msg, (p.RdmaAttachRequest, p.RdmaGetRequest)):  # memkv/server/rdma.py
-            ctx = RequestContext(self.sock, self.peer, cfg.io_timeout_s, self._count_rdma_get, self._hung_up)
-            self._reply(self.node.rdma.handle(ctx, msg))
-        elif isinstance(msg, p.ShmGetRequest):
-            self._shm_get(msg)
-        elif isinstance(msg, p.ShmPutRequest):
-            self._shm_put(msg)
-        elif isinstance(msg, p.ShmCommitRequest):
-            self._shm_commit(msg)
+        handle(self, msg)
         seconds.observe(time.perf_counter() - started)
+
+    # -- one handler per request (_HANDLERS) ------------------------------------------------------
+
+    def _ping(self, msg: p.PingRequest) -> None:
+        self._reply(p.PingReply())
+
+    def _exists(self, msg: p.ExistsRequest) -> None:
+        statuses = self.node.store.exists(msg.keys)
+        self._count_keys("exists", statuses)
+        self._reply(p.StatusReply(p.Opcode.EXISTS, statuses))
+
+    def _delete(self, msg: p.DeleteRequest) -> None:
+        statuses = self.node.store.delete(msg.keys)
+        self._count_keys("delete", statuses)
+        self._reply(p.StatusReply(p.Opcode.DELETE, statuses))
+
+    def _list(self, msg: p.ListRequest) -> None:
+        found, truncated = self.node.store.list_keys(msg.prefix, msg.limit)
+        if found:
+            self.metrics.keys.labels("list", "ok").inc(len(found))
+        self._reply(p.ListReply(tuple(k for k, _ in found), tuple(n for _, n in found), truncated))
+
+    def _lease(self, msg: p.LeaseRequest) -> None:
+        statuses, lengths, ttl_s = self.node.store.lease(msg.keys, msg.token, msg.ttl_ms / 1000.0)
+        self._count_keys("lease", statuses)
+        self._reply(p.LeaseReply(statuses, tuple(lengths), max(1, int(ttl_s * 1000))))
+
+    def _release(self, msg: p.ReleaseRequest) -> None:
+        statuses = self.node.store.end_leases(msg.keys, msg.token)
+        self._count_keys("release", statuses)
+        self._reply(p.StatusReply(p.Opcode.RELEASE, statuses))
+
+    def _rdma(self, msg: p.RdmaAttachRequest | p.RdmaGetRequest) -> None:  # memkv/server/rdma.py
+        ctx = RequestContext(self.sock, self.peer, self.node.config.io_timeout_s, self._count_rdma_get, self._hung_up)
+        self._reply(self.node.rdma.handle(ctx, msg))
 
     def _put(self, msg: p.PutRequest) -> None:
         """Receive the items one after another. Room for an item (which may evict committed
@@ -894,3 +887,22 @@ class Connection:
             self.sock.sendall(frame)
         except (OSError, LocalProtocolError):
             pass
+
+
+# Opcode -> (the request's name in metrics and logs, its handler). The codec has already checked
+# that the frame is this request; a request opcode missing here is refused (UNKNOWN_OPCODE).
+_HANDLERS: dict[int, tuple[str, Callable[[Connection, Any], None]]] = {
+    p.Opcode.PING: ("ping", Connection._ping),
+    p.Opcode.PUT: ("put", Connection._put),
+    p.Opcode.GET: ("get", Connection._get),
+    p.Opcode.EXISTS: ("exists", Connection._exists),
+    p.Opcode.DELETE: ("delete", Connection._delete),
+    p.Opcode.LIST: ("list", Connection._list),
+    p.Opcode.LEASE: ("lease", Connection._lease),
+    p.Opcode.RELEASE: ("release", Connection._release),
+    p.Opcode.RDMA_ATTACH: ("rdma_attach", Connection._rdma),  # RDMA control messages: memkv/server/rdma.py
+    p.Opcode.RDMA_GET: ("rdma_get", Connection._rdma),
+    p.Opcode.SHM_GET: ("shm_get", Connection._shm_get),  # shared memory: memkv/server/shared.py
+    p.Opcode.SHM_PUT: ("shm_put", Connection._shm_put),  # a client writing values into memfds itself
+    p.Opcode.SHM_COMMIT: ("shm_commit", Connection._shm_commit),
+}

@@ -53,7 +53,7 @@ from memkv.errors import RdmaError, RemoteProtocolError
 from memkv.server.store import MMAP_THRESHOLD, Buffer, Entry, Store
 
 if TYPE_CHECKING:  # not a loop: imported for real on the first attach (a node without RDMA never loads it)
-    from memkv.transport.nixl_adapter import NixlAgent, Registration, Write
+    from memkv.nixl_adapter import NixlAgent, Registration, Write
 
 log = logging.getLogger("memkv.node.rdma")
 
@@ -253,7 +253,7 @@ class RdmaResponder:
     def _source(self, buf: Buffer) -> int:
         """The address of a store buffer, registered with NIXL (once per buffer: at allocation
         through `on_alloc`, or here for a buffer the store made before NIXL came up)."""
-        from memkv.transport.nixl_adapter import buffer_address
+        from memkv.nixl_adapter import buffer_address
 
         addr = buffer_address(buf.view)
         with self._lock:
@@ -268,7 +268,7 @@ class RdmaResponder:
         now keeps NIXL's registration off the read path: a value is typically read once."""
         if buf.size < MMAP_THRESHOLD:  # small values: registered on first read, if ever
             return
-        from memkv.transport.nixl_adapter import buffer_address
+        from memkv.nixl_adapter import buffer_address
 
         try:
             self._register(buf, buffer_address(buf.view), "alloc")
@@ -348,7 +348,7 @@ class RdmaResponder:
             if self._transport == "tcp":
                 self._unavailable = "RDMA is disabled on this node (MEMKV_TRANSPORT=tcp)"
                 return None
-            from memkv.transport.nixl_adapter import NixlAgent
+            from memkv.nixl_adapter import NixlAgent
 
             try:
                 self._engine = NixlAgent("node", self._devices)

@@ -31,6 +31,8 @@ import mmap
 import os
 import threading
 
+from memkv import memfd
+
 PAGE = mmap.PAGESIZE
 SEALS_OPEN = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW  # from creation: the size never changes
 SEALS_COMMITTED = SEALS_OPEN | fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SEAL  # from SHM_COMMIT: immutable
@@ -38,6 +40,23 @@ MAX_PENDING = 1024  # reservations not yet committed, node-wide
 MAP_HEADROOM = 8192  # mappings kept for the rest of the process (vm.max_map_count)
 FD_HEADROOM = 256  # descriptors kept for the rest of the process beyond connections
 FDS_PER_VALUE = 2  # the memfd's, and the one Python's mmap keeps of it
+# Spares (`Store.refill_spare`): fresh memfds faulted in ahead of the stores that will take
+# them, at most this many bytes (and capacity / SPARE_CAPACITY_DIVISOR), split between the value
+# sizes SHM_PUT asked for within SPARE_KEEP_S.
+MAX_SPARE_BYTES = 256 << 20
+SPARE_CAPACITY_DIVISOR = 16
+SPARE_KEEP_S = 30.0
+# "auto" makes spares only where the node may run on this many CPUs: faulting pages in ahead
+# helps a store when another core does it; on a 2-core host it competed with the writers and
+# made stores slower (docs/performance.md, "Shared memory").
+MIN_SPARE_CPUS = 4
+
+
+def spares_on(mode: str) -> bool:
+    """Whether the node keeps spares, for --shared-memory-spares `mode` (auto, on, off)."""
+    if mode == "auto":
+        return len(os.sched_getaffinity(0)) >= MIN_SPARE_CPUS
+    return mode == "on"
 
 
 class StillMapped(OSError):
@@ -77,6 +96,16 @@ class SealedBuffer:
         # (Python's mmap holds a second descriptor of the memfd: FDS_PER_VALUE.)
         self._mem = mmap.mmap(self.fd, self.size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ)
         self.view = memoryview(self._mem)
+
+    def prefault(self) -> None:
+        """Fault every page in now (huge pages where the host allows), so that the client's copy
+        into it writes into memory that exists (`SharedValues.spare`). Only ever done before any
+        client has seen the memfd; the node's writable mapping is gone after."""
+        addr = memfd.map_fd(self.fd, self.size, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_SHARED)
+        try:
+            memfd.fault_in(addr, self.size)
+        finally:
+            memfd.unmap(addr, self.size)
 
     def free(self) -> None:
         """The store is done with it: the memfd closes now, or, while a socket GET still sends
@@ -124,12 +153,15 @@ class SharedValues:
         self.max_values = max(0, _max_map_count() - MAP_HEADROOM) if max_values is None else max_values
         self.max_pending = max_pending
         self._lock = threading.Lock()
-        self.values = 0  # memfds in existence: reserved, committed, not yet freed
+        self.values = 0  # memfds of values: reserved, committed, not yet freed
         self.bytes = 0  # their buffer bytes (part of the store's allocated_bytes)
+        self.spares = 0  # memfds faulted in for stores to come (`spare`)
+        self.spare_bytes = 0  # their buffer bytes (part of the store's allocated_bytes too)
         self.pending = 0  # reservations not yet committed or dropped
         self.refused = 0  # SHM_PUT items answered NOT_SHARED: a bound reached
         self.commits_refused = 0  # SHM_COMMIT items refused: still mapped writable
         self.reclaimed = 0  # reservations dropped uncommitted (timeout, connection end)
+        self.spares_taken = 0  # SHM_PUT items given a spare (faulted in ahead: no page faults for the client)
 
     def fit_fd_limit(self, fd_soft_limit: int, connections: int) -> None:
         """Keep the memfds the node holds under RLIMIT_NOFILE, beside `connections` sockets."""
@@ -138,7 +170,7 @@ class SharedValues:
     def reserve(self, size: int) -> SealedBuffer | None:
         """A new memfd of `size` bytes, or None past a bound (or when the kernel refuses one)."""
         with self._lock:
-            if self.values >= self.max_values or self.pending >= self.max_pending:
+            if self.values + self.spares >= self.max_values or self.pending >= self.max_pending:
                 self.refused += 1
                 return None
             self.values += 1
@@ -154,6 +186,39 @@ class SharedValues:
                 self.refused += 1
             return None
 
+    def spare(self, size: int) -> SealedBuffer | None:
+        """A new memfd of `size` bytes, faulted in, for a later `take_spare`; None past the memfd
+        bound (or when the kernel refuses one)."""
+        with self._lock:
+            if self.values + self.spares >= self.max_values:
+                return None
+            self.spares += 1
+            self.spare_bytes += size
+        try:
+            buf = SealedBuffer(size)
+        except OSError:
+            with self._lock:
+                self.spares -= 1
+                self.spare_bytes -= size
+            return None
+        buf.prefault()
+        return buf
+
+    def take_spare(self, size: int) -> bool:
+        """A spare of `size` bytes becomes a reservation: False past the pending bound (then it
+        stays a spare)."""
+        with self._lock:
+            if self.pending >= self.max_pending:
+                self.refused += 1
+                return False
+            self.pending += 1
+            self.spares_taken += 1
+            self.spares -= 1
+            self.spare_bytes -= size
+            self.values += 1
+            self.bytes += size
+            return True
+
     def ended(self) -> None:
         """A reservation was committed or dropped."""
         with self._lock:
@@ -164,11 +229,15 @@ class SharedValues:
         with self._lock:
             self.reclaimed += n
 
-    def freed(self, buf: SealedBuffer) -> None:
+    def freed(self, buf: SealedBuffer, spare: bool = False) -> None:
         buf.free()
         with self._lock:
-            self.values -= 1
-            self.bytes -= buf.size
+            if spare:
+                self.spares -= 1
+                self.spare_bytes -= buf.size
+            else:
+                self.values -= 1
+                self.bytes -= buf.size
 
     def refused_commit(self) -> None:
         with self._lock:
@@ -179,10 +248,13 @@ class SharedValues:
             return {
                 "values": self.values,
                 "bytes": self.bytes,
+                "spares": self.spares,
+                "spare_bytes": self.spare_bytes,
                 "max_values": self.max_values,
                 "pending": self.pending,
                 "max_pending": self.max_pending,
                 "refused_puts": self.refused,
                 "refused_commits": self.commits_refused,
                 "reclaimed_reservations": self.reclaimed,
+                "spares_taken": self.spares_taken,
             }

@@ -57,7 +57,7 @@ from typing import Any
 
 from memkv.config import LaneSpec
 from memkv.protocol import ItemStatus
-from memkv.server.shared import SealedBuffer, SharedValues
+from memkv.server.shared import MAX_SPARE_BYTES, SPARE_CAPACITY_DIVISOR, SPARE_KEEP_S, SealedBuffer, SharedValues
 
 PAGE = mmap.PAGESIZE
 MMAP_THRESHOLD = 1 << 20
@@ -220,6 +220,12 @@ class Store:
         # token -> [leases, bytes] it holds: each holder is charged the whole buffer of every
         # value it leases, shared with other holders or not (what it would pin alone).
         self._holders: dict[int, list[int]] = {}
+        # Spares: fresh memfds faulted in ahead of the same-host stores that take them
+        # (`refill_spare`), counted in allocated_bytes. size -> buffers; size -> (when an SHM_PUT
+        # last asked for it, the lane of that key: the lane a spare evicts from, as its store would).
+        self._spares: dict[int, list[SealedBuffer]] = {}
+        self._spare_wanted: dict[int, tuple[float, Lane]] = {}
+        self._spare_wake = threading.Condition(self._lock)  # notified when a spare is taken
 
     # -- lanes --------------------------------------------------------------------------------
 
@@ -247,7 +253,17 @@ class Store:
         before `commit`); None when `self.shared` has none to give (a bound reached), and then
         nothing was reserved or evicted."""
         size = buffer_size_for(length)
-        if self.shared is None or (sealed := self.shared.reserve(size)) is None:
+        if self.shared is None:
+            return None
+        if (spare := self._take_spare(key, size)) is not None:
+            try:
+                return self._begin_put(key, length, algo, checksum, wait_s, size, spare, counted=True)
+            except BaseException:
+                self.shared.ended()
+                with self._lock:
+                    self._give_back(spare)
+                raise
+        if (sealed := self.shared.reserve(size)) is None:
             return None
         try:
             return self._begin_put(key, length, algo, checksum, wait_s, size, sealed)
@@ -257,8 +273,17 @@ class Store:
             raise
 
     def _begin_put(
-        self, key: bytes, length: int, algo: int, checksum: bytes, wait_s: float, size: int, sealed: SealedBuffer | None
+        self,
+        key: bytes,
+        length: int,
+        algo: int,
+        checksum: bytes,
+        wait_s: float,
+        size: int,
+        sealed: SealedBuffer | None,
+        counted: bool = False,
     ) -> PutTicket:
+        """`counted`: `sealed` is a spare, already in allocated_bytes (nothing to make room for)."""
         if size > self.capacity_bytes:
             raise NoSpace(f"value of {length} bytes exceeds the node's capacity")
         lane = self.lane_for(key)
@@ -277,7 +302,7 @@ class Store:
                     )
             self.inflight_bytes += size
             try:
-                buf = self._reserve(key, size, lane, reuse=sealed is None)
+                buf = None if counted else self._reserve(key, size, lane, reuse=sealed is None)
             except BaseException:
                 self._end_inflight(size)
                 raise
@@ -345,6 +370,80 @@ class Store:
     def _shared_ended(self, ticket: PutTicket) -> None:
         if self.shared is not None and isinstance(ticket.buf, SealedBuffer):
             self.shared.ended()
+
+    # -- spares (memkv/server/shared.py) --------------------------------------------------------
+
+    def _take_spare(self, key: bytes, size: int) -> SealedBuffer | None:
+        """A spare of exactly `size` for an SHM_PUT of `key`, or None; either way the size is
+        wanted from now on (the refill thread makes the next one)."""
+        with self._lock:
+            self._spare_wanted[size] = (self._clock(), self.lane_for(key))
+            self._spare_wake.notify()
+            spares = self._spares.get(size)
+            if not spares or self.shared is None or not self.shared.take_spare(size):
+                return None
+            return spares.pop()
+
+    def refill_spare(self) -> bool:
+        """Make one spare if the spares of a wanted size are below their share of the spare
+        budget, evicting for it as the store it stands for would; True if one was made (call
+        again), False when none is wanted now (or there is no room). Drops the spares of sizes
+        no SHM_PUT asked for within SPARE_KEEP_S. Called by one thread (the node's)."""
+        with self._lock:
+            size, lane = self._spare_to_make()
+            if size is None or lane is None or self.shared is None:
+                return False
+            if self.allocated_bytes + size > self.capacity_bytes:
+                try:
+                    self._make_room(size, lane, reuse=False, for_spare=True)
+                except NoSpace:
+                    return False
+            self.allocated_bytes += size
+            shared = self.shared
+        buf = shared.spare(size)  # outside the lock: faulting the pages in takes a while
+        with self._lock:
+            if buf is None:
+                self.allocated_bytes -= size
+                return False
+            self._spares.setdefault(size, []).append(buf)
+        return True
+
+    def wait_for_spare_demand(self, timeout_s: float) -> None:
+        with self._lock:
+            self._spare_wake.wait(timeout_s)
+
+    def _spare_to_make(self) -> tuple[int | None, Lane | None]:
+        """Lock held: the size of the next spare to make (the most recently wanted first), and
+        the lane it evicts from."""
+        now = self._clock()
+        for size, (when, _) in list(self._spare_wanted.items()):
+            if now - when > SPARE_KEEP_S:
+                del self._spare_wanted[size]
+                for buf in self._spares.pop(size, []):
+                    self._free_spare(buf)
+        if not self._spare_wanted:
+            return None, None
+        budget = min(MAX_SPARE_BYTES, self.capacity_bytes // SPARE_CAPACITY_DIVISOR) // len(self._spare_wanted)
+        for size, (_, lane) in sorted(self._spare_wanted.items(), key=lambda item: -item[1][0]):
+            if (len(self._spares.get(size, ())) + 1) * size <= budget:
+                return size, lane
+        return None, None
+
+    def _drop_spares(self) -> bool:
+        """Lock held: free every spare (a store needs their room and nothing else can go)."""
+        spares, self._spares = self._spares, {}
+        for bufs in spares.values():
+            for buf in bufs:
+                self._free_spare(buf)
+        return bool(spares)
+
+    def _free_spare(self, buf: SealedBuffer) -> None:
+        """Lock held."""
+        self.allocated_bytes -= buf.size
+        if self.shared is not None:
+            self.shared.freed(buf, spare=True)
+        else:
+            buf.free()
 
     # -- reads --------------------------------------------------------------------------------
 
@@ -617,13 +716,16 @@ class Store:
             self._pool_bytes -= size
             self.allocated_bytes -= size
 
-    def _make_room(self, size: int, lane: Lane, reuse: bool = True) -> ValueBuffer | None:
+    def _make_room(self, size: int, lane: Lane, reuse: bool = True, for_spare: bool = False) -> ValueBuffer | None:
         """Evict until `size` fits. Returns a reusable evicted buffer, or None when the caller
-        should allocate (space is reserved by the caller). Raises NoSpace."""
+        should allocate (space is reserved by the caller). Spares go only when no value can
+        (never `for_spare`). Raises NoSpace."""
         self._drop_pooled(size)
         while self.allocated_bytes + size > self.capacity_bytes:
             victim = self._pick_victim(lane)
             if victim is None:
+                if not for_spare and self._drop_spares():
+                    continue
                 raise NoSpace("no evictable value: every value is being read or is leased")
             victim.lane.evictions += 1
             self.evictions += 1

@@ -3,8 +3,10 @@
     base.py          Transport (the seam), LoadResult
     tcp.py           TcpTransport: the node streams values over the authenticated connection
     rdma.py          RdmaTransport: the node WRITEs values into the client's registered pool
-    nixl_adapter.py  every NIXL call, and nothing else (the node's side of RDMA,
-                     memkv/server/rdma.py, uses it too)
+
+Every NIXL call is in memkv/nixl_adapter.py, a leaf module outside this package: the node's
+side of RDMA (memkv/server/rdma.py) uses it too, and must not load the client this package
+is built on.
 
 Both transports are built on the client core (`memkv.client.nodeset.NodeSet`), never on
 `memkv.Client`; the client's errors, `RdmaError` included, are in memkv.errors.
@@ -38,7 +40,7 @@ def select_transport(nodes: NodeSet, config: ClientConfig) -> Transport:
     mode = config.transport
     if mode == "tcp":
         return TcpTransport(nodes)
-    from memkv.transport import nixl_adapter
+    from memkv import nixl_adapter
 
     present, missing = nixl_adapter.rdma_devices(config.rdma_devices)
     if mode == "auto" and not present:

@@ -47,8 +47,8 @@ from memkv.client import metrics as m
 from memkv.client.node import NodeClient, NodeConnection
 from memkv.client.nodeset import NodeSet
 from memkv.errors import ConfigError, MemKVError, RdmaError, RemoteProtocolError, ServerError
+from memkv.nixl_adapter import NixlAgent, Registration, buffer_address
 from memkv.transport.base import LoadResult, Transport
-from memkv.transport.nixl_adapter import NixlAgent, Registration, buffer_address
 from memkv.transport.tcp import TcpTransport
 
 log = logging.getLogger("memkv.client")

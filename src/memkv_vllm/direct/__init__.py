@@ -2,7 +2,8 @@
 
 `MemKVOffloadingSpec` (spec.py) is selected by `spec_name` + `spec_module_path:
 "memkv_vllm.direct"` in `kv_connector_extra_config`; vLLM imports this package only then.
-Scheduler side: manager.py (lookups, prefetch-and-verify, stores); worker side: worker.py
+Scheduler side: manager.py (load_guarantee "staged": lookups, prefetch-and-verify, stores),
+leased.py ("leased": lookups that lease), base.py (what both share); worker side: worker.py
 (GPU <-> staging copies); staging.py and layout.py: the shared staging region; keys.py: the
 rank-qualified MemKV keys; config.py: the `"memkv"` keys. See docs/direct-mode.md.
 """

@@ -44,7 +44,7 @@ class DirectSettings:
     blocks_per_op: int = 8  # chunks per batched request
     lookup_timeout_s: float = 5.0  # an exists probe or prefetch unresolved this long answers MISS; <= 0 disables
     load_failure_grace_s: float = 60.0  # RDMA: a failed prefetch's slot stays quarantined this long
-    step_yield_ms: float = 1.0  # per scheduler step, GIL given to the transfer threads while a lookup or load is open
+    step_yield_ms: float = 1.0  # switch interval (memkv_vllm/gil.py) while a lookup or load is open; 0: left alone
     # "leased": HIT = every rank's value exists and is leased on its node; workers stream it
     # through staging (any prompt length). "staged": HIT = already in staging and verified (a
     # prompt reuses at most staging_mb's worth of chunks). Default: default_load_guarantee().

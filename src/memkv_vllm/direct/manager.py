@@ -1,4 +1,7 @@
-"""`MemKVDirectManager`: the scheduler side of direct mode. MemKV is the offload medium.
+"""`MemKVDirectManager`: the scheduler side of direct mode with load_guarantee "staged".
+
+MemKV is the offload medium. Its sibling for "leased" is leased.py; what both share (startup,
+request bookkeeping) is base.py.
 
 vLLM's worker asserts success for every transfer job (vllm-spec-api.md 5.4): once the
 connector has turned a lookup HIT into a load job, nothing can turn it back into a recompute.
@@ -45,36 +48,18 @@ that `_drain` applies. No method waits on the network.
 from __future__ import annotations
 
 import collections
-import logging
-import time
-from typing import Any
 
-from vllm.v1.kv_offload.base import OffloadingManager, PrepareStoreOutput
+from vllm.v1.kv_offload.base import PrepareStoreOutput
 
-from memkv import __version__ as memkv_version
-from memkv import Client, ClientConfig
-from memkv.errors import MemKVError
-from memkv.license import check_license
 from memkv_vllm import compat
 from memkv_vllm import metrics as tm
-from memkv_vllm import release
+from memkv_vllm.direct.base import RESET_FENCE_STEPS, DirectManagerBase, log
 from memkv_vllm.direct.config import DirectSettings
-from memkv_vllm.direct.keys import DirectKeys
 from memkv_vllm.direct.layout import MemKVLoadStoreSpec, StagingLayout
-from memkv_vllm.direct.staging import SlotTable, StagingRegion
-from memkv_vllm.lookup import LookupService
 from memkv_vllm.transfers import LOAD, STORE, TaskResult, TransferPool
 
-log = logging.getLogger("vllm.memkv_vllm.direct")
-timing = logging.getLogger("memkv_vllm.direct.timing")  # DEBUG stage times (streaming.py says why)
-
 FILLING, READY, WRITING, PUTTING = "filling", "ready", "writing", "putting"
-RESET_FENCE_STEPS = 2  # <= 0.32: steps after a reset before flushed jobs' slots are reused
 PUT_RECENTLY_MAX = 1 << 16  # keys this engine stored, answered without a probe (a prefetch still verifies)
-
-
-class DirectStartupError(RuntimeError):
-    """Direct mode cannot start: the message names the server or setting and the likely cause."""
 
 
 class _Entry:
@@ -97,126 +82,37 @@ class _Entry:
         return self.state in (READY, PUTTING)
 
 
-class MemKVDirectManager(OffloadingManager):
+class MemKVDirectManager(DirectManagerBase):
+    """Direct mode with load_guarantee "staged" (the module docstring)."""
+
     def __init__(self, spec, settings: DirectSettings, layout: StagingLayout) -> None:
-        self.settings = settings
-        self.layout = layout
-        self.client = Client(self._client_config())
-        self._region: StagingRegion | None = None
-        try:
-            self._probe_all()
-            self.keys = DirectKeys(settings.prefix, spec, layout.value_bytes, layout.world_size)
-            self._write_config_record()
-            self._region = StagingRegion.open_or_create(layout.path, layout.region_bytes, owner=True)
-            self._register_region()
-        except BaseException:
-            if self._region is not None:
-                self._region.close()
-            self.client.close()
-            raise
-        self._flat = self._region.view
-        self.slots = SlotTable(layout.num_slots)
-        self.stats = tm.TierStats(mode="direct")
-        self._clock = time.monotonic
+        super().__init__(spec, settings, layout)
         self._entries: dict[bytes, _Entry] = {}
-        self._req_refs: dict[str, set[bytes]] = {}
-        self._loads: dict[str, list[list[bytes]]] = {}  # req -> keys of each pinned load
         self._cut: set[str] = set()  # requests whose later store jobs are shed
         self._prefetch_queue: list[_Entry] = []
         self._jobs: dict[int, list[_Entry]] = {}
         self._job_ids = 0
         self._put_recently: collections.OrderedDict[bytes, None] = collections.OrderedDict()  # bounded
-        self._looked_up: set[str] = set()  # requests that looked something up this step
-        self._retrying: set[str] = set()  # ... and got a RETRY
-        self._probing: set[str] = set()  # ... and had a chunk whose exists probe is unanswered
+        self._probing: set[str] = set()  # requests with a chunk whose exists probe is unanswered this step
         self._fence: list[tuple[int, list[_Entry]]] = []  # (steps left, entries) after reset_cache
         # Grace 0: a failed prefetch is reported at once (its lookup answers MISS now); what may
         # still land late is handled per slot here (_late), not by withholding the result.
-        # "leased" moves no value bytes on this side (the workers do, with these thread counts).
-        self._pool = None if settings.leased else TransferPool(settings.n_read_threads, settings.n_write_threads,
-                                                               0.0)
+        self._pool = TransferPool(settings.n_read_threads, settings.n_write_threads, 0.0)
         self._late: list[tuple[float, int]] = []  # (release time, slot): failed RDMA prefetches
-        self._lookup = self._open_lookup()
-        self._step_yield_s = settings.step_yield_ms / 1000.0
-        self._closed = False
-        problem = compat.block_hash_reuse_problem()
-        if problem:
-            log.warning("MemKV direct mode: %s: chunks stored by this engine cannot be reused by a restarted or "
-                        "another engine. Set PYTHONHASHSEED (e.g. 0) on every instance that should share KV.", problem)
-        log.info("MemKV direct mode ready (servers=%s, rdma=%s, load_guarantee=%s, reuses %s, world_size=%d, "
-                 "value_bytes=%d, staging=%d slots x %d bytes = %d MiB at %s, namespace=%s, lookup_timeout_s=%s, "
-                 "memkv=%s, %s)",
-                 [a.name for a in self.client.servers()], self.client.has_rdma(), settings.load_guarantee,
-                 self._reuse_summary(), layout.world_size, layout.value_bytes, layout.num_slots, layout.slot_bytes,
-                 layout.region_bytes >> 20, layout.path, self.keys.namespace, settings.lookup_timeout_s,
-                 memkv_version, release.vllm_field())
-        release.warn_if_unqualified()
-        self._warn_reuse_limits(spec)
+        self._lookup = self._lookup_service(self.client.exists_stream, store_keys=self.keys.probe_keys)
+        self._started(spec)
 
     def _reuse_summary(self) -> str:
-        if self.settings.leased:
-            return "a prompt of any length"
         return f"at most {self.layout.staged_prompt_tokens} tokens of a prompt"
 
-    def _warn_reuse_limits(self, spec) -> None:
-        """Say at startup what the configuration cannot do, not at the first long prompt."""
+    def _warn_limits(self, spec) -> None:
         layout, st = self.layout, self.settings
-        if not st.leased and layout.staged_prompt_tokens < layout.max_model_len:
+        if layout.staged_prompt_tokens < layout.max_model_len:
             mib_per_1k = -(-layout.slot_bytes * layout.num_groups * 1024 // max(1, layout.tokens_per_chunk)) / (1 << 20)
             log.warning("MemKV direct mode: load_guarantee \"staged\" with memkv.staging_mb %d reuses at most %d of "
                         "max_model_len %d tokens of a prompt; the rest of a longer prompt is recomputed. Raise "
                         "staging_mb (%.0f MiB per 1k tokens) or use \"leased\" (the default from vLLM 0.34)",
                         st.staging_mb, layout.staged_prompt_tokens, layout.max_model_len, mib_per_1k)
-        extra = getattr(spec, "extra_config", None) or {}
-        if st.leased and int(extra.get("sync_load_budget_bytes", 0) or 0) > 0:
-            log.warning("MemKV direct mode: sync_load_budget_bytes is set: vLLM cannot recompute a synchronous "
-                        "(expedited) load that fails, it stops the engine; leave it unset with load_guarantee "
-                        "\"leased\"")
-
-    # ---------------------------------------------------------------------------------------------
-    # Startup
-    # ---------------------------------------------------------------------------------------------
-
-    def _open_lookup(self) -> LookupService:
-        return LookupService(self.client.exists_stream, self.settings.deadline_s,
-                             on_timeout=lambda n: self.stats.count(tm.LOOKUPS, n, ("timeout",)),
-                             store_keys=self.keys.probe_keys)
-
-    @staticmethod
-    def _client_config() -> ClientConfig:
-        config = ClientConfig.from_env()  # MEMKV_CONFIG, then MEMKV_* (memkv.config)
-        status = check_license(config.license, config.license_public_key)
-        if status is not None:
-            log.info(status.log_line())
-        return config
-
-    def _probe_all(self) -> None:
-        """Every configured server: with HRW a bad entry would silently lose its share of keys."""
-        from memkv_vllm.tier import explain_probe_failure  # one wording for both modes
-
-        try:
-            probes = self.client.probe()
-        except MemKVError as exc:
-            raise DirectStartupError(f"MemKV direct mode cannot start: {explain_probe_failure(exc)}") from exc
-        for probe in probes:
-            if probe.max_value_bytes < self.layout.value_bytes:
-                raise DirectStartupError(
-                    f"MemKV direct mode cannot start: server {probe.server} accepts values up to "
-                    f"{probe.max_value_bytes} bytes but one rank's chunk is {self.layout.value_bytes} bytes -- start "
-                    f"the node with --max-value-size >= {self.layout.value_bytes} or use a smaller block_size")
-
-    def _write_config_record(self) -> None:
-        key = self.keys.config_key
-        if not self.client.exists([key])[0]:
-            if not self.client.batch_put_views([(key, self.keys.config_record())])[0]:
-                log.warning("MemKV direct mode: could not write the namespace record %r", key)
-
-    def _register_region(self) -> None:
-        """RDMA (docs/rdma.md): nodes WRITE prefetches straight into the staging region."""
-        try:
-            self.client.register_pool(self._region.view)
-        except MemKVError as exc:
-            raise DirectStartupError(f"MemKV direct mode cannot start: {exc}") from exc
 
     # ---------------------------------------------------------------------------------------------
     # Lookups and loads
@@ -269,13 +165,6 @@ class MemKVDirectManager(OffloadingManager):
         self._prefetch_queue.append(e)
         return self._answer("retry", rid)
 
-    def _answer(self, result: str, rid: str | None = None):
-        self.stats.count(tm.LOOKUPS, 1, (result,))
-        if result == "retry":
-            self._retrying.add(rid)
-            return compat.LookupResult.RETRY
-        return compat.LookupResult.HIT if result == "hit" else compat.LookupResult.MISS
-
     def prepare_load(self, keys, req_context):
         self._drain()
         rid = req_context.req_id
@@ -296,21 +185,6 @@ class MemKVDirectManager(OffloadingManager):
         self._unref(rid, keep=loading)  # staged past the loaded prefix: not needed any more
         return MemKVLoadStoreSpec(slots)
 
-    def _pop_load(self, rid: str, keys) -> set | None:
-        """The keys of `rid`'s load job with these keys, forgotten; None for a load that a
-        reset_cache flushed (its pins were dropped or fenced there)."""
-        jobs = self._loads.get(rid, [])
-        keyset = set(keys)
-        for i, job in enumerate(jobs):
-            if set(job) == keyset:
-                del jobs[i]
-                break
-        else:
-            return None
-        if not jobs:
-            self._loads.pop(rid, None)
-        return keyset
-
     def complete_load(self, keys, req_context) -> None:
         rid = req_context.req_id
         keyset = self._pop_load(rid, keys)
@@ -321,11 +195,6 @@ class MemKVDirectManager(OffloadingManager):
             if e is not None and e.pins:
                 e.pins -= 1
         self._unref(rid, only=keyset)
-
-    def get_load_source(self, key, req_context):  # 0.32+: a remote memory store, not the CPU pool
-        if compat.TIER_CACHE_HIT_SOURCE is not None:
-            return compat.TIER_CACHE_HIT_SOURCE
-        return super().get_load_source(key, req_context)
 
     # ---------------------------------------------------------------------------------------------
     # Stores
@@ -451,8 +320,6 @@ class MemKVDirectManager(OffloadingManager):
         return TaskResult(ok, may_land_late=result.may_land_late)
 
     def _drain(self) -> None:
-        if self._pool is None:  # "leased": no transfer pool on this side (LeasedDirectManager)
-            return
         if self._late:
             now = self._clock()
             due = [slot for t, slot in self._late if t <= now]
@@ -538,9 +405,6 @@ class MemKVDirectManager(OffloadingManager):
     # Step hooks and requests
     # ---------------------------------------------------------------------------------------------
 
-    def on_new_request(self, req_context):
-        return compat.RequestOffloadingContext()
-
     def on_schedule_end(self, context) -> None:
         self._drain()
         self._lookup.flush()
@@ -549,22 +413,12 @@ class MemKVDirectManager(OffloadingManager):
             live = [e for e in queued if self._entries.get(e.key) is e and e.state == FILLING]
             if live:
                 self._submit(LOAD, live, self._prefetch_task)
-        # A request whose lookups this step were all final has been answered: what it did not
-        # pin with prepare_load (staged past its prefix, or a prefix under one chunk) is released.
-        for rid in self._looked_up - self._retrying:
-            self._unref(rid, keep=self._pinned_keys(rid))
-        self._looked_up.clear()
-        self._retrying.clear()
+        self._release_answered()
         self._probing.clear()
         self._advance_fence()
         self._report_staging()
-        if self._step_yield_s and (self._lookup.probing() or self._pool.loading()):
-            # As in the tier (memkv_vllm.tier.on_schedule_end): a scheduler stepping in pure Python
-            # keeps the GIL from the lookup and transfer threads; sleeping releases it.
-            time.sleep(self._step_yield_s)
-
-    def _pinned_keys(self, rid: str) -> set[bytes]:
-        return {k for job in self._loads.get(rid, ()) for k in job}
+        # As in the tier: the lookup and prefetch threads get the GIL promptly (gil.py).
+        self._gil.hold(self._lookup.probing() or self._pool.loading())
 
     def on_request_finished(self, req_context) -> None:
         rid = req_context.req_id
@@ -629,373 +483,5 @@ class MemKVDirectManager(OffloadingManager):
         self.stats.gauge(tm.STAGING_BYTES, store * slot, ("store",))
         self.stats.gauge(tm.STAGING_BYTES, self.slots.quarantined * slot, ("quarantine",))
 
-    def get_stats(self):
-        return self.stats.take()
-
-    def config_info(self) -> list[dict[str, Any]]:  # 0.33 info metric
-        return [{
-            "memkv_mode": "direct",
-            "memkv_servers": ",".join(a.name for a in self.client.servers()),
-            "memkv_prefix": self.settings.prefix,
-            "memkv_staging_mb": str(self.settings.staging_mb),
-        }]
-
-    def shutdown(self) -> None:
-        if getattr(self, "_closed", True):
-            return
-        self._closed = True
-        self._lookup.shutdown()
-        if self._pool is not None:
-            self._pool.shutdown()
-        self.client.close()
-        self._flat = None
-        if self._region is not None:
-            self._region.close()  # unlinks the file; workers' mappings stay valid until they close
-
-
-# -------------------------------------------------------------------------------------------------
-# load_guarantee "leased" (opt-in)
-# -------------------------------------------------------------------------------------------------
-
-
-class ChunkLeaseProber:
-    """A lookup Prober (memkv_vllm.lookup) that LEASEs every rank's value of each chunk: a chunk
-    answers True only when all `world_size` leases were granted. Leases granted for a chunk that
-    answers False are orphans: posted to `orphans` for the manager to release.
-
-    Threading: the lookup thread only (as the StatusPipeline it drives); `orphans` is a
-    SimpleQueue drained by the scheduler."""
-
-    def __init__(self, client: Client, keys: DirectKeys, ttl_s: float, orphans) -> None:
-        self._pipe = client.lease_stream(ttl_s)
-        self._keys = keys
-        self._orphans = orphans
-
-    def submit(self, chunk_keys: list[bytes], on_answer) -> None:
-        w = self._keys.world_size
-        value_keys = [vk for k in chunk_keys for vk in self._keys.value_keys(k)]
-        left = [w] * len(chunk_keys)
-        granted: list[list[bytes]] = [[] for _ in chunk_keys]
-
-        def answered(indices: list[int], hits: list[bool]) -> None:
-            done, verdicts = [], []
-            for j, hit in zip(indices, hits):
-                c = j // w
-                if hit:
-                    granted[c].append(value_keys[j])
-                left[c] -= 1
-                if left[c] == 0:
-                    ok = len(granted[c]) == w
-                    if not ok and granted[c]:
-                        self._orphans.put(granted[c])
-                    done.append(c)
-                    verdicts.append(ok)
-            if done:
-                on_answer(done, verdicts)
-
-        self._pipe.submit(value_keys, answered)
-
-    def poll(self, timeout_s: float | None = None) -> None:
-        self._pipe.poll(timeout_s)
-
-    def wake(self) -> None:
-        self._pipe.wake()
-
-    def close(self) -> None:
-        self._pipe.close()
-
-
-class _Held:
-    """A chunk whose every rank's value this engine holds a lease on."""
-
-    __slots__ = ("refs", "pins", "renewed")
-
-    def __init__(self, renewed: float) -> None:
-        self.refs: set[str] = set()  # requests whose lookups answered HIT from it
-        self.pins = 0  # load jobs between prepare_load and complete_load
-        self.renewed = renewed
-
-
-class LeasedDirectManager(MemKVDirectManager):
-    """Direct mode with load_guarantee "leased": a HIT is a lease, not staged bytes.
-
-      lookup(key)   held by this engine .............................................. HIT
-                    being stored by this engine (until complete_store) ............... RETRY
-                    unknown -> batched LEASE of every rank's value (LookupService with a
-                    ChunkLeaseProber: lookup_timeout_s deadline, MISS on outage) ..... RETRY
-                    all leased -> held ............................................... HIT
-                    any rank missing, refused or unreachable ......................... MISS
-      prepare_load  pins the held leases; the job names the chunks' keys and each worker
-                    streams its rank's values through its staging ring (streaming.py)
-      complete_load unpins; a lease nobody needs any more is released (off this thread)
-      prepare_store all new chunks at once (any number: the workers stream them through the
-                    ring; never None, nothing shed); complete_store: their leases can be taken
-
-    Leases are renewed every third of lease_ttl_s while held (a request may wait several steps
-    between its HIT and its load). The staging region belongs to the workers (a ring per rank);
-    this side moves no value bytes. Threading as the base class: every public method on the
-    scheduler thread; lease renewals and releases run on one control thread (`_ctl`) that
-    touches only the client."""
-
-    def _open_lookup(self) -> LookupService:
-        import queue
-
-        self._orphans: queue.SimpleQueue[list[bytes]] = queue.SimpleQueue()
-        ttl = self.settings.lease_ttl_s
-        return LookupService(lambda: ChunkLeaseProber(self.client, self.keys, ttl, self._orphans),
-                             self.settings.deadline_s,
-                             on_timeout=lambda n: self.stats.count(tm.LOOKUPS, n, ("timeout",)))
-
-    def __init__(self, spec, settings: DirectSettings, layout: StagingLayout) -> None:
-        import concurrent.futures
-
-        super().__init__(spec, settings, layout)
-        self._held: dict[bytes, _Held] = {}
-        self._storing: set[bytes] = set()
-        self._lease_fence: list[tuple[int, list[bytes]]] = []
-        self._lookup_times: dict[str, tuple[float, int]] = {}  # timing log only: first lookup, calls
-        self._ctl = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="memkv-direct-lease")
-        self._ctl_futures: list = []  # scheduler-owned; each future is completed by the control thread
-        self._renew_every_s = settings.lease_ttl_s / 3
-        self._check_lease_ttl()
-
-    def _check_lease_ttl(self) -> None:
-        """Every node must speak LEASE and grant our ttl: a node that caps it lower would let
-        leases lapse between renewals."""
-        probe = self.keys.config_key
-        for server in self.client.servers():
-            try:
-                reply = self.client.lease_on(server, [probe], self.settings.lease_ttl_s)
-            except MemKVError as exc:
-                raise DirectStartupError(
-                    f"MemKV direct mode cannot start: server {server.name} did not answer LEASE ({exc}); "
-                    f"load_guarantee \"leased\" needs nodes of memkv >= this version, or use \"staged\"") from exc
-            granted_s = reply.ttl_ms / 1000.0
-            if granted_s < self.settings.lease_ttl_s:
-                self._renew_every_s = min(self._renew_every_s, granted_s / 3)
-                log.warning("MemKV direct mode: server %s caps leases at %.1fs (--max-lease-ttl), below "
-                            "memkv.lease_ttl_s=%.1fs: renewing every %.1fs", server.name, granted_s,
-                            self.settings.lease_ttl_s, self._renew_every_s)
-        self.client.release([probe])
-
-    # -- lookups and loads ------------------------------------------------------------------------
-
-    def lookup(self, key, req_context):
-        rid = req_context.req_id
-        self._looked_up.add(rid)
-        if timing.isEnabledFor(logging.DEBUG):
-            first, calls = self._lookup_times.get(rid, (time.perf_counter(), 0))
-            self._lookup_times[rid] = (first, calls + 1)
-        h = self._held.get(key)
-        if h is not None:
-            self._hold_ref(key, h, rid)
-            return self._answer("hit")
-        if key in self._storing:
-            return self._answer("retry", rid)  # its puts are in flight: wait for complete_store
-        found = self._lookup.lookup(key, rid)
-        if found is None:
-            return self._answer("retry", rid)
-        if not found:
-            if self._lookup.was_timeout(key):
-                return compat.LookupResult.MISS  # counted as a timeout by the LookupService
-            return self._answer("miss")
-        # Granted at most lookup_timeout_s ago: renewal counts from then, to be safe.
-        h = _Held(self._clock() - (self.settings.deadline_s or 0.0))
-        self._held[key] = h
-        self._hold_ref(key, h, rid)
-        return self._answer("hit")
-
-    def _hold_ref(self, key: bytes, h: _Held, rid: str) -> None:
-        if rid not in h.refs:
-            h.refs.add(rid)
-            self._req_refs.setdefault(rid, set()).add(key)
-
-    def prepare_load(self, keys, req_context):
-        rid = req_context.req_id
-        keys = list(keys)
-        for key in keys:
-            h = self._held.get(key)
-            if h is None:  # the connector asks only for keys that answered HIT, in this step
-                raise AssertionError("MemKV direct mode: prepare_load of a chunk that is not leased; this is a bug")
-            h.pins += 1
-            self._hold_ref(key, h, rid)
-        self._loads.setdefault(rid, []).append(keys)
-        self._unref(rid, keep=set(keys))
-        if rid in self._lookup_times:
-            first, calls = self._lookup_times.pop(rid)
-            timing.debug("request %s: load of %d leased chunk(s) prepared %.3f s after its first lookup "
-                         "(%d lookup call(s))", rid, len(keys), time.perf_counter() - first, calls)
-        return MemKVLoadStoreSpec([], keys=[self.keys.chunk_prefix(k) for k in keys])
-
-    def complete_load(self, keys, req_context) -> None:
-        rid = req_context.req_id
-        keyset = self._pop_load(rid, keys)
-        if keyset is None:
-            return
-        for key in keyset:
-            h = self._held.get(key)
-            if h is not None and h.pins:
-                h.pins -= 1
-        self.stats.count(tm.LOAD_BYTES, self.layout.value_bytes * self.layout.world_size * len(keyset))
-        self._unref(rid, only=keyset)
-
-    # -- references -------------------------------------------------------------------------------
-
-    def _unref(self, rid: str, keep: set[bytes] = frozenset(), only: set[bytes] | None = None) -> None:
-        keys = self._req_refs.get(rid)
-        if not keys:
-            return
-        gone = []
-        for key in list(keys if only is None else keys & only):
-            if key in keep:
-                continue
-            keys.discard(key)
-            h = self._held.get(key)
-            if h is not None:
-                h.refs.discard(rid)
-                if not h.refs and not h.pins:
-                    del self._held[key]
-                    gone.append(key)
-        if not keys:
-            self._req_refs.pop(rid, None)
-        self._release_chunks(gone)
-
-    def _release_chunks(self, chunk_keys: list[bytes]) -> None:
-        if not chunk_keys:
-            return
-        self._lookup.forget(chunk_keys)  # a later lookup leases anew
-        self._release_values([vk for k in chunk_keys for vk in self.keys.value_keys(k)])
-
-    def _release_values(self, value_keys: list[bytes]) -> None:
-        if value_keys:
-            self._control(lambda: self.client.release(value_keys))
-
-    def _control(self, fn) -> None:
-        """Run a lease renewal or release on the control thread; the scheduler never waits."""
-
-        def run() -> None:
-            try:
-                fn()
-            except Exception as exc:  # a node failure answers False, so this is a bug: log it
-                log.warning("MemKV direct mode: lease control failed: %s", exc)
-
-        self._ctl_futures = [f for f in self._ctl_futures if not f.done()]
-        self._ctl_futures.append(self._ctl.submit(run))
-
-    def _renew(self) -> None:
-        now = self._clock()
-        due = [k for k, h in self._held.items() if now - h.renewed >= self._renew_every_s]
-        if not due:
-            return
-        for key in due:
-            self._held[key].renewed = now
-        value_keys = [vk for k in due for vk in self.keys.value_keys(k)]
-        ttl = self.settings.lease_ttl_s
-
-        def renew() -> None:
-            ok = self.client.lease(value_keys, ttl)
-            lost = [vk for vk, good in zip(value_keys, ok) if not good]
-            if lost:
-                log.warning("MemKV direct mode: %d of %d lease renewal(s) failed (node unreachable or restarted); "
-                            "a load of those chunks retries for load_retry_s, then fails loudly", len(lost), len(ok))
-
-        self._control(renew)
-
-    # -- stores -----------------------------------------------------------------------------------
-
-    def prepare_store(self, keys, req_context):
-        keys = list(keys)  # prompt order
-        todo = [k for k in keys if k not in self._held and k not in self._storing]
-        self._storing.update(todo)
-        return PrepareStoreOutput(keys_to_store=todo,
-                                  store_spec=MemKVLoadStoreSpec([], keys=[self.keys.chunk_prefix(k) for k in todo]),
-                                  evicted_keys=[])
-
-    def complete_store(self, keys, req_context, success: bool = True) -> None:
-        done = [k for k in keys if k in self._storing]
-        self._storing.difference_update(done)
-        self._lookup.forget(done, only_misses=True)  # a MISS remembered from before the store
-        self.stats.count(tm.STORE_BYTES, self.layout.value_bytes * self.layout.world_size * len(done))
-
-    # -- step hooks -------------------------------------------------------------------------------
-
-    def on_schedule_end(self, context) -> None:
-        orphans: list[bytes] = []
-        while not self._orphans.empty():
-            orphans += self._orphans.get_nowait()
-        self._release_values(orphans)
-        self._lookup.flush()
-        for rid in self._looked_up - self._retrying:
-            self._unref(rid, keep=self._pinned_keys(rid))
-        self._looked_up.clear()
-        self._retrying.clear()
-        self._probing.clear()
-        self._advance_lease_fence()
-        self._renew()
-        self.stats.gauge(tm.LEASED_BYTES, len(self._held) * self.layout.value_bytes * self.layout.world_size)
-        # Also while a leased load streams, at TP=1 only: then the worker's fetch and copy threads
-        # share this process (and its GIL) with the scheduler loop, which spins while the request
-        # waits; at TP > 1 they run in the worker processes and a sleep here would buy nothing.
-        loads_here = bool(self._loads) and self.layout.world_size == 1
-        if self._step_yield_s and (self._lookup.probing() or loads_here):
-            time.sleep(self._step_yield_s)
-
-    def on_request_finished(self, req_context) -> None:
-        rid = req_context.req_id
-        self._lookup_times.pop(rid, None)
-        fenced = {k for _, keys in self._lease_fence for k in keys}
-        dropped = [k for k in self._lookup.cleanup(rid) if k not in self._held and k not in fenced]
-        if dropped:  # leased by a probe, never answered as a HIT: nobody holds them (a load
-            # flushed by reset_cache still streams under the fenced ones: the fence releases them)
-            self._release_values([vk for k in dropped for vk in self.keys.value_keys(k)])
-        self._unref(rid, keep=self._pinned_keys(rid))
-
-    def has_pending_work(self) -> bool:
-        return bool(self._lookup.pending() or self._storing or self._lease_fence
-                    or any(not f.done() for f in self._ctl_futures) or any(h.pins for h in self._held.values()))
-
-    def reset_cache(self) -> None:
-        """Forget every request. Loads in flight keep their leases until the flushed jobs are
-        done (0.33: on_reset_flushed; earlier: RESET_FENCE_STEPS steps); the rest are released."""
-        fenced, free = [], []
-        for key, h in self._held.items():
-            (fenced if h.pins else free).append(key)
-        self._held.clear()
-        self._req_refs.clear()
-        self._loads.clear()
-        self._storing.clear()
-        self._release_chunks(free)
-        if fenced:
-            self._lease_fence.append((RESET_FENCE_STEPS, fenced))
-
-    def on_reset_flushed(self) -> None:  # 0.33
-        for _, keys in self._lease_fence:
-            self._release_chunks(keys)
-        self._lease_fence.clear()
-
-    def _advance_lease_fence(self) -> None:
-        keep = []
-        for steps, keys in self._lease_fence:
-            if steps <= 1:
-                self._release_chunks(keys)
-            else:
-                keep.append((steps - 1, keys))
-        self._lease_fence = keep
-
-    def config_info(self) -> list[dict[str, Any]]:  # 0.33 info metric
-        info = super().config_info()
-        info[0]["memkv_mode"] = "direct-leased"
-        return info
-
-    def shutdown(self) -> None:
-        if getattr(self, "_closed", True):
-            return
-        held = [vk for k in self._held for vk in self.keys.value_keys(k)]
-        self._held.clear()
-        if held:
-            try:
-                self._ctl.submit(self.client.release, held, timeout_s=1.0).result(timeout=5.0)
-            except Exception:  # best effort: the leases expire by themselves
-                pass
-        self._ctl.shutdown(wait=False)
-        super().shutdown()
+    def _stop(self) -> None:
+        self._pool.shutdown()

@@ -44,10 +44,14 @@ class MemKVOffloadingSpec(OffloadingSpec):
 
     def get_manager(self):
         if self._manager is None:
-            from memkv_vllm.direct.manager import LeasedDirectManager, MemKVDirectManager
+            if self.settings.leased:
+                from memkv_vllm.direct.leased import LeasedDirectManager
 
-            cls = LeasedDirectManager if self.settings.leased else MemKVDirectManager
-            self._manager = cls(self, self.settings, self.layout)
+                self._manager = LeasedDirectManager(self, self.settings, self.layout)
+            else:
+                from memkv_vllm.direct.manager import MemKVDirectManager
+
+                self._manager = MemKVDirectManager(self, self.settings, self.layout)
         return self._manager
 
     def get_worker(self, kv_caches):

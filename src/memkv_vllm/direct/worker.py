@@ -63,6 +63,11 @@ class MemKVDirectWorker(OffloadingWorker):
         self.settings = settings or DirectSettings()
         self._kv_caches = kv_caches
         self._report_failures = compat.load_failure_reportable()
+        if self._report_failures and compat.load_failure_policy() == "fail":
+            log.warning("MemKV direct mode: kv_load_failure_policy is 'fail' (vLLM's default): a load MemKV cannot "
+                        "complete (a node lost between lookup and load) ends that request with an error; set "
+                        '"kv_load_failure_policy": "recompute" in --kv-transfer-config to recompute it instead '
+                        "(docs/direct-mode.md)")
         self._tensors = [t.tensor for t in kv_caches.tensors]
         self._groups: list[list[tuple[int, int, int]]] = []  # per group: (tensor idx, page bytes, offset)
         bpc = layout.blocks_per_chunk

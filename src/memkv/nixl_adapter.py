@@ -1,5 +1,9 @@
 """Every call MemKV makes into NIXL, in one module (nixl-cu12 1.5.1, UCX backend).
 
+A leaf: it imports nothing of MemKV but memkv.errors, so the node's side of RDMA
+(memkv/server/rdma.py) and the client's (memkv/transport/rdma.py) both use it without the
+node loading any client or transport code.
+
 NIXL is the RDMA library under `memkv.transport` (docs/rdma.md says why: it installs from PyPI
 without a GPU, has exactly the one-sided API needed -- register a region once, hand ~300 bytes
 of metadata to the peer, WRITE from a local descriptor to a remote `(address, length)` with a
@@ -57,7 +61,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from memkv.errors import RdmaError
+from memkv.errors import ConfigError, RdmaError
 
 log = logging.getLogger("memkv.transport")
 
@@ -135,8 +139,6 @@ def rdma_devices(configured: Sequence[str] = ()) -> tuple[list[str], list[str]]:
 
 def progress_delay_us() -> int:
     """MEMKV_NIXL_PROGRESS_DELAY_US, checked (0 = NIXL's own busy-polling default)."""
-    from memkv.errors import ConfigError
-
     text = os.environ.get(ENV_PROGRESS_DELAY_US, "").strip()
     if not text:
         return DEFAULT_PROGRESS_DELAY_US
@@ -147,8 +149,6 @@ def progress_delay_us() -> int:
 
 def ucx_workers() -> int:
     """MEMKV_NIXL_WORKERS, checked: UCX workers per agent (writes of different threads run in parallel)."""
-    from memkv.errors import ConfigError
-
     text = os.environ.get(ENV_WORKERS, "").strip()
     if not text:
         return DEFAULT_WORKERS
@@ -160,8 +160,6 @@ def ucx_workers() -> int:
 def thread_sync() -> str:
     """MEMKV_NIXL_SYNC, checked: `rw` (transfers run concurrently, registrations exclusive) or
     `strict` (every call into the agent serialised)."""
-    from memkv.errors import ConfigError
-
     text = os.environ.get(ENV_SYNC, "").strip() or DEFAULT_SYNC
     if text not in _SYNC_MODES:
         raise ConfigError(f"{ENV_SYNC}: expected one of {sorted(_SYNC_MODES)}, got {text!r}")
