@@ -26,60 +26,34 @@ PAGE = REPO / "docs" / "performance.md"
 VM_RESULTS = "bench/results"
 GPU_RESULTS = "bench/gpu/results"
 
-# Source file -> the commit whose code produced it (the JSON records date and machine, not this).
-MEMFD = f"{VM_RESULTS}/shm_memfd_2026-12-06"
-# The shared-memory designs measured side by side on 2026-12-06 (datapath JSON, same runs):
-# (label, file path pattern, commit, invocations).
-SHM_DESIGNS = [
-    ("current: a sealed memfd per value (spares `auto`: off here)", MEMFD + "/memfd_b{b}_{i}", "133b63c", (1, 2)),
-    ("previous: arenas, same run", MEMFD + "/arenas3_b{b}_{i}", "d457ffa", (1, 2)),
-    ("spares on (`--shared-memory-spares on`)", MEMFD + "/ab_spare_b{b}_{i}", "f9a4d5b", (1, 2)),
-    ("spares off, same run", MEMFD + "/ab_nospare_b{b}_{i}", "f9a4d5b", (1, 2)),
-]
+MEMFD = f"{VM_RESULTS}/shm_memfd_2026-12-06/memfd_b{{b}}_{{i}}"  # the current design, 1 or 8 values per request
+MEMFD_COMMIT = "133b63c"
+# The data path on the H100 host (16 vCPUs, no huge pages for shared memory): (label, file, commit).
 H100_DATAPATH = [
     (
         "memfds with spares (on there: `auto`), commit 1499605",
         f"{GPU_RESULTS}/datapath-h100-2026-12-06/new.json",
         "1499605",
     ),
-    ("previous: arenas, same machine", f"{GPU_RESULTS}/datapath-h100-2026-12-06/old.json", "383289d"),
     (
         "memfds without spares, commit 2072e52 (another machine)",
         f"{GPU_RESULTS}/datapath-h100-2026-12-06/no-spares-2072e52/new_2.json",
         "2072e52",
     ),
-    (
-        "previous: arenas, same machine",
-        f"{GPU_RESULTS}/datapath-h100-2026-12-06/no-spares-2072e52/old_2.json",
-        "383289d",
-    ),
 ]
 
 
-def shm_files(pattern: str, b: int, invocations: tuple[int, ...]) -> list[str]:
-    return [f"{pattern.format(b=b, i=i)}.json" for i in invocations]
+def shm_files(b: int, invocations: tuple[int, ...]) -> list[str]:
+    return [f"{MEMFD.format(b=b, i=i)}.json" for i in invocations]
 
 
 # Source file -> the commit whose code produced it (the JSON records date and machine, not this).
 COMMITS = {
-    **{
-        path: commit
-        for _, pattern, commit, invocations in SHM_DESIGNS
-        for b in (1, 8)
-        for path in shm_files(pattern, b, invocations)
-    },
+    **{path: MEMFD_COMMIT for b in (1, 8) for path in shm_files(b, (1, 2))},
     **{path: commit for _, path, commit in H100_DATAPATH},
-    f"{GPU_RESULTS}/run61-h100-colocated-main-restart.json": "f6bd980",
-    f"{GPU_RESULTS}/run62-h100-colocated-arenas-main-restart.json": "383289d",
     f"{GPU_RESULTS}/run63-h100-colocated-main-restart.json": "1499605",
-    f"{GPU_RESULTS}/run64-h100-colocated-arenas-main-restart.json": "383289d",
     f"{VM_RESULTS}/datapath_2026-12-05/memory.json": "159889a",
     f"{VM_RESULTS}/fleet_2026-12-06/fleet.json": "e8338cf",
-    f"{VM_RESULTS}/xxh3_builds_2026-12-06.json": "f5bffac",
-    f"{VM_RESULTS}/lookups.json": "1d1b2a2",
-    f"{VM_RESULTS}/tier.json": "1d1b2a2",
-    f"{VM_RESULTS}/tier-512rows.json": "e1b70ae",
-    f"{GPU_RESULTS}/run59-h100-colocated-main-restart.json": "383289d",
     f"{GPU_RESULTS}/run60-h100-remote-main-restart.json": "383289d",
     f"{GPU_RESULTS}/run54-defaults-main-restart-notier.json": "3684015",
     f"{GPU_RESULTS}/run55-shm-off-main-restart.json": "3684015",
@@ -145,7 +119,7 @@ def table(header: list[str], rows: list[list[str]], right: int = 0) -> list[str]
 
 
 def vm_datapath() -> list[str]:
-    path = shm_files(SHM_DESIGNS[0][1], 1, (1,))[0]
+    path = shm_files(1, (1,))[0]
     d = load(path)
     rows = []
     for system, (label, base) in DATAPATH_SYSTEMS.items():
@@ -179,7 +153,7 @@ def vm_datapath() -> list[str]:
 
 
 def vm_batched() -> list[str]:
-    paths = shm_files(SHM_DESIGNS[0][1], 8, SHM_DESIGNS[0][3])
+    paths = shm_files(8, (1, 2))
     rows = []
     for i, path in enumerate(paths, 1):
         d = load(path)
@@ -206,63 +180,6 @@ def vm_batched() -> list[str]:
             ["", "default client GB/s PUT / GET", "raw-unix GB/s PUT / GET", "PUT vs raw-unix", "GET vs raw-unix"], rows
         ),
     ]
-
-
-def vm_designs() -> list[str]:
-    """The current shared-memory design against the previous one, with and without huge pages."""
-    rows, paths = [], []
-    for label, pattern, commit, invocations in SHM_DESIGNS:
-        for b in (1, 8):
-            files = shm_files(pattern, b, invocations)
-            paths += files
-            docs = [load(f) for f in files]
-            put = [med(d["block_median_ratios"]["memkv-shm/raw-unix put"]) for d in docs]
-            get = [med(d["block_median_ratios"]["memkv-shm/raw-unix get"]) for d in docs]
-            raw = [f"{med(d['gbps']['raw-unix put']):.1f} / {med(d['gbps']['raw-unix get']):.1f}" for d in docs]
-            whole = [med(d["ratios"]["memkv-shm/raw-unix put"]) for d in docs]
-            rows.append(
-                [
-                    f"{label}, commit {commit}",
-                    str(b),
-                    ", ".join(f"{x:.2f}" for x in put),
-                    ", ".join(f"{x:.2f}" for x in whole),
-                    ", ".join(f"{x:.2f}" for x in get),
-                    ", ".join(raw),
-                ]
-            )
-    what = (
-        "`python3 bench/datapath.py --no-redis --reps 3 [--blocks-per-op 8]`, the co-located default "
-        "(`memkv-shm`) against the raw design on a Unix socket (`raw-unix`) in the same run; each design "
-        "pair ran back to back with the host's `shmem_enabled` setting named in the row"
-    )
-    return [
-        source_line(paths, what),
-        "",
-        *table(
-            [
-                "shared memory design",
-                "values per request",
-                "PUT vs raw-unix (median block), each invocation",
-                "PUT vs raw-unix (whole repetitions: total bytes / total time, median), each invocation",
-                "GET vs raw-unix (median block), each invocation",
-                "raw-unix GB/s PUT / GET, each invocation",
-            ],
-            rows,
-        ),
-    ]
-
-
-def vm_lookups() -> list[str]:
-    path = f"{VM_RESULTS}/lookups.json"
-    d = load(path)
-    rows = [
-        [str(r["nodes"]), str(r["keys"]), f"{r['p50_us'] / 1000:.2f}", f"{r['p99_us'] / 1000:.2f}"] for r in d["rows"]
-    ]
-    what = (
-        f"`python3 bench/lookups.py`: `exists` of N keys (half stored) over loopback TCP; the raw "
-        f"100-byte round trip in the same run: p50 {d['raw_rtt_us']['p50']:.0f} us"
-    )
-    return [source_line([path], what), "", *table(["nodes", "keys", "p50 ms", "p99 ms"], rows, right=4)]
 
 
 def vm_memory() -> list[str]:
@@ -298,35 +215,6 @@ def vm_memory() -> list[str]:
     ]
 
 
-def vm_tier() -> list[str]:
-    paths = [f"{VM_RESULTS}/tier.json", f"{VM_RESULTS}/tier-512rows.json"]
-    rows = []
-    for path in paths:
-        d = load(path)
-        size = d["rows"] * d["row_bytes"] / (1 << 30)
-        for tier, runs in d["runs"].items():
-            rows.append(
-                [
-                    f"{d['rows']} x {d['row_bytes'] >> 20} MiB ({size:g} GiB)",
-                    tier,
-                    f"{med([x['promote_s'] for x in runs]) * 1000:.0f}",
-                    f"{med([x['promote_gbps'] for x in runs]):.2f}",
-                    f"{med([x['cascade_gbps'] for x in runs]):.2f}",
-                ]
-            )
-    d = load(paths[0])
-    what = (
-        f"`python3 bench/tier.py [--rows 512]` in a vLLM {d['vllm']} environment: vLLM's real "
-        f"`TieringOffloadingManager`, headless, {d['threads']} threads per tier; promotion = a restarted "
-        f"engine's load of the whole prompt, rows byte-exact"
-    )
-    return [
-        source_line(paths, what),
-        "",
-        *table(["prompt", "tier", "promotion ms", "promotion GB/s", "cascade GB/s"], rows, right=3),
-    ]
-
-
 FLEET = f"{VM_RESULTS}/fleet_2026-12-06/fleet.json"
 TOPOLOGIES = {"remote": "remote (TCP)", "colocated": "co-located"}
 
@@ -335,8 +223,10 @@ def vm_fleet() -> list[str]:
     d = load(FLEET)
     rows = []
     for r in d["rows"]:
-        p, g = r["put"], r["get"]
+        p, g, x = r["put"], r["get"], r.get("lookups")
         fails = p["failures"]
+        # One client's lookups alone, then under the other K-1 clients' stores (none with K = 1).
+        lookups = f"{x['alone_p99_s'] * 1000:.1f} / {x['storm_p99_s'] * 1000:.1f}" if x else "-"
         rows.append(
             [
                 TOPOLOGIES[r["topology"]],
@@ -349,6 +239,7 @@ def vm_fleet() -> list[str]:
                 f"{p['spread']:.2f} / {g['spread']:.2f}",
                 f"{p['p99_batch_s']:.2f} / {g['p99_batch_s']:.2f}",
                 f"{p['node_cpu_s_per_gb']:.2f} / {p['raw_cpu_s_per_gb']:.2f}",
+                lookups,
                 str(fails) if fails else "",
             ]
         )
@@ -358,7 +249,9 @@ def vm_fleet() -> list[str]:
         f"{a['threads']} threads moving {a['values']} values of {a['value_mib']} MiB in batches of "
         f"{a['blocks_per_op']} (the tier's shape), median of {a['reps']} repetitions; remote = every node "
         "in a network namespace of its own behind a veth pair (TCP, as from another host), raw baseline TCP "
-        "to the same place; co-located = the client's defaults, raw baseline an abstract Unix socket"
+        "to the same place; co-located = the client's defaults, raw baseline an abstract Unix socket; lookups: "
+        f"one client's {a['lookups']} batched lookups of 64 keys, 20 ms apart, alone, then while the other K-1 "
+        "clients store all their values again and again"
     )
     return [
         source_line([FLEET], what),
@@ -375,84 +268,11 @@ def vm_fleet() -> list[str]:
                 "client max/min PUT / GET",
                 "p99 batch s PUT / GET",
                 "server CPU-s per GB PUT: node / raw",
+                "lookup p99 ms: alone / under the stores",
                 "values refused",
             ],
             rows,
-            right=10,
-        ),
-    ]
-
-
-def vm_fleet_lookups() -> list[str]:
-    d = load(FLEET)
-    rows = []
-    for r in d["rows"]:
-        x = r.get("lookups")
-        if not x:
-            continue
-        rows.append(
-            [
-                TOPOLOGIES[r["topology"]],
-                str(r["clients"]),
-                str(r["nodes"]),
-                f"{x['alone_p50_s'] * 1000:.1f} / {x['alone_p99_s'] * 1000:.1f}",
-                f"{x['storm_p50_s'] * 1000:.1f} / {x['storm_p99_s'] * 1000:.1f}",
-                f"{x['storm_p99_s'] / x['alone_p99_s']:.0f}",
-                f"{x['storm_max_s'] * 1000:.0f}",
-            ]
-        )
-    what = (
-        f"the same run: one client's {d['meta']['args']['lookups']} batched lookups of 64 keys, 20 ms apart, "
-        "alone, then while the other K-1 clients store all their values again and again"
-    )
-    return [
-        source_line([FLEET], what),
-        "",
-        *table(
-            [
-                "topology",
-                "K",
-                "M",
-                "alone p50 / p99 ms",
-                "under the storm p50 / p99 ms",
-                "p99 storm / alone",
-                "worst ms",
-            ],
-            rows,
-            right=6,
-        ),
-    ]
-
-
-def vm_xxh3() -> list[str]:
-    path = f"{VM_RESULTS}/xxh3_builds_2026-12-06.json"
-    d = load(path)
-    labels = {
-        "dispatch": "xxHash vendored in the tree, its own dispatch (d457ffa)",
-        "avx2": "the system's xxHash header, our AVX2 choice (f5bffac)",
-    }
-    rows = []
-    for b in d["builds"].values():
-        m, r = b["median_gbps"], b["ratio_to_first"]
-        rows.append(
-            [
-                labels[b["variant"]],
-                f"{m['copy_xxh3']:.2f}",
-                f"{m['digest']:.1f}",
-                f"{r['copy_xxh3']:.2f}",
-                f"{r['digest']:.2f}",
-            ]
-        )
-    what = (
-        f"`python3 bench/xxh3_builds.py --build A.so --build B.so --reps {d['reps']}`: the compiled loops of two "
-        "builds, alternating; `copy_xxh3` copies a 16 MiB value in 256 KiB pieces hashing each (the same-host "
-        "load), `digest` hashes one 256 KiB piece in cache (the receive loop); GB/s, median of the repetitions"
-    )
-    return [
-        source_line([path], what, where="the 2-vCPU VM (busy with other jobs)"),
-        "",
-        *table(
-            ["build", "copy_xxh3 GB/s", "digest GB/s", "copy_xxh3 vs vendored", "digest vs vendored"], rows, right=4
+            right=11,
         ),
     ]
 
@@ -463,8 +283,8 @@ def vm_xxh3() -> list[str]:
 
 H100_RUNS = [
     (
-        f"{GPU_RESULTS}/run59-h100-colocated-main-restart.json",
-        "59",
+        f"{GPU_RESULTS}/run63-h100-colocated-main-restart.json",
+        "63",
         "co-located: the defaults (4 nodes on the engine's host)",
     ),
     (
@@ -474,18 +294,19 @@ H100_RUNS = [
     ),
 ]
 H100_TOKENS = (8192, 32768)
-STAGES = (
-    ("lookup_s", "lookup"),
-    ("memkv_to_pool_s", "MemKV -> CPU pool"),
-    ("pool_to_gpu_token_s", "pool -> GPU, token"),
-)
 
 
 def gpu_h100_ttft() -> list[str]:
     rows = []
     for path, run, label in H100_RUNS:
         d = load(path)
-        rows.append([f"{label}: run {run}", "main", *[pair(seconds(d, "main", "memkv", t)) for t in H100_TOKENS]])
+        rows.append(
+            [
+                f"{label}: run {run}, commit {COMMITS[path]}",
+                "main",
+                *[pair(seconds(d, "main", "memkv", t)) for t in H100_TOKENS],
+            ]
+        )
         rows.append(["", "restarted", *[pair(seconds(d, "restart", "restart_memkv", t)) for t in H100_TOKENS]])
     for path, run, _ in H100_RUNS:
         d = load(path)
@@ -501,7 +322,8 @@ def gpu_h100_ttft() -> list[str]:
     host, a = ref["meta"]["host"], ref["meta"]["args"]
     what = (
         f"`python3 bench/gpu/ttft.py --phases main,restart --tokens 8192,32768 --gpu-util {a['gpu_util']}` "
-        "(run 60 with `MEMKV_LOCAL_SOCKET=off`), one after the other: time to first token of a revisited "
+        "(run 60 with `MEMKV_LOCAL_SOCKET=off`), the two runs on different machines of that kind, each with its "
+        "own baselines: time to first token of a revisited "
         f"prompt, the two repetitions, seconds; {host['cpus']} vCPUs, vLLM "
         f"{ref['engines']['main']['versions']['vllm']}, {a['nodes']} nodes on the same host"
     )
@@ -510,39 +332,6 @@ def gpu_h100_ttft() -> list[str]:
         source_line(paths, what, where=host["gpu"].split(",")[0]),
         "",
         *table(["client path: run", "engine", "8k tokens (2 GiB)", "32k (8 GiB)"], rows),
-    ]
-
-
-def gpu_h100_stages() -> list[str]:
-    rows = []
-    for path, run, _ in H100_RUNS:
-        d = load(path)
-        for engine, phase, name in (("main", "memkv", "main"), ("restart", "restart_memkv", "restarted")):
-            for t in H100_TOKENS:
-                runs = [r for r in d["engines"][engine]["runs"] if r["phase"] == phase and r["tokens"] == t]
-                st = {k: med([r["stages"][k] for r in runs]) for k, _ in STAGES}
-                gb = runs[0]["prompt_kv_bytes"] / 1e9
-                rows.append(
-                    [
-                        f"run {run}, {'co-located' if run == H100_RUNS[0][1] else 'TCP'}",
-                        name,
-                        f"{t // 1024}k",
-                        *[f"{st[k]:.3f}" for k, _ in STAGES],
-                        f"{gb / st['memkv_to_pool_s']:.0f}",
-                        f"{med([r['seconds'] for r in runs]):.3f}",
-                    ]
-                )
-    what = "Where a promotion's time goes: the stages of the table above, medians of the two repetitions, seconds"
-    paths = [p for p, _, _ in H100_RUNS]
-    gpu = load(paths[0])["meta"]["host"]["gpu"].split(",")[0]
-    return [
-        source_line(paths, what, where=gpu),
-        "",
-        *table(
-            ["run", "engine", "prompt", *[n for _, n in STAGES], "MemKV -> pool GB/s", "time to first token"],
-            rows,
-            right=5,
-        ),
     ]
 
 
@@ -618,40 +407,6 @@ def gpu_cold() -> list[str]:
     ]
 
 
-# The shared-memory designs on the H100 host, each pair on one machine, one after the other.
-H100_DESIGN_RUNS = [
-    (f"{GPU_RESULTS}/run61-h100-colocated-main-restart.json", "61", "memfds, spares (loads mapped)"),
-    (f"{GPU_RESULTS}/run62-h100-colocated-arenas-main-restart.json", "62", "previous: arenas"),
-    (f"{GPU_RESULTS}/run63-h100-colocated-main-restart.json", "63", "memfds, spares, loads read (current)"),
-    (f"{GPU_RESULTS}/run64-h100-colocated-arenas-main-restart.json", "64", "previous: arenas"),
-]
-
-
-def gpu_h100_designs() -> list[str]:
-    rows = []
-    for path, run, label in H100_DESIGN_RUNS:
-        d = load(path)
-        for engine, phase, name in (("main", "memkv", "main"), ("restart", "restart_memkv", "restarted")):
-            cells = []
-            for t in H100_TOKENS:
-                runs = [r for r in d["breakdown"] if (r["engine"], r["phase"], r["tokens"]) == (engine, phase, t)]
-                stage = " / ".join(f"{r['memkv_to_pool_s']:.2f}" for r in runs)
-                cells.append(f"{pair([r['total_s'] for r in runs])} ({stage})")
-            rows.append([f"run {run}: {label}, commit {COMMITS[path]}", name, *cells])
-    what = (
-        "`python3 bench/gpu/ttft.py --phases main,restart --tokens 8192,32768 --gpu-util 0.95`, README's tier "
-        "config, 4 nodes on the engine's host: time to first token of a revisited prompt, the two repetitions "
-        "(in brackets: MemKV -> CPU pool), seconds; runs 61-62 on one machine, 63-64 on another, one after the "
-        "other; the host's `shmem_enabled` is `never`"
-    )
-    paths = [p for p, _, _ in H100_DESIGN_RUNS]
-    return [
-        source_line(paths, what, where=load(paths[0])["meta"]["host"]["gpu"].split(",")[0]),
-        "",
-        *table(["shared memory design", "engine", "8k tokens (2 GiB)", "32k (8 GiB)"], rows),
-    ]
-
-
 def gpu_h100_datapath() -> list[str]:
     rows = []
     for label, path, _ in H100_DATAPATH:
@@ -693,16 +448,9 @@ def gpu_h100_datapath() -> list[str]:
 TABLES: dict[str, Callable[[], list[str]]] = {
     "vm-datapath": vm_datapath,
     "vm-batched": vm_batched,
-    "vm-designs": vm_designs,
     "vm-fleet": vm_fleet,
-    "vm-fleet-lookups": vm_fleet_lookups,
-    "vm-xxh3": vm_xxh3,
-    "vm-lookups": vm_lookups,
     "vm-memory": vm_memory,
-    "vm-tier": vm_tier,
     "gpu-h100-ttft": gpu_h100_ttft,
-    "gpu-h100-stages": gpu_h100_stages,
-    "gpu-h100-designs": gpu_h100_designs,
     "gpu-h100-datapath": gpu_h100_datapath,
     "gpu-ttft": gpu_ttft,
     "gpu-cold": gpu_cold,
