@@ -424,7 +424,8 @@ def gpu_h100_datapath() -> list[str]:
         )
     what = (
         "`python3 bench/datapath.py --no-redis --reps 3 [--src DIR]` on the H100 host (16 vCPUs, "
-        "`shmem_enabled=never`), each memfd build alternating with the arenas on one machine, the last run of each"
+        "`shmem_enabled=never`), each build alternating with the previous design (in the archive) on one machine, "
+        "the last run of each"
     )
     paths = [p for _, p, _ in H100_DATAPATH]
     return [
