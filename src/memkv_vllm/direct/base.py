@@ -122,6 +122,26 @@ class DirectManagerBase(OffloadingManager):
             self._loads.pop(rid, None)
         return keyset
 
+    def complete_load(self, keys, req_context) -> None:
+        """The load job is over: its chunks are unpinned, and let go once no request refers to them."""
+        rid = req_context.req_id
+        keyset = self._pop_load(rid, keys)
+        if keyset is None:
+            return
+        for key in keyset:
+            held = self._pinned_entry(key)
+            if held is not None and held.pins:
+                held.pins -= 1
+        self._loaded(keyset)
+        self._unref(rid, only=keyset)
+
+    def _pinned_entry(self, key: bytes) -> Any:
+        """What prepare_load pinned for `key` (an object with a `pins` count), or None."""
+        raise NotImplementedError
+
+    def _loaded(self, keyset: set[bytes]) -> None:  # noqa: B027 - a manager that counts elsewhere keeps it
+        """A load job of these chunks completed (the staged manager counts bytes as they arrive)."""
+
     def _pinned_keys(self, rid: str) -> set[bytes]:
         return {k for job in self._loads.get(rid, ()) for k in job}
 

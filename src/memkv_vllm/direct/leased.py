@@ -204,17 +204,12 @@ class LeasedDirectManager(DirectManagerBase):
                          "(%d lookup call(s))", rid, len(keys), time.perf_counter() - first, calls)
         return MemKVLoadStoreSpec([], keys=[self.keys.chunk_prefix(k) for k in keys])
 
-    def complete_load(self, keys, req_context) -> None:
-        rid = req_context.req_id
-        keyset = self._pop_load(rid, keys)
-        if keyset is None:
-            return
-        for key in keyset:
-            h = self._held.get(key)
-            if h is not None and h.pins:
-                h.pins -= 1
+    def _pinned_entry(self, key: bytes) -> _Held | None:
+        return self._held.get(key)
+
+    def _loaded(self, keyset: set[bytes]) -> None:
+        # Workers fetched these chunks themselves: the scheduler side counts them here.
         self.stats.count(tm.LOAD_BYTES, self.layout.value_bytes * self.layout.world_size * len(keyset))
-        self._unref(rid, only=keyset)
 
     # -- references -------------------------------------------------------------------------------
 

@@ -185,16 +185,8 @@ class MemKVDirectManager(DirectManagerBase):
         self._unref(rid, keep=loading)  # staged past the loaded prefix: not needed any more
         return MemKVLoadStoreSpec(slots)
 
-    def complete_load(self, keys, req_context) -> None:
-        rid = req_context.req_id
-        keyset = self._pop_load(rid, keys)
-        if keyset is None:
-            return
-        for key in keyset:
-            e = self._entries.get(key)
-            if e is not None and e.pins:
-                e.pins -= 1
-        self._unref(rid, only=keyset)
+    def _pinned_entry(self, key: bytes) -> _Entry | None:
+        return self._entries.get(key)
 
     # ---------------------------------------------------------------------------------------------
     # Stores
