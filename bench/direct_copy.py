@@ -1,4 +1,4 @@
-"""Direct mode's staging <-> KV-cache copies: the worker's `SectionCopier` vs one `copy_` per run vs one `torch._foreach_copy_`.
+"""Direct mode's staging <-> KV-cache copies: the worker's `SectionCopier` and `PieceCopier` vs one `copy_` per run vs one `torch._foreach_copy_`.
 
     .nox/conformance-0-33-0/bin/python bench/direct_copy.py [--chunks 64] [--layers 64] [--reps 5]
     python3 bench/direct_copy.py --device cuda --chunks 512     # GPU host: torch only, no vLLM needed
@@ -7,8 +7,11 @@ Why: on the H200 (run 23, docs/archive/direct-mode-runs.md) a leased load spent 
 copy thread, then issuing one `copy_` per (chunk, tensor) run, hundreds per 16 MiB chunk, each
 re-taking the GIL that at TP=1 the worker shares with vLLM's scheduler loop. This compares the
 per-run loop (`copy_runs`), one `_foreach_copy_` for all runs (`copy_runs_foreach`) and the
-worker's copy since run 26 (`SectionCopier`), all from `memkv_vllm/direct/copies.py`, loaded here
-from its file so that no vLLM is needed: the GPU host image has torch but not vLLM.
+worker's copy since run 26 (`SectionCopier`) and `PieceCopier` (copy_method "pieces": every run as
+one cudaMemcpyAsync, or memcpy on the CPU, all issued by one call into C without the GIL; needs
+`memkv_vllm._copy_pieces` built, `python3 setup.py build_ext --inplace`), all from
+`memkv_vllm/direct/copies.py`, loaded here from its file so that no vLLM is needed: the GPU host
+image has torch but not vLLM.
 
 What runs: KV tensors shaped like the 32B model's pages (`--layers` x K and V, 16-token pages of
 `--page-kib`), a staging buffer of `--chunks` chunks, each chunk's runs as the worker builds them
@@ -42,7 +45,9 @@ ROOT = Path(__file__).resolve().parents[1]
 def load_copies():
     """memkv_vllm/direct/copies.py by its path: importing the package would import vLLM."""
     import importlib.util
+    import sys
 
+    sys.path.insert(0, str(ROOT / "src"))  # memkv_vllm._copy_pieces (its package imports no vLLM)
     spec = importlib.util.spec_from_file_location("memkv_direct_copies", ROOT / "src/memkv_vllm/direct/copies.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -124,6 +129,11 @@ def main() -> None:
         "loop": lambda s: on_stream(lambda nb: copies.copy_runs(tensors, staging, runs, s, nb)),
         "foreach": lambda s: on_stream(lambda nb: copies.copy_runs_foreach(tensors, staging, runs, s, nb)),
     }
+    if copies._copy_pieces is not None:
+        pieces = copies.PieceCopier(tensors, staging)
+        impls["pieces"] = lambda s: on_stream(lambda nb: pieces.copy(sections, s, nb))
+    else:
+        print("memkv_vllm._copy_pieces is not built: PieceCopier is not timed")
     for n in args.scratch_chunks:
         copier = copies.SectionCopier(tensors, staging, section, n, pages=[page])
         impls[f"scratch{n}"] = lambda s, copier=copier: on_stream(lambda nb: copier.copy(sections, s, nb))

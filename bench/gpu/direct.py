@@ -75,6 +75,8 @@ def kv_transfer_config(spec: dict) -> dict:
         }
         if spec.get("copy_scratch_mb") is not None:
             extra["memkv"]["copy_scratch_mb"] = spec["copy_scratch_mb"]
+        if spec.get("copy_method") is not None:
+            extra["memkv"]["copy_method"] = spec["copy_method"]
     else:
         extra = {
             "spec_name": "TieringOffloadingSpec",
@@ -236,6 +238,12 @@ def main() -> int:
         "--copy-scratch-mb", type=int, default=None, help="direct mode's copy_scratch_mb (default: the key's)"
     )
     ap.add_argument(
+        "--copy-method",
+        choices=("scratch", "pieces"),
+        default=None,
+        help="direct mode's copy_method (default: the key's)",
+    )
+    ap.add_argument(
         "--load-guarantee",
         default="staged",
         choices=("leased", "staged"),
@@ -280,6 +288,7 @@ def main() -> int:
                     "staging_mb": args.staging_mb,
                     "load_guarantee": args.load_guarantee,
                     "copy_scratch_mb": args.copy_scratch_mb,
+                    "copy_method": args.copy_method,
                     "cpu_gib": args.cpu_gib,
                     "shape": args.shape,
                     "tp": args.tp,

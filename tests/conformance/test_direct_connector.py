@@ -35,17 +35,22 @@ def _values(engine: dh.DirectEngine, tag: str, n_chunks: int) -> list[list[bytes
     return [[m.client.get(vk) for vk in m.keys.value_keys(k)] for k in dh.prompt_keys(tag, n_chunks, engine.g)]
 
 
-@pytest.mark.parametrize("copy_scratch_mb", [128, 0])  # the scratch copier (default) and per-run copies
+# The scratch copier (default), per-run copies, and pieces issued in one call (copy_method "pieces").
+COPIES = {"scratch": {"copy_scratch_mb": 128}, "per-run": {"copy_scratch_mb": 0}, "pieces": {"copy_method": "pieces"}}
+
+
+@pytest.mark.parametrize("copies", COPIES)
 @pytest.mark.parametrize("guarantee", ["leased", "staged"])
 @pytest.mark.parametrize("world_size", [1, 2])
 def test_prompt_stored_in_several_steps_is_loaded_byte_exact_on_every_rank(direct_env, world_size, guarantee,
-                                                                           copy_scratch_mb):
+                                                                           copies):
     g = dh.Geometry(world_size=world_size)
     tag = uuid.uuid4().hex
     n_chunks = 8
     tokens = n_chunks * g.block_size + 5  # a tail that is not a whole chunk: all 8 chunks are loadable
-    config = dh.direct_config(load_guarantee=guarantee, copy_scratch_mb=copy_scratch_mb)
+    config = dh.direct_config(load_guarantee=guarantee, **COPIES[copies])
     with dh.DirectEngine(g, config, token_budget=96) as engine:
+        assert all((w.connector_worker.worker._pieces is not None) == (copies == "pieces") for w in engine.workers)
         first = engine.run(tag, tokens)
         assert first.matched_tokens == 0
         assert engine.store_jobs >= 3, "chunked prefill should give one store job per step"

@@ -103,18 +103,21 @@ def _rows(kv: CanonicalKVCaches, job: GPULoadStoreSpec) -> list[bytes]:
     return out
 
 
+@pytest.mark.parametrize("copy_method", ["scratch", "pieces"])
 @pytest.mark.parametrize("packed", [False, True], ids=["layer-outermost", "packed"])
 @pytest.mark.parametrize("world_size", [1, 2])
-def test_store_then_load_into_other_scattered_blocks_is_byte_exact_in_every_group_and_rank(packed, world_size):
+def test_store_then_load_into_other_scattered_blocks_is_byte_exact_in_every_group_and_rank(packed, world_size,
+                                                                                           copy_method):
     rng = random.Random(f"{packed}/{world_size}")
     sizes, indices = [7, 5], [2, 0]  # group 0 starts mid-chunk: its first chunk skips 2 sub-blocks
     n_chunks = _n_chunks(sizes, indices)
     path = os.path.join("/dev/shm", f"memkv_test_pointers_{uuid.uuid4().hex}.staging")
-    settings = DirectSettings(load_guarantee="staged")
+    settings = DirectSettings(load_guarantee="staged", copy_method=copy_method)
     caches = [_kv_caches(packed, seed=10 * rank + 1) for rank in range(world_size)]
     workers = [MemKVDirectWorker(caches[rank], _layout(rank, world_size, n_chunks, path), settings)
                for rank in range(world_size)]
     try:
+        assert all((w._pieces is not None) == (copy_method == "pieces") for w in workers), "the copier asked for"
         store, load = _job(rng, sizes, indices), _job(rng, sizes, indices)
         slots = MemKVLoadStoreSpec(list(range(n_chunks)))
         stored = [_rows(kv, store) for kv in caches]

@@ -20,6 +20,7 @@ from memkv_vllm.config import check_common_keys
 EXTRA_CONFIG_KEY = "memkv"
 DEFAULT_STAGING_MB = 512
 DEFAULT_COPY_SCRATCH_MB = 128
+SCRATCH, PIECES = "scratch", "pieces"  # copy_method values
 LEASED, STAGED = "leased", "staged"  # load_guarantee values (docs/direct-mode.md, "Two load guarantees")
 
 
@@ -39,6 +40,10 @@ class DirectSettings:
     # GPU memory per copy direction through which a batch of chunks moves between staging and
     # the KV cache (copies.SectionCopier); 0: one copy_ per (chunk, tensor) run, no GPU memory
     copy_scratch_mb: int = DEFAULT_COPY_SCRATCH_MB
+    # How a batch of chunks moves between staging and the KV cache: "scratch" (copies.SectionCopier,
+    # through copy_scratch_mb of GPU memory) or "pieces" (copies.PieceCopier: one call into C per
+    # batch, one cudaMemcpyAsync per run without the GIL, no GPU memory)
+    copy_method: str = SCRATCH
     n_read_threads: int = 8  # prefetch (load) priority threads
     n_write_threads: int = 8  # put (store) priority threads
     blocks_per_op: int = 8  # chunks per batched request
@@ -74,6 +79,8 @@ class DirectSettings:
             raise ConfigError(f"MemKV direct mode: {EXTRA_CONFIG_KEY}.{key} must be {want}, got {getattr(self, key)!r}")
 
         check_common_keys(self, fail, (("staging_mb", 1, 1 << 20), ("copy_scratch_mb", 0, 1 << 16)))
+        if self.copy_method not in (SCRATCH, PIECES):
+            fail("copy_method", f'"{SCRATCH}" or "{PIECES}"')
         if self.load_guarantee not in (LEASED, STAGED):
             fail("load_guarantee", f'"{LEASED}" or "{STAGED}"')
         for key, hi in (("lease_ttl_s", 3600.0), ("load_retry_s", 3600.0)):

@@ -1,5 +1,6 @@
-"""GPU blocks <-> staging copies of direct mode (imports torch only, so that
-bench/direct_copy.py can time them on a host without vLLM). The worker uses `SectionCopier`.
+"""GPU blocks <-> staging copies of direct mode (imports torch and numpy only, so that
+bench/direct_copy.py can time them on a host without vLLM). The worker uses `SectionCopier` or
+`PieceCopier` (`memkv.copy_method`).
 
 A run is `(tensor idx, first block, blocks, page bytes, byte offset in staging)`: `blocks`
 consecutive rows of KV tensor `tensor idx` (a `(num_blocks, >= page)` int8 view) and as many
@@ -7,10 +8,17 @@ consecutive `page`-byte pieces of staging (worker.py `_chunk_runs` builds them).
 
 from __future__ import annotations
 
+import ctypes
 from collections.abc import Sequence
 from math import gcd
 
+import numpy as np
 import torch
+
+try:
+    from memkv_vllm import _copy_pieces
+except ImportError:  # not built (no C compiler at install): the worker copies through its scratch
+    _copy_pieces = None  # type: ignore[assignment]
 
 Run = tuple[int, int, int, int, int]
 
@@ -148,3 +156,94 @@ def _wide(rows: torch.Tensor) -> torch.Tensor:
     if rows.shape[-1] % 8 == 0 and rows.stride(0) % 8 == 0 and rows.data_ptr() % 8 == 0:
         return rows.view(torch.int64)
     return rows
+
+
+CUDA_MEMCPY_HOST_TO_DEVICE, CUDA_MEMCPY_DEVICE_TO_HOST = 1, 2  # cudaMemcpyKind
+
+
+class PiecesUnavailable(RuntimeError):
+    """PieceCopier cannot run here (the reason is the message): the worker uses SectionCopier."""
+
+
+def cuda_memcpy_async() -> int | None:
+    """The address of cudaMemcpyAsync in the CUDA runtime this process loaded (torch's, so that
+    its streams and device pointers are the runtime's own); None where none is loaded as a shared
+    library (a runtime linked statically into torch)."""
+    paths = set()
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            fields = line.split(maxsplit=5)
+            if len(fields) == 6 and "/libcudart.so" in fields[5]:
+                paths.add(fields[5].strip())
+    for path in sorted(paths):
+        try:
+            fn = ctypes.CDLL(path).cudaMemcpyAsync  # dlopen of a loaded library: the same copy
+        except (OSError, AttributeError):
+            continue
+        return ctypes.cast(fn, ctypes.c_void_p).value
+    return None
+
+
+class PieceCopier:
+    """Copies a batch as (destination, source, bytes) pieces issued by ONE call into C with the
+    GIL released (memkv_vllm._copy_pieces): on CUDA one cudaMemcpyAsync per piece on the current
+    stream (staging is pinned: host-registered by the worker), on CPU one memcpy per piece.
+
+    A piece is a run (`copy_runs`' unit): its `blocks` rows of one KV tensor, one piece when
+    those rows are contiguous (row stride == page), else one per row. The pieces are computed
+    with numpy, so a batch costs a bounded number of Python-level calls, however many runs it
+    has: the per-run cost is in C without the GIL, which the worker shares with vLLM's scheduler
+    loop at TP=1 (SectionCopier still makes two torch calls per KV tensor per batch). Every piece
+    is checked against its tensor's rows and the staging buffer before anything is copied.
+
+    Raises PiecesUnavailable where it cannot run: the module is not built, a KV tensor is not a
+    2-D int8 view with contiguous rows, or the CUDA runtime is not loaded as a shared library."""
+
+    def __init__(self, tensors: Sequence[torch.Tensor], staging: torch.Tensor) -> None:
+        if _copy_pieces is None:
+            raise PiecesUnavailable("memkv_vllm._copy_pieces is not built (no C compiler at install)")
+        for i, t in enumerate(tensors):
+            if t.dim() != 2 or t.dtype != torch.int8 or t.stride(1) != 1:
+                raise PiecesUnavailable(f"KV tensor {i} is not a 2-D int8 view with contiguous rows "
+                                        f"({tuple(t.shape)}, {t.dtype}, strides {t.stride()})")
+        self.cuda = bool(tensors) and tensors[0].is_cuda
+        fn = 0
+        if self.cuda:
+            fn = cuda_memcpy_async()
+            if fn is None:
+                raise PiecesUnavailable("no CUDA runtime loaded as a shared library (libcudart.so)")
+        self._fn = fn
+        self._base = np.array([t.data_ptr() for t in tensors], dtype=np.int64)
+        self._stride = np.array([t.stride(0) for t in tensors], dtype=np.int64)
+        self._rows = np.array([t.shape[0] for t in tensors], dtype=np.int64)
+        self._width = np.array([t.shape[1] for t in tensors], dtype=np.int64)
+        self._staging = int(staging.data_ptr())
+        self._staging_bytes = staging.numel() * staging.element_size()
+        self._keep = (list(tensors), staging)  # the pointers above stay valid while we hold these
+
+    def copy(self, sections: Sequence[tuple[int, Sequence[Run]]], to_staging: bool, non_blocking: bool) -> None:
+        runs = np.array([(t, b, n, p, base + off) for base, rs in sections for t, b, n, p, off in rs],
+                        dtype=np.int64).reshape(-1, 5)
+        if not len(runs):
+            return
+        t, block, blocks, page, offset = runs.T
+        if ((t < 0) | (t >= len(self._base))).any():
+            raise ValueError("PieceCopier: a run names a KV tensor that does not exist")
+        if ((block < 0) | (blocks < 1) | (block + blocks > self._rows[t]) | (page < 1) | (page > self._width[t])
+                | (offset < 0) | (offset + blocks * page > self._staging_bytes)).any():
+            raise ValueError("PieceCopier: a run lies outside its KV tensor's rows or the staging buffer")
+        stride = self._stride[t]
+        whole = (stride == page) | (blocks == 1)  # its rows are one contiguous piece
+        count = np.where(whole, 1, blocks)
+        run_of = np.repeat(np.arange(len(runs)), count)
+        row = np.arange(int(count.sum())) - np.repeat(np.cumsum(count) - count, count)  # row within its run
+        size = np.where(whole, blocks * page, page)[run_of]
+        device = self._base[t][run_of] + (block[run_of] + row) * stride[run_of]
+        host = self._staging + offset[run_of] + row * page[run_of]
+        dst, src = (host, device) if to_staging else (device, host)
+        kind = CUDA_MEMCPY_DEVICE_TO_HOST if to_staging else CUDA_MEMCPY_HOST_TO_DEVICE
+        stream = torch.cuda.current_stream().cuda_stream if self.cuda else 0
+        _copy_pieces.copy_pieces(self._fn, kind, stream, dst.astype(np.uint64), src.astype(np.uint64),
+                                 size.astype(np.uint64))
+        if self.cuda and not non_blocking:
+            torch.cuda.current_stream().synchronize()

@@ -28,7 +28,8 @@ GPU ordering: a job's copies run on this worker's side stream, which first waits
 stream that was current at submit (the compute that wrote a store's blocks; pending zeroing of
 blocks re-allocated to a load). A batch of chunks moves through the stream's GPU scratch
 (copies.SectionCopier, `copy_scratch_mb`): one host <-> GPU copy per chunk, one gather/scatter
-per KV tensor. "leased": a batch (every fetched chunk that is ready, or one gather of up to
+per KV tensor; or, with `copy_method` "pieces", as one cudaMemcpyAsync per run, all issued by one
+call into C without the GIL (copies.PieceCopier). "leased": a batch (every fetched chunk that is ready, or one gather of up to
 `blocks_per_op`) is queued on the direction's side stream at once and waited for with one
 event. CPU tensors (the conformance suite) copy synchronously, through the same batches.
 The staging region is mapped and host-registered with CUDA (pinned) once, in get_worker.
@@ -39,6 +40,7 @@ the StreamingTransfers threads, which only touch the job's GPU blocks and their 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 
@@ -46,8 +48,8 @@ import torch
 from vllm.v1.kv_offload.base import OffloadingWorker, TransferResult
 
 from memkv_vllm import compat
-from memkv_vllm.direct.config import DirectSettings
-from memkv_vllm.direct.copies import SectionCopier, copy_runs
+from memkv_vllm.direct.config import PIECES, SCRATCH, DirectSettings
+from memkv_vllm.direct.copies import PieceCopier, PiecesUnavailable, SectionCopier, copy_runs
 from memkv_vllm.direct.layout import StagingLayout
 from memkv_vllm.direct.staging import StagingRegion
 from memkv_vllm.direct.streaming import Chunk, Job, LoadFailed, StreamingTransfers
@@ -90,6 +92,7 @@ class MemKVDirectWorker(OffloadingWorker):
         self._pending: dict[int, tuple[object, int, float]] = {}  # job -> (end event, bytes, start)
         self._done: list[TransferResult] = []
         self._stage()  # map and pin at engine startup, not in a request's first transfer
+        self._pieces = self._piece_copier() if self.settings.copy_method == PIECES else None
         self._streams: StreamingTransfers | None = None
         self._jobs: dict[int, Job] = {}  # leased jobs not reported yet
         if self.settings.leased:
@@ -281,10 +284,14 @@ class MemKVDirectWorker(OffloadingWorker):
 
     def _copy(self, stream: str, sections: list[tuple[int, list]], to_staging: bool, non_blocking: bool) -> None:
         """Every run of `sections` ((staging offset of a chunk's section, its runs)); on CUDA
-        queued on the current stream. Through the copy stream's SectionCopier (copies.py says
-        why), or one copy_ per run with copy_scratch_mb 0."""
+        queued on the current stream. As pieces in one call (copy_method "pieces"), else through
+        the copy stream's SectionCopier (copies.py says why), or one copy_ per run with
+        copy_scratch_mb 0."""
         staging = self._staging
         assert staging is not None
+        if self._pieces is not None:
+            self._pieces.copy(sections, to_staging, non_blocking)
+            return
         scratch = self.settings.copy_scratch_bytes
         if scratch == 0:
             copy_runs(self._tensors, staging,
@@ -301,6 +308,21 @@ class MemKVDirectWorker(OffloadingWorker):
                      "time; memkv.copy_scratch_mb)", self.layout.rank, stream, copier.scratch_bytes >> 20,
                      copier.device.type, copier.scratch_chunks)
         copier.copy(sections, to_staging, non_blocking)
+
+    def _piece_copier(self) -> PieceCopier | None:
+        """copy_method "pieces": the PieceCopier; None (said once, at startup) where it cannot run,
+        and the worker copies through the scratch ("scratch") instead."""
+        assert self._staging is not None
+        try:
+            copier = PieceCopier(self._tensors, self._staging)
+        except PiecesUnavailable as exc:
+            log.warning('MemKV direct mode: rank %d: memkv.copy_method "pieces" cannot run here (%s); copies go '
+                        'through the scratch ("scratch")', self.layout.rank, exc)
+            self.settings = dataclasses.replace(self.settings, copy_method=SCRATCH)
+            return None
+        log.info("MemKV direct mode: rank %d copies chunks as pieces, one call per batch (memkv.copy_method)",
+                 self.layout.rank)
+        return copier
 
     def get_finished(self) -> list[TransferResult]:
         done, self._done = self._done, []
