@@ -19,8 +19,8 @@ from pathlib import Path
 import pytest
 
 from tests.conformance import connector_harness as ch
-from tests.conformance.harness_compat import STORE_JOB_KEYS_IN_PROMPT_ORDER
 from tests.conformance import vllm_harness as h
+from tests.conformance.harness_compat import STORE_JOB_KEYS_IN_PROMPT_ORDER
 
 pytestmark = pytest.mark.conformance
 
@@ -35,8 +35,9 @@ def fs_tier(root: Path) -> dict:
 @pytest.mark.parametrize("delay", [0, 1, 3])
 def test_long_prompt_reaches_the_manager_as_one_job_per_prefill_step_in_the_release_s_key_order(tmp_path, delay):
     tokens = 16 * TPC + 10  # 16 full chunks and a partial one
-    with ch.ConnectorEngine([fs_tier(tmp_path)], GEOMETRY, token_budget=4 * TPC,
-                            store_report_delay_steps=delay) as engine:
+    with ch.ConnectorEngine(
+        [fs_tier(tmp_path)], GEOMETRY, token_budget=4 * TPC, store_report_delay_steps=delay
+    ) as engine:
         req = engine.prefill(f"p/{uuid.uuid4().hex}", tokens)
         assert req.matched_tokens == 0 and req.deferred_lookups >= 1
         assert [job.chunks for job in req.store_jobs] == [list(range(i, i + 4)) for i in range(0, 16, 4)]
@@ -88,8 +89,7 @@ def test_a_lagging_rank_changes_the_order_in_which_jobs_complete(tmp_path):
 
 
 def test_manager_lock_is_free_between_steps_and_the_region_is_removed_at_shutdown(tmp_path):
-    engine = ch.ConnectorEngine([fs_tier(tmp_path)], dataclasses.replace(GEOMETRY, world_size=1),
-                                token_budget=4 * TPC)
+    engine = ch.ConnectorEngine([fs_tier(tmp_path)], dataclasses.replace(GEOMETRY, world_size=1), token_budget=4 * TPC)
     try:
         lock = getattr(engine.manager, "lock", None)
         req = engine.add_request(f"p/{uuid.uuid4().hex}", 8 * TPC + 3)
