@@ -38,7 +38,7 @@ def test_long_prompt_reaches_the_manager_as_one_job_per_prefill_step_in_the_rele
     with ch.ConnectorEngine(
         [fs_tier(tmp_path)], GEOMETRY, token_budget=4 * TPC, store_report_delay_steps=delay
     ) as engine:
-        req = engine.prefill(f"p/{uuid.uuid4().hex}", tokens)
+        req = engine.run(f"p/{uuid.uuid4().hex}", tokens)
         assert req.matched_tokens == 0 and req.deferred_lookups >= 1
         assert [job.chunks for job in req.store_jobs] == [list(range(i, i + 4)) for i in range(0, 16, 4)]
         assert len({job.step for job in req.store_jobs}) == 4  # one job per step
@@ -53,7 +53,7 @@ def test_long_prompt_reaches_the_manager_as_one_job_per_prefill_step_in_the_rele
 def test_revisit_after_reset_matches_every_full_chunk_and_loads_the_stored_bytes(tmp_path):
     tag, tokens = f"p/{uuid.uuid4().hex}", 16 * TPC + 10
     with ch.ConnectorEngine([fs_tier(tmp_path)], GEOMETRY, token_budget=4 * TPC) as engine:
-        engine.prefill(tag, tokens)
+        engine.run(tag, tokens)
         engine.reset_cache()
         assert engine.primary_holds(ch.prompt_keys(tag, 16, GEOMETRY)) == [False] * 16
         warm = engine.add_request(tag, tokens)
@@ -67,7 +67,7 @@ def test_revisit_after_reset_matches_every_full_chunk_and_loads_the_stored_bytes
 def test_a_restarted_connector_over_the_same_root_dir_promotes_the_prompt(tmp_path):
     tag, tokens = f"p/{uuid.uuid4().hex}", 8 * TPC + 1
     with ch.ConnectorEngine([fs_tier(tmp_path)], GEOMETRY, token_budget=2 * TPC) as first:
-        first.prefill(tag, tokens)
+        first.run(tag, tokens)
     with ch.ConnectorEngine([fs_tier(tmp_path)], GEOMETRY, token_budget=2 * TPC) as second:
         req = second.add_request(tag, tokens)
         second.run_until_finished([req])

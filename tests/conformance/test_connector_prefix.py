@@ -117,7 +117,7 @@ def evict_with_fillers(engine: ch.ConnectorEngine, keys, filler_chunks: int = 24
     for i in range(2 * GEOMETRY.num_rows // filler_chunks + 2):
         if not any(engine.primary_holds(keys)):
             return
-        engine.prefill(f"filler/{uuid.uuid4().hex}/{i}", filler_chunks * TPC + TAIL)
+        engine.run(f"filler/{uuid.uuid4().hex}/{i}", filler_chunks * TPC + TAIL)
     assert not any(engine.primary_holds(keys)), "fillers did not evict the prompt from the pool"
 
 
@@ -135,7 +135,7 @@ def test_readme_config_promotes_the_whole_prompt_after_pool_eviction_and_restart
         if reports == "bulk":
             (cold,) = prefill_with_bulk_reports(engine, {tag: tokens})
         else:
-            cold = engine.prefill(tag, tokens)
+            cold = engine.run(tag, tokens)
         assert cold.matched_tokens == 0
         assert len(cold.store_jobs) >= 3 and sorted(cold.stored_chunks) == list(range(chunks))
         assert held_chunks(engine, cold) == list(range(chunks)), "the tier did not keep the whole prompt"
@@ -163,13 +163,13 @@ def prefill_with_nodes_stopped_after_the_first_job(engine: ch.ConnectorEngine, t
     the step its first store job is made until every job of it reached the tier: the first job
     meets an empty backlog and stays in it, the later ones find it full."""
     req = engine.add_request(tag, tokens)
-    engine._run(lambda: bool(req.store_jobs), 5000, 60.0, lambda: "no store job was made")
+    engine.run_until(lambda: bool(req.store_jobs), 60.0, "no store job was made", max_steps=5000)
     with stopped(nodes):
-        engine._run(
+        engine.run_until(
             lambda: req.is_finished() and engine.held_store_reports() == 0,
-            5000,
             60.0,
-            lambda: "the prompt's store jobs were not all reported",
+            "the prompt's store jobs were not all reported",
+            max_steps=5000,
         )
     engine.run_until_idle()
     return req
@@ -260,7 +260,7 @@ def test_cold_run_stores_the_same_chunks_in_the_pool_with_and_without_the_tier(n
             first = [engine.add_request(tag, n) for tag, n in list(prompts.items())[:2]]
             engine.run_until_finished(first)
             tag, n = list(prompts.items())[2]
-            last = engine.prefill(tag, n)
+            last = engine.run(tag, n)
             reqs = [*first, last]
             runs[name] = {
                 # Steps counted from each request's first job: the tier's first lookup answers
