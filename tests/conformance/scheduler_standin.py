@@ -22,8 +22,8 @@ What the stand-in simulates:
   on fresh blocks; "fail": finished with FINISHED_ERROR); a whole-prompt hit recomputes its last
   token;
 * every request is prefill plus ``max_tokens`` output tokens, then finished
-  (``request_finished_all_groups``, or ``request_finished`` where a release lacks it), and its id
-  goes into the next step's ``finished_req_ids``. No preemption, one KV cache group;
+  (``request_finished_all_groups``), and its id goes into the next step's ``finished_req_ids``.
+  No preemption, one KV cache group;
 * block hashes: one 32-byte hash per hash block, chained sha256 over a prompt tag and the block
   index; two requests with the same tag share a prefix the way two identical prompts do.
 
@@ -499,11 +499,7 @@ class SchedulerStandIn:
         """The request ends: the connector's request_finished, its GPU blocks freed."""
         req.status = status
         req.finished_step = self.step_count
-        finish = getattr(self.connector, "request_finished_all_groups", None)
-        if finish is not None:
-            finish(req, (list(req.block_ids),))
-        else:
-            self.connector.request_finished(req, list(req.block_ids))
+        self.connector.request_finished_all_groups(req, (list(req.block_ids),))
         self._free_blocks(req)
         self.finished[req.request_id] = self.requests.pop(req.request_id)
 
