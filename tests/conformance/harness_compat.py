@@ -1,8 +1,9 @@
 """What the conformance harnesses' own stand-ins must do differently per vLLM release (0.25.0-0.34.0).
 
-One module for every harness: vllm_harness (the manager), connector_harness (the connector,
-tier mode) and direct_harness (direct mode) import it, so a release difference in *our
-stand-ins* (not in the product: that is src/memkv_vllm/compat.py) is handled once. Each helper
+One module for every harness: vllm_harness (the manager), scheduler_standin (the scheduler
+loop under connector_harness, tier mode, and direct_harness, direct mode) and direct_harness
+import it, so a release difference in *our stand-ins* (not in the product: that is
+src/memkv_vllm/compat.py) is handled once. Each helper
 names the releases it serves and detects the feature where vLLM offers one to detect.
 
 For the direct harness (0.34.0): build config dataclasses with ``fill_dataclass`` (it skips
@@ -40,8 +41,11 @@ def fill_dataclass(cls: type, values: Mapping[str, Any]) -> Any:
     field we have no value for is a harness bug, reported by name.
     """
     fields = [f for f in dataclasses.fields(cls) if f.init]
-    missing = [f.name for f in fields if f.name not in values and f.default is dataclasses.MISSING
-               and f.default_factory is dataclasses.MISSING]
+    missing = [
+        f.name
+        for f in fields
+        if f.name not in values and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+    ]
     if missing:
         raise TypeError(f"harness has no value for required {cls.__name__} fields {missing}")
     return cls(**{f.name: values[f.name] for f in fields if f.name in values})

@@ -19,8 +19,8 @@ from pathlib import Path
 import pytest
 
 from tests.conformance import connector_harness as ch
-from tests.conformance.harness_compat import STORE_JOB_KEYS_IN_PROMPT_ORDER
 from tests.conformance import vllm_harness as h
+from tests.conformance.harness_compat import STORE_JOB_KEYS_IN_PROMPT_ORDER
 
 pytestmark = pytest.mark.conformance
 
@@ -35,9 +35,10 @@ def fs_tier(root: Path) -> dict:
 @pytest.mark.parametrize("delay", [0, 1, 3])
 def test_long_prompt_reaches_the_manager_as_one_job_per_prefill_step_in_the_release_s_key_order(tmp_path, delay):
     tokens = 16 * TPC + 10  # 16 full chunks and a partial one
-    with ch.ConnectorEngine([fs_tier(tmp_path)], GEOMETRY, token_budget=4 * TPC,
-                            store_report_delay_steps=delay) as engine:
-        req = engine.prefill(f"p/{uuid.uuid4().hex}", tokens)
+    with ch.ConnectorEngine(
+        [fs_tier(tmp_path)], GEOMETRY, token_budget=4 * TPC, store_report_delay_steps=delay
+    ) as engine:
+        req = engine.run(f"p/{uuid.uuid4().hex}", tokens)
         assert req.matched_tokens == 0 and req.deferred_lookups >= 1
         assert [job.chunks for job in req.store_jobs] == [list(range(i, i + 4)) for i in range(0, 16, 4)]
         assert len({job.step for job in req.store_jobs}) == 4  # one job per step
@@ -52,7 +53,7 @@ def test_long_prompt_reaches_the_manager_as_one_job_per_prefill_step_in_the_rele
 def test_revisit_after_reset_matches_every_full_chunk_and_loads_the_stored_bytes(tmp_path):
     tag, tokens = f"p/{uuid.uuid4().hex}", 16 * TPC + 10
     with ch.ConnectorEngine([fs_tier(tmp_path)], GEOMETRY, token_budget=4 * TPC) as engine:
-        engine.prefill(tag, tokens)
+        engine.run(tag, tokens)
         engine.reset_cache()
         assert engine.primary_holds(ch.prompt_keys(tag, 16, GEOMETRY)) == [False] * 16
         warm = engine.add_request(tag, tokens)
@@ -66,7 +67,7 @@ def test_revisit_after_reset_matches_every_full_chunk_and_loads_the_stored_bytes
 def test_a_restarted_connector_over_the_same_root_dir_promotes_the_prompt(tmp_path):
     tag, tokens = f"p/{uuid.uuid4().hex}", 8 * TPC + 1
     with ch.ConnectorEngine([fs_tier(tmp_path)], GEOMETRY, token_budget=2 * TPC) as first:
-        first.prefill(tag, tokens)
+        first.run(tag, tokens)
     with ch.ConnectorEngine([fs_tier(tmp_path)], GEOMETRY, token_budget=2 * TPC) as second:
         req = second.add_request(tag, tokens)
         second.run_until_finished([req])
@@ -88,8 +89,7 @@ def test_a_lagging_rank_changes_the_order_in_which_jobs_complete(tmp_path):
 
 
 def test_manager_lock_is_free_between_steps_and_the_region_is_removed_at_shutdown(tmp_path):
-    engine = ch.ConnectorEngine([fs_tier(tmp_path)], dataclasses.replace(GEOMETRY, world_size=1),
-                                token_budget=4 * TPC)
+    engine = ch.ConnectorEngine([fs_tier(tmp_path)], dataclasses.replace(GEOMETRY, world_size=1), token_budget=4 * TPC)
     try:
         lock = getattr(engine.manager, "lock", None)
         req = engine.add_request(f"p/{uuid.uuid4().hex}", 8 * TPC + 3)

@@ -27,11 +27,10 @@ import uuid
 
 import pytest
 
-from memkv.local import LocalNode
 from tests.conformance import connector_harness as ch
-from tests.conformance.harness_compat import STORE_JOB_KEYS_IN_PROMPT_ORDER
 from tests.conformance import vllm_harness as h
 from tests.conformance.conftest import point_at, start_nodes
+from tests.conformance.harness_compat import STORE_JOB_KEYS_IN_PROMPT_ORDER
 from tests.faults.nodeops import all_threads_stopped
 
 pytestmark = [pytest.mark.conformance, pytest.mark.over_tls_too]  # every test also over TLS (conftest.py)
@@ -40,8 +39,7 @@ SHEDS = "vllm:kv_offload_memkv_sheds"
 README_TIER = {"type": "memkv", "n_read_threads": 8, "n_write_threads": 8}  # README.md, verbatim
 
 # 1 MiB rows (2 GPU blocks of 512 KiB per 32-token chunk), a 64-row (64 MiB) CPU pool.
-GEOMETRY = h.Geometry(worker_kv_bytes_per_block=512 << 10, gpu_block_size=16, block_size=32,
-                      num_rows=64)
+GEOMETRY = h.Geometry(worker_kv_bytes_per_block=512 << 10, gpu_block_size=16, block_size=32, num_rows=64)
 TPC = GEOMETRY.block_size  # tokens per chunk
 TAIL = 5  # prompt tokens after the last full chunk: never stored, never matched
 
@@ -119,7 +117,7 @@ def evict_with_fillers(engine: ch.ConnectorEngine, keys, filler_chunks: int = 24
     for i in range(2 * GEOMETRY.num_rows // filler_chunks + 2):
         if not any(engine.primary_holds(keys)):
             return
-        engine.prefill(f"filler/{uuid.uuid4().hex}/{i}", filler_chunks * TPC + TAIL)
+        engine.run(f"filler/{uuid.uuid4().hex}/{i}", filler_chunks * TPC + TAIL)
     assert not any(engine.primary_holds(keys)), "fillers did not evict the prompt from the pool"
 
 
@@ -137,7 +135,7 @@ def test_readme_config_promotes_the_whole_prompt_after_pool_eviction_and_restart
         if reports == "bulk":
             (cold,) = prefill_with_bulk_reports(engine, {tag: tokens})
         else:
-            cold = engine.prefill(tag, tokens)
+            cold = engine.run(tag, tokens)
         assert cold.matched_tokens == 0
         assert len(cold.store_jobs) >= 3 and sorted(cold.stored_chunks) == list(range(chunks))
         assert held_chunks(engine, cold) == list(range(chunks)), "the tier did not keep the whole prompt"
@@ -165,10 +163,14 @@ def prefill_with_nodes_stopped_after_the_first_job(engine: ch.ConnectorEngine, t
     the step its first store job is made until every job of it reached the tier: the first job
     meets an empty backlog and stays in it, the later ones find it full."""
     req = engine.add_request(tag, tokens)
-    engine._run(lambda: bool(req.store_jobs), 5000, 60.0, lambda: "no store job was made")
+    engine.run_until(lambda: bool(req.store_jobs), 60.0, "no store job was made", max_steps=5000)
     with stopped(nodes):
-        engine._run(lambda: req.is_finished() and engine.held_store_reports() == 0, 5000, 60.0,
-                    lambda: "the prompt's store jobs were not all reported")
+        engine.run_until(
+            lambda: req.is_finished() and engine.held_store_reports() == 0,
+            60.0,
+            "the prompt's store jobs were not all reported",
+            max_steps=5000,
+        )
     engine.run_until_idle()
     return req
 
@@ -217,8 +219,9 @@ def test_concurrent_prompts_over_a_small_backlog_each_keep_a_prefix_and_one_is_w
     tokens = chunks * TPC + TAIL
     tags = [f"concurrent/{uuid.uuid4().hex}/{i}" for i in range(3)]
     tier = {**README_TIER, "max_store_backlog_mb": 30}
-    with ch.ConnectorEngine([tier], geometry, token_budget=3 * 12 * TPC,
-                            long_prefill_token_threshold=12 * TPC) as engine:
+    with ch.ConnectorEngine(
+        [tier], geometry, token_budget=3 * 12 * TPC, long_prefill_token_threshold=12 * TPC
+    ) as engine:
         reqs = prefill_with_bulk_reports(engine, {tag: tokens for tag in tags}, nodes=nodes)
         assert all(len(r.store_jobs) == 2 for r in reqs)
         steps = [{job.step for job in r.store_jobs} for r in reqs]
@@ -251,18 +254,18 @@ def test_cold_run_stores_the_same_chunks_in_the_pool_with_and_without_the_tier(n
     prompts = {f"cold/{uuid.uuid4().hex}/{i}": (20 + 4 * i) * TPC + TAIL for i in range(3)}
     runs = {}
     for name, tiers in (("none", []), ("memkv", [README_TIER])):
-        with ch.ConnectorEngine(tiers, geometry, token_budget=2 * 8 * TPC,
-                                long_prefill_token_threshold=8 * TPC) as engine:
+        with ch.ConnectorEngine(
+            tiers, geometry, token_budget=2 * 8 * TPC, long_prefill_token_threshold=8 * TPC
+        ) as engine:
             first = [engine.add_request(tag, n) for tag, n in list(prompts.items())[:2]]
             engine.run_until_finished(first)
             tag, n = list(prompts.items())[2]
-            last = engine.prefill(tag, n)
+            last = engine.run(tag, n)
             reqs = [*first, last]
             runs[name] = {
                 # Steps counted from each request's first job: the tier's first lookup answers
                 # RETRY, so a cold request waits one step more before it is scheduled.
-                "jobs": [(r.tag, job.step - r.store_jobs[0].step, job.chunks)
-                         for r in reqs for job in r.store_jobs],
+                "jobs": [(r.tag, job.step - r.store_jobs[0].step, job.chunks) for r in reqs for job in r.store_jobs],
                 "stored": {r.tag: sorted(r.stored_chunks) for r in reqs},
                 "in_pool": {r.tag: engine.primary_holds(r.chunk_keys()) for r in reqs},
             }
