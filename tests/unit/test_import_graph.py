@@ -10,6 +10,8 @@ importer is reached). A package's lazy re-exports (PEP 562: its `__getattr__`, w
 the package is imported: `from memkv import Client` is an edge to `memkv.client.cluster`, a
 bare `import memkv` is not. Layers:
 * the client core (memkv.client.nodeset) and the transports never import the public Client;
+* the client core (memkv.client.node, .nodeset, .pipeline, .shared) never imports the transports
+  built on it (a connection's way for values is handed to it: `memkv.client.node.OpenWay`);
 * the node (memkv.server) never imports the client package, nor the transports (which are
   built on it); what `import memkv.server.node` loads in a real interpreter is checked too;
 * the sans-I/O codec (memkv.protocol) imports no socket, thread or clock.
@@ -182,9 +184,21 @@ def test_no_module_imports_itself_through_others() -> None:
 
 
 @pytest.mark.parametrize("module", ["memkv.client.nodeset", "memkv.client.pipeline", "memkv.transport",
-                                    "memkv.transport.tcp", "memkv.transport.rdma"])
+                                    "memkv.transport.tcp", "memkv.transport.rdma", "memkv.transport.stream",
+                                    "memkv.transport.shm"])
 def test_the_client_core_transports_and_pipeline_never_reach_the_public_client(module) -> None:
     assert "memkv.client.cluster" not in _reaches(module)
+
+
+@pytest.mark.parametrize("module", ["memkv.client.node", "memkv.client.nodeset", "memkv.client.pipeline",
+                                    "memkv.client.shared"])
+def test_the_client_core_never_reaches_the_transports(module) -> None:
+    assert {m for m in _reaches(module) if m.startswith("memkv.transport")} == set()
+
+
+def test_each_way_values_move_is_built_on_the_client_core() -> None:
+    assert "memkv.client.node" in GRAPH["memkv.transport.stream"]
+    assert {"memkv.client.shared", "memkv.transport.stream"} <= GRAPH["memkv.transport.shm"]
 
 
 @pytest.mark.parametrize("module", ["memkv.server.node", "memkv.server.rdma", "memkv.server.store"])
