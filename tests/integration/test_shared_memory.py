@@ -75,7 +75,10 @@ def settled_status(node) -> dict:
         first = status_of(node)
         time.sleep(0.05)
         second = status_of(node)
-        keys = [(s["allocated_bytes"], s["shared_memory"]["spares"], s["shared_memory"]["spare_bytes"]) for s in (first, second)]
+        keys = [
+            (s["allocated_bytes"], s["shared_memory"]["spares"], s["shared_memory"]["spare_bytes"])
+            for s in (first, second)
+        ]
         if keys[0] == keys[1] or time.monotonic() > deadline:
             return second
 
@@ -259,7 +262,9 @@ def test_on_by_default_off_with_the_client_switch_or_on_a_private_node(start_nod
     [({}, SharedMemory), ({"shared_memory": False}, SocketStream), ({"local_socket": False}, SocketStream)],
     ids=["shared-memory", "same-host-socket", "tcp"],
 )
-def test_a_connection_moves_values_the_way_chosen_when_it_was_opened(start_node, make_client, auth_key_hex, settings, way):
+def test_a_connection_moves_values_the_way_chosen_when_it_was_opened(
+    start_node, make_client, auth_key_hex, settings, way
+):
     node = start_node(capacity="128MiB")
     client = make_client([node], **settings)
     value = os.urandom(2 * MiB)
@@ -478,7 +483,9 @@ def test_a_commit_stores_what_was_written_and_drops_what_was_not(start_node, mak
         fd_w, fd_s = _reserve(conn, [(b"w", written), (b"s", skipped)])
         os.close(fd_s)
         checksum, kept = write_value(fd_w, memoryview(bytearray(written)), checksummer.algo, checksummer, keep=False)
-        assert checksum == checksummer.compute(memoryview(written)) and kept is None, "the checksum of the bytes written"
+        assert checksum == checksummer.compute(memoryview(written)) and kept is None, (
+            "the checksum of the bytes written"
+        )
         with pytest.raises(LocalProtocolError, match="flags must be 0 or 1"):
             conn.codec.encode(p.ShmCommitRequest(b"\x02\x01", (checksum, bytes(32))))
         done = conn.request(p.ShmCommitRequest(b"\x01\x00", (checksum, bytes(32))))

@@ -44,7 +44,7 @@ SUMS = Checksummer(KEY)
 
 
 def attempt(fn: Callable[[], object]) -> str:
-    """"ok", or the errno name of the OSError it raised."""
+    """ "ok", or the errno name of the OSError it raised."""
     try:
         fn()
     except OSError as exc:

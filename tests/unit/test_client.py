@@ -50,8 +50,14 @@ def make_client(network: FakeNetwork) -> Iterator[Callable[..., Client]]:
     clients: list[Client] = []
 
     def make(**overrides: object) -> Client:
-        settings = {"transport": "tcp", "io_timeout_s": 5.0, "connect_timeout_s": 5.0, "down_for_s": 60.0,
-                    "pool_size": 2, **overrides}
+        settings = {
+            "transport": "tcp",
+            "io_timeout_s": 5.0,
+            "connect_timeout_s": 5.0,
+            "down_for_s": 60.0,
+            "pool_size": 2,
+            **overrides,
+        }
         config = ClientConfig(servers=tuple(n.address for n in network), auth_key=AuthKey(KEY, "test"), **settings)
         client = Client(config, connect=network.connect)
         clients.append(client)
@@ -78,8 +84,12 @@ def owners(nodes: list[FakeNode], ks: list[bytes]) -> list[FakeNode]:
 
 
 def integrity_failures(server: str) -> float:
-    return sum(s.value for m in client_metrics.INTEGRITY_FAILURES.collect() for s in m.samples
-               if s.name.endswith("_total") and s.labels.get("server") == server)
+    return sum(
+        s.value
+        for m in client_metrics.INTEGRITY_FAILURES.collect()
+        for s in m.samples
+        if s.name.endswith("_total") and s.labels.get("server") == server
+    )
 
 
 # -- placement and fan-out -------------------------------------------------------------------------

@@ -31,8 +31,6 @@ KiB, MiB = 1 << 10, 1 << 20
 SLACK_S = 3.0  # on top of a deadline, for "did not hang" on a busy 2-core box
 
 
-
-
 def test_pieces_cover_the_value_in_order_and_hash_like_the_whole(pair) -> None:
     a, b = pair
     value = os.urandom(5 * MiB + 123)
