@@ -98,9 +98,9 @@ def local_connect(name: str) -> Connect:
 
 class Way(Protocol):
     """How the values of one connection move: over its socket or through the node's shared
-    memory (memkv/transport/stream.py, memkv/transport/shm.py). Built on the connection, never
-    imported here (the client core does not import the transports): NodeClient gets an `OpenWay`
-    and calls it once per connection it opens. Raises MemKVError subclasses only."""
+    memory. The implementations are memkv/transport/stream.py and memkv/transport/shm.py, which
+    the client core does not import: NodeClient is handed an `OpenWay` and calls it once per
+    connection it opens. Raises MemKVError subclasses only."""
 
     def get_into(
         self, keys: Sequence[bytes], views: Sequence[memoryview], checksummer: Checksummer
