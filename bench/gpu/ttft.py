@@ -904,17 +904,17 @@ def parse_sweep(text: str) -> list:
 
 
 def set_verify_chunk(mib: int | None) -> int:
-    """EXPERIMENT: the client receives a value in chunks of memkv.client.node._VERIFY_CHUNK (16 MiB by default)
+    """EXPERIMENT: the client receives a value in chunks of memkv.transport.stream._VERIFY_CHUNK (16 MiB by default)
     and hashes each chunk; every chunk costs two GIL round trips. Returns the chunk in force."""
-    from memkv.client import node as nodemod
+    from memkv.transport import stream as streammod
 
-    if not hasattr(nodemod, "_VERIFY_CHUNK"):
-        log("verify-chunk experiment unavailable: memkv.client.node has no _VERIFY_CHUNK")
+    if not hasattr(streammod, "_VERIFY_CHUNK"):
+        log("verify-chunk experiment unavailable: memkv.transport.stream has no _VERIFY_CHUNK")
         return 0
-    if not hasattr(nodemod, "_DEFAULT_VERIFY_CHUNK"):
-        nodemod._DEFAULT_VERIFY_CHUNK = nodemod._VERIFY_CHUNK
-    nodemod._VERIFY_CHUNK = (mib << 20) if mib else nodemod._DEFAULT_VERIFY_CHUNK
-    return nodemod._VERIFY_CHUNK
+    if not hasattr(streammod, "_DEFAULT_VERIFY_CHUNK"):
+        streammod._DEFAULT_VERIFY_CHUNK = streammod._VERIFY_CHUNK
+    streammod._VERIFY_CHUNK = (mib << 20) if mib else streammod._DEFAULT_VERIFY_CHUNK
+    return streammod._VERIFY_CHUNK
 
 
 def host_info() -> dict:

@@ -120,9 +120,9 @@ def main() -> int:
         os.environ.update(
             MEMKV_SERVERS=",".join(n["address"] for n in state["nodes"]), MEMKV_AUTH_KEY=state["key"], MEMKV_CONFIG=cfg
         )
-        from memkv.client import node as nodemod
         from memkv.client.cluster import Client
         from memkv.sockio import recv_exactly_into
+        from memkv.transport import stream as streammod
 
         client = Client.from_env()
         t = time.perf_counter()
@@ -176,21 +176,21 @@ def main() -> int:
         except Exception as exc:
             result["h2d_error"] = repr(exc)
 
-        orig_recv = nodemod.NodeConnection._recv_verified
-        default_chunk = nodemod._VERIFY_CHUNK
+        orig_recv = streammod.SocketStream._recv_verified
+        default_chunk = streammod._VERIFY_CHUNK
 
         def recv_noverify(self, view, *args, **kwargs):  # the client's signature may grow (deadline)
-            with self._io("read"):
-                recv_exactly_into(self.sock, view)
+            with self.conn.io("read"):
+                recv_exactly_into(self.conn.sock, view)
             return True
 
         for spec in filter(None, args.variants.split(",")):
             head, *flags = spec.split(":")
             threads, bpo = (int(x) for x in head.split("x"))
             si = next((float(f[2:]) for f in flags if f.startswith("si")), None)
-            nodemod.NodeConnection._recv_verified = recv_noverify if "noverify" in flags else orig_recv
+            streammod.SocketStream._recv_verified = recv_noverify if "noverify" in flags else orig_recv
             chunk = next((int(f[1:]) for f in flags if f.startswith("c") and f[1:].isdigit()), None)
-            nodemod._VERIFY_CHUNK = (chunk << 20) if chunk else default_chunk
+            streammod._VERIFY_CHUNK = (chunk << 20) if chunk else default_chunk
             sys.setswitchinterval((si or 5.0) / 1000)
             stop = threading.Event()
             spins = [0]
@@ -224,8 +224,8 @@ def main() -> int:
             stop.set()
             if busy:
                 busy.join()
-            nodemod.NodeConnection._recv_verified = orig_recv
-            nodemod._VERIFY_CHUNK = default_chunk
+            streammod.SocketStream._recv_verified = orig_recv
+            streammod._VERIFY_CHUNK = default_chunk
             sys.setswitchinterval(0.005)
             best = min(times)
             rec = {

@@ -649,11 +649,11 @@ class ServerConfig:
     # off with TLS on the data port. `memkv serve --no-local-socket` turns it off.
     local_socket: bool = True
     # Values of 1 MiB and more that same-host clients store and load as sealed memfds
-    # (memkv/server/shared.py); needs the same-host socket. `--no-shared-memory` turns it off.
+    # (memkv/server/shm.py); needs the same-host socket. `--no-shared-memory` turns it off.
     shared_memory: bool = True
     # Besides peers of the node's own uid, peers in this group (a gid) get shared memory too.
     shared_memory_group: int | None = None
-    # Spares (memkv/server/shared.py): "on", "off", or "auto" (on where the node has cores to spare).
+    # Spares (memkv/server/shm.py): "on", "off", or "auto" (on where the node has cores to spare).
     shared_memory_spares: str = "auto"
 
     def __post_init__(self) -> None:

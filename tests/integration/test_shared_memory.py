@@ -1,4 +1,5 @@
-"""Shared memory for same-host clients (docs/protocol.md section 13, memkv/client/shared.py).
+"""Shared memory for same-host clients (docs/protocol.md section 13, memkv/transport/shm.py,
+memkv/client/shared.py, memkv/server/shm.py).
 
 Behaviour under test, against real `memkv serve` processes on 127.0.0.1:
 * with `shared_memory` on, a client stores values of 1 MiB and more into memfds the node passes
@@ -16,6 +17,8 @@ Behaviour under test, against real `memkv serve` processes on 127.0.0.1:
   readers never keep a PUT from storing (it evicts what they read);
 * a node restarted on the same port (same node_id) is used anew, and the mappings of the dead
   process are released;
+* a connection's way for values (shared memory, or the socket: same-host or TCP) is chosen once,
+  when it is opened, and kept for every call on it;
 * SHM requests off the same-host socket are refused with an error naming it; memfds this
   process refuses turn shared memory off for that node process, nothing lost;
 * SHM_COMMIT must be the frame after SHM_PUT; it stores what was written and drops the rest; a
@@ -34,7 +37,6 @@ import urllib.request
 import pytest
 
 from memkv import protocol as p
-from memkv.client import node as client_node
 from memkv.client import shared
 from memkv.client.node import NodeConnection, local_connect
 from memkv.client.shared import SealError, copy_verified, map_value, write_value
@@ -42,6 +44,9 @@ from memkv.config import AuthKey, ServerAddress
 from memkv.errors import LocalProtocolError, ServerError
 from memkv.integrity import Checksummer
 from memkv.memfd import unmap
+from memkv.transport import shm
+from memkv.transport.shm import SharedMemory
+from memkv.transport.stream import SocketStream
 from tests.faults.nodeops import restart_empty
 from tests.integration.test_integrity_counted import integrity_failures
 
@@ -64,13 +69,16 @@ def metric(node, series: str) -> float:
 
 def settled_status(node) -> dict:
     """The node's status once its spares stopped changing (the node faults fresh memfds in for
-    the same-host stores to come, counted in allocated_bytes: memkv/server/shared.py)."""
+    the same-host stores to come, counted in allocated_bytes: memkv/server/shm.py)."""
     deadline = time.monotonic() + 10.0
     while True:
         first = status_of(node)
         time.sleep(0.05)
         second = status_of(node)
-        keys = [(s["allocated_bytes"], s["shared_memory"]["spares"], s["shared_memory"]["spare_bytes"]) for s in (first, second)]
+        keys = [
+            (s["allocated_bytes"], s["shared_memory"]["spares"], s["shared_memory"]["spare_bytes"])
+            for s in (first, second)
+        ]
         if keys[0] == keys[1] or time.monotonic() > deadline:
             return second
 
@@ -249,8 +257,38 @@ def test_on_by_default_off_with_the_client_switch_or_on_a_private_node(start_nod
     assert client.shared_memory_servers() == [] and client.local_servers(), "the same-host socket stays on"
 
 
+@pytest.mark.parametrize(
+    ("settings", "way"),
+    [({}, SharedMemory), ({"shared_memory": False}, SocketStream), ({"local_socket": False}, SocketStream)],
+    ids=["shared-memory", "same-host-socket", "tcp"],
+)
+def test_a_connection_moves_values_the_way_chosen_when_it_was_opened(
+    start_node, make_client, auth_key_hex, settings, way
+):
+    node = start_node(capacity="128MiB")
+    client = make_client([node], **settings)
+    value = os.urandom(2 * MiB)
+    assert client.batch_put_views([("v", value)]) == [True]
+    (node_client,) = client._nodes
+    with node_client.connection() as conn:
+        chosen = conn.way
+    buf = bytearray(len(value))
+    assert client.batch_get_into([("v", buf)]) == [True] and buf == value
+    with node_client.connection() as again:
+        assert again is conn and again.way is chosen, "kept, not chosen again per call"
+    assert type(chosen) is way and chosen.conn is conn
+    shm_requests = requests_of(node, "shm_put") + requests_of(node, "shm_get")
+    assert shm_requests == (2 if way is SharedMemory else 0)
+    raw = raw_connection(node, auth_key_hex)  # opened outside a NodeClient: nothing chose its way
+    try:
+        with pytest.raises(RuntimeError, match="has no way for values"):
+            _ = raw.way
+    finally:
+        raw.close()
+
+
 def _shm_get(conn: NodeConnection, keys: list[bytes], length: int) -> tuple[p.ShmGetReply, list[int]]:
-    return conn._shm_request(p.ShmGetRequest(tuple(keys), (length,) * len(keys)), p.Opcode.SHM_GET)
+    return shm.exchange(conn, p.ShmGetRequest(tuple(keys), (length,) * len(keys)))
 
 
 def node_memfds(node) -> int:
@@ -363,7 +401,7 @@ def test_memfds_refused_here_turn_shared_memory_off_for_that_node_process(start_
         raise SealError(1, "a memfd without its seals (has 0x0, needs 0xc)")
 
     monkeypatch.setattr(shared, "check_sealed", refuse)
-    monkeypatch.setattr(client_node, "check_sealed", refuse)
+    monkeypatch.setattr(shm, "check_sealed", refuse)
     values = [(f"k{i}", os.urandom(2 * MiB)) for i in range(3)]
     with caplog.at_level("WARNING", logger="memkv.client"):
         assert client.batch_put_views(values[:1]) == [True]  # SHM_PUT meets the refusal: sent by socket
@@ -413,7 +451,7 @@ def test_a_store_writes_large_values_into_the_nodes_memory_and_sends_the_rest(st
 
 
 def _reserve(conn: NodeConnection, items: list[tuple[bytes, bytes]]) -> list[int]:
-    reply, fds = conn._shm_request(p.ShmPutRequest(tuple(_item(k, v) for k, v in items)), p.Opcode.SHM_PUT)
+    reply, fds = shm.exchange(conn, p.ShmPutRequest(tuple(_item(k, v) for k, v in items)))
     assert [it.status for it in reply.items] == [p.ItemStatus.OK] * len(items) and len(fds) == len(items)
     return fds
 
@@ -445,7 +483,9 @@ def test_a_commit_stores_what_was_written_and_drops_what_was_not(start_node, mak
         fd_w, fd_s = _reserve(conn, [(b"w", written), (b"s", skipped)])
         os.close(fd_s)
         checksum, kept = write_value(fd_w, memoryview(bytearray(written)), checksummer.algo, checksummer, keep=False)
-        assert checksum == checksummer.compute(memoryview(written)) and kept is None, "the checksum of the bytes written"
+        assert checksum == checksummer.compute(memoryview(written)) and kept is None, (
+            "the checksum of the bytes written"
+        )
         with pytest.raises(LocalProtocolError, match="flags must be 0 or 1"):
             conn.codec.encode(p.ShmCommitRequest(b"\x02\x01", (checksum, bytes(32))))
         done = conn.request(p.ShmCommitRequest(b"\x01\x00", (checksum, bytes(32))))
@@ -494,8 +534,8 @@ def test_a_commit_whose_checksum_is_not_of_the_bytes_written_is_a_miss_for_every
 def shmem_huge_pages():
     """Sets the host's transparent-huge-page mode for shared memory for one test, then puts back
     what was there (root only; skips where the file cannot be written)."""
-    from memkv.server.shared import SHMEM_THP
-    from memkv.server.shared import shmem_huge_pages as mode_now
+    from memkv.server.shm import SHMEM_THP
+    from memkv.server.shm import shmem_huge_pages as mode_now
 
     before = mode_now()
     if before is None or not os.access(SHMEM_THP, os.W_OK):

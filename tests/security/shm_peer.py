@@ -29,6 +29,7 @@ from memkv.client.cluster import Client
 from memkv.config import AuthKey, ClientConfig, ServerAddress
 from memkv.errors import MemKVError
 from memkv.integrity import Checksummer
+from memkv.transport import shm
 from memkv import nixl_adapter  # noqa: F401
 
 _LIBC = ctypes.CDLL(None, use_errno=True)
@@ -43,7 +44,7 @@ SUMS = Checksummer(KEY)
 
 
 def attempt(fn: Callable[[], object]) -> str:
-    """"ok", or the errno name of the OSError it raised."""
+    """ "ok", or the errno name of the OSError it raised."""
     try:
         fn()
     except OSError as exc:
@@ -104,11 +105,11 @@ def connect(host: str, port: int, name: str) -> NodeConnection:
 
 def shm_put(conn: NodeConnection, key: bytes, size: int, count: int = 1) -> tuple[p.ShmGetReply, list[int]]:
     items = tuple(p.PutItem(key + b"%d" % i if count > 1 else key, size, SUMS.algo, bytes(32)) for i in range(count))
-    return conn._shm_request(p.ShmPutRequest(items), p.Opcode.SHM_PUT)
+    return shm.exchange(conn, p.ShmPutRequest(items))
 
 
 def shm_get(conn: NodeConnection, keys: list[bytes], size: int) -> tuple[p.ShmGetReply, list[int]]:
-    return conn._shm_request(p.ShmGetRequest(tuple(keys), (size,) * len(keys)), p.Opcode.SHM_GET)
+    return shm.exchange(conn, p.ShmGetRequest(tuple(keys), (size,) * len(keys)))
 
 
 def commit(conn: NodeConnection, checksums: list[bytes]) -> list[int]:

@@ -25,9 +25,9 @@ from memkv import Client, ClientClosed, ClientConfig, ClientState, ConnectError,
 from memkv import protocol as p
 from memkv import sockio
 from memkv.client import metrics as client_metrics
-from memkv.client import node as client_node
 from memkv.client.hrw import RendezvousRing
 from memkv.config import AuthKey
+from memkv.transport import stream
 from tests.conftest import poll_until
 from tests.unit.fakenet import FakeNetwork, FakeNode
 
@@ -50,8 +50,14 @@ def make_client(network: FakeNetwork) -> Iterator[Callable[..., Client]]:
     clients: list[Client] = []
 
     def make(**overrides: object) -> Client:
-        settings = {"transport": "tcp", "io_timeout_s": 5.0, "connect_timeout_s": 5.0, "down_for_s": 60.0,
-                    "pool_size": 2, **overrides}
+        settings = {
+            "transport": "tcp",
+            "io_timeout_s": 5.0,
+            "connect_timeout_s": 5.0,
+            "down_for_s": 60.0,
+            "pool_size": 2,
+            **overrides,
+        }
         config = ClientConfig(servers=tuple(n.address for n in network), auth_key=AuthKey(KEY, "test"), **settings)
         client = Client(config, connect=network.connect)
         clients.append(client)
@@ -78,8 +84,12 @@ def owners(nodes: list[FakeNode], ks: list[bytes]) -> list[FakeNode]:
 
 
 def integrity_failures(server: str) -> float:
-    return sum(s.value for m in client_metrics.INTEGRITY_FAILURES.collect() for s in m.samples
-               if s.name.endswith("_total") and s.labels.get("server") == server)
+    return sum(
+        s.value
+        for m in client_metrics.INTEGRITY_FAILURES.collect()
+        for s in m.samples
+        if s.name.endswith("_total") and s.labels.get("server") == server
+    )
 
 
 # -- placement and fan-out -------------------------------------------------------------------------
@@ -219,8 +229,8 @@ def test_a_value_that_fails_its_checksum_is_a_miss_and_the_connection_stays_in_u
         pytest.skip("the compiled loop is not built here")
     monkeypatch.setattr(sockio, "COMPILED_RECEIVE", receive_loop == "compiled")
     compiled_calls = []
-    real = client_node.recv_xxh3_into
-    monkeypatch.setattr(client_node, "recv_xxh3_into", lambda *a: compiled_calls.append(1) or real(*a))
+    real = stream.recv_xxh3_into
+    monkeypatch.setattr(stream, "recv_xxh3_into", lambda *a: compiled_calls.append(1) or real(*a))
     (node,) = [network.add("10.0.0.1", 9900)]
     client = make_client()
     client.batch_put_views([(b"a", b"x" * 100), (b"b", b"y" * 100)])

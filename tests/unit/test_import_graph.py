@@ -10,6 +10,8 @@ importer is reached). A package's lazy re-exports (PEP 562: its `__getattr__`, w
 the package is imported: `from memkv import Client` is an edge to `memkv.client.cluster`, a
 bare `import memkv` is not. Layers:
 * the client core (memkv.client.nodeset) and the transports never import the public Client;
+* the client core (memkv.client.node, .nodeset, .pipeline, .shared) never imports the transports
+  built on it (a connection's way for values is handed to it: `memkv.client.node.OpenWay`);
 * the node (memkv.server) never imports the client package, nor the transports (which are
   built on it); what `import memkv.server.node` loads in a real interpreter is checked too;
 * the sans-I/O codec (memkv.protocol) imports no socket, thread or clock.
@@ -59,9 +61,12 @@ def _lazy_blocks(path: Path, tree: ast.Module) -> list[ast.stmt]:
     """A package `__init__`'s lazy re-exports: its module-level `__getattr__` and `if TYPE_CHECKING:`."""
     if path.name != "__init__.py":
         return []
-    return [stmt for stmt in tree.body
-            if (isinstance(stmt, ast.FunctionDef) and stmt.name == "__getattr__")
-            or (isinstance(stmt, ast.If) and _is_type_checking(stmt.test))]
+    return [
+        stmt
+        for stmt in tree.body
+        if (isinstance(stmt, ast.FunctionDef) and stmt.name == "__getattr__")
+        or (isinstance(stmt, ast.If) and _is_type_checking(stmt.test))
+    ]
 
 
 def _statements(name: str, path: Path, body: list[ast.stmt]) -> list[tuple[ast.ImportFrom | ast.Import, str]]:
@@ -168,8 +173,15 @@ def _reaches(start: str) -> set[str]:
 
 
 def test_the_graph_covers_the_modules_the_layers_are_made_of() -> None:
-    for name in ("memkv.client.nodeset", "memkv.transport.tcp", "memkv.transport.rdma", "memkv.server.rdma",
-                 "memkv.client.pipeline", "memkv.client.cluster", "memkv.protocol"):
+    for name in (
+        "memkv.client.nodeset",
+        "memkv.transport.tcp",
+        "memkv.transport.rdma",
+        "memkv.server.rdma",
+        "memkv.client.pipeline",
+        "memkv.client.cluster",
+        "memkv.protocol",
+    ):
         assert name in GRAPH
     assert "memkv.client.nodeset" in GRAPH["memkv.transport.tcp"]
     # the package `__init__` files an import runs are edges: tcp's `import memkv.client.node` runs memkv/client/__init__
@@ -181,10 +193,32 @@ def test_no_module_imports_itself_through_others() -> None:
     assert _cycle() is None
 
 
-@pytest.mark.parametrize("module", ["memkv.client.nodeset", "memkv.client.pipeline", "memkv.transport",
-                                    "memkv.transport.tcp", "memkv.transport.rdma"])
+@pytest.mark.parametrize(
+    "module",
+    [
+        "memkv.client.nodeset",
+        "memkv.client.pipeline",
+        "memkv.transport",
+        "memkv.transport.tcp",
+        "memkv.transport.rdma",
+        "memkv.transport.stream",
+        "memkv.transport.shm",
+    ],
+)
 def test_the_client_core_transports_and_pipeline_never_reach_the_public_client(module) -> None:
     assert "memkv.client.cluster" not in _reaches(module)
+
+
+@pytest.mark.parametrize(
+    "module", ["memkv.client.node", "memkv.client.nodeset", "memkv.client.pipeline", "memkv.client.shared"]
+)
+def test_the_client_core_never_reaches_the_transports(module) -> None:
+    assert {m for m in _reaches(module) if m.startswith("memkv.transport")} == set()
+
+
+def test_each_way_values_move_is_built_on_the_client_core() -> None:
+    assert "memkv.client.node" in GRAPH["memkv.transport.stream"]
+    assert {"memkv.client.shared", "memkv.transport.stream"} <= GRAPH["memkv.transport.shm"]
 
 
 @pytest.mark.parametrize("module", ["memkv.server.node", "memkv.server.rdma", "memkv.server.store"])
@@ -218,9 +252,15 @@ def test_the_lazy_re_exports_are_what_their_imports_name(package) -> None:
         assert getattr(module, name) is getattr(importlib.import_module(source), name), name
 
 
-@pytest.mark.parametrize("module", sorted(m for m in MODULES if m == "memkv.protocol" or m.startswith("memkv.protocol.")))
+@pytest.mark.parametrize(
+    "module", sorted(m for m in MODULES if m == "memkv.protocol" or m.startswith("memkv.protocol."))
+)
 def test_the_codec_imports_no_socket_thread_or_clock(module) -> None:
     tree = ast.parse(MODULES[module].read_text())
-    imported = {alias.name.split(".")[0] for node in ast.walk(tree) if isinstance(node, (ast.Import, ast.ImportFrom))
-                for alias in (node.names if isinstance(node, ast.Import) else [ast.alias(node.module or "")])}
+    imported = {
+        alias.name.split(".")[0]
+        for node in ast.walk(tree)
+        if isinstance(node, (ast.Import, ast.ImportFrom))
+        for alias in (node.names if isinstance(node, ast.Import) else [ast.alias(node.module or "")])
+    }
     assert not imported & {"socket", "threading", "time", "select", "asyncio"}

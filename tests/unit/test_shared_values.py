@@ -1,4 +1,4 @@
-"""Values as sealed memfds (memkv/server/shared.py, memkv/client/shared.py) and the store on top.
+"""Values as sealed memfds (memkv/server/shm.py, memkv/client/shared.py) and the store on top.
 
 Behaviour under test (real memfds, no node process):
 * a reservation is a memfd of exactly the buffer's size, sealed against shrinking and growing:
@@ -41,7 +41,7 @@ from memkv.config import ConfigError, ServerConfig
 from memkv.integrity import Checksummer
 from memkv.memfd import unmap
 from memkv.protocol import ChecksumAlgo, ItemStatus
-from memkv.server.shared import SEALS_OPEN, SPARE_KEEP_S, SealedBuffer, SharedValues, StillMapped, spares_on
+from memkv.server.shm import SEALS_OPEN, SPARE_KEEP_S, SealedBuffer, SharedValues, StillMapped, spares_on
 from memkv.server.store import Store, ValueBuffer
 
 MiB = 1 << 20

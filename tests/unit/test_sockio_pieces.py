@@ -23,14 +23,12 @@ import time
 import pytest
 import xxhash
 
-from memkv.client import node as client_node
 from memkv.sockio import COMPILED_RECEIVE, PeerClosed, recv_exactly_into, recv_xxh3_into, send_all
+from memkv.transport import stream
 from tests.unit.loopback import in_thread
 
 KiB, MiB = 1 << 10, 1 << 20
 SLACK_S = 3.0  # on top of a deadline, for "did not hang" on a busy 2-core box
-
-
 
 
 def test_pieces_cover_the_value_in_order_and_hash_like_the_whole(pair) -> None:
@@ -119,12 +117,12 @@ def test_send_all_with_a_deadline_gives_up_while_the_peer_does_not_read(pair) ->
 
 
 def test_small_receive_pieces_only_while_at_most_two_threads_receive() -> None:
-    receivers = client_node._Receivers()
+    receivers = stream._Receivers()
     with receivers.receiving() as first:
         with receivers.receiving() as second:
             with receivers.receiving() as third:
-                steps = [client_node._receive_step(False, n) for n in (first, second, third)]
+                steps = [stream._receive_step(False, n) for n in (first, second, third)]
         assert receivers.count == 1
     assert receivers.count == 0
-    assert steps == [client_node._VERIFY_PIECE, client_node._VERIFY_PIECE, client_node._VERIFY_CHUNK]
-    assert client_node._receive_step(True, 1) == client_node._TLS_VERIFY_CHUNK  # TLS: records, whatever the count
+    assert steps == [stream._VERIFY_PIECE, stream._VERIFY_PIECE, stream._VERIFY_CHUNK]
+    assert stream._receive_step(True, 1) == stream._TLS_VERIFY_CHUNK  # TLS: records, whatever the count

@@ -169,7 +169,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     from memkv.server.admin import AdminServer
     from memkv.server.node import Node
-    from memkv.server.shared import SHMEM_THP, shmem_huge_pages
+    from memkv.server.shm import SHMEM_THP, shmem_huge_pages
 
     # A crash in native code (NIXL/UCX, the compiled receive loop) then leaves every thread's
     # Python stack on stderr, where `kubectl logs` finds it, instead of a bare exit code -11.

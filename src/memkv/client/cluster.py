@@ -63,7 +63,7 @@ from memkv.client.pipeline import StatusPipeline
 from memkv.config import ClientConfig, ServerAddress
 from memkv.errors import ClientClosed, MemKVError, ServerError
 from memkv.integrity import Checksummer, parse_integrity
-from memkv.transport import LoadResult, select_transport
+from memkv.transport import LoadResult, open_way, select_transport
 
 log = logging.getLogger("memkv.client")
 
@@ -164,6 +164,7 @@ class Client:
                 io_timeout_s=config.io_timeout_s,
                 down_for_s=config.down_for_s,
                 checksummer=self.checksummer,
+                open_way=open_way,
                 on_health=self._on_health,
                 connect=connect,
                 local_socket=config.local_socket and config.tls is None,
@@ -303,7 +304,7 @@ class Client:
         try:
             with node.connection() as conn:
                 t = time.perf_counter()
-                (value,), bad_sums = conn.get_values([k], self.checksummer)
+                (value,), bad_sums = conn.way.get_values([k], self.checksummer)
             m.SECONDS.labels("get").observe(time.perf_counter() - t)
             m.REQUESTS.labels(node.name, "get", "ok").inc()
         except MemKVError as exc:

@@ -17,13 +17,18 @@ name its node gave up, so the socket gets a short deadline (`local_handshake_s`)
 failure there sends that connection to TCP, which names the node's current socket: a socket
 alone never marks the node down.
 
+How a connection's values move (`NodeConnection.way`) is chosen once, when NodeClient opens it,
+by the `OpenWay` it was given (memkv.transport.open_way): through the node's shared memory on a
+same-host connection whose node offered it (HELLO_OK `shared_memory`, with `shared_memory` on
+here), else over the socket. This module only sends requests and reads their replies' meta; the
+values themselves are the way's (memkv/transport/stream.py, memkv/transport/shm.py).
+
 Threading: NodeClient is thread-safe; a NodeConnection is used by one thread at a time.
 """
 
 from __future__ import annotations
 
 import contextlib
-import hmac
 import logging
 import os
 import socket
@@ -31,9 +36,10 @@ import ssl
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
+from typing import Protocol
 
 from memkv import protocol as p
-from memkv.client.shared import MappedValues, SealError, check_sealed, copy_verified, read_verified, write_value
+from memkv.client.shared import MappedValues
 from memkv.config import ServerAddress
 from memkv.errors import (
     AuthError,
@@ -50,38 +56,7 @@ from memkv.errors import (
     map_os_error,
 )
 from memkv.integrity import Checksummer
-from memkv.memfd import unmap
-from memkv.protocol import ChecksumAlgo
-from memkv.sockio import (
-    PeerClosed,
-    can_recv_xxh3,
-    recv_exactly,
-    recv_exactly_into,
-    recv_exactly_with_fds,
-    recv_xxh3_into,
-    send_all,
-    set_timeouts,
-)
-
-# Values are received and hashed in pieces: small ones while few threads of the process receive
-# at once, large ones otherwise (`_receive_step`). A small piece is hashed right after its
-# receive, while the kernel's copy left it in cache: 256 KiB pieces hash at ~35 GB/s on the
-# 2-vCPU VM, a 16 MiB value reread afterwards at 5-10 GB/s: there the reread cost as much CPU as
-# half of the client's kernel time of a GET (docs/performance.md, "Data path"). But every piece costs two
-# GIL hand-offs: with many receiving threads, and in a busy process (vLLM's engine loop holds the
-# GIL), 1-4 MiB pieces cut a 16-thread load on the GPU host from 14 to 12 GB/s, and from 8 to
-# 2-5 GB/s beside a busy thread (bench/gpu/xfer.py), whose 300 MiB L3 holds the values anyway.
-_VERIFY_CHUNK = 16 << 20  # while more than _SMALL_PIECES_UP_TO threads receive
-_VERIFY_PIECE = 256 << 10  # while at most _SMALL_PIECES_UP_TO threads receive
-_SMALL_PIECES_UP_TO = 2
-# Over TLS a receive takes one 16 KiB record per call (a GIL hand-off each) whatever the piece
-# size, so pieces this small cost no extra hand-offs and are hashed while still in L2 cache
-# (16 MiB pieces were hashed from DRAM: 10% of a TLS GET on the 2-vCPU VM, docs/performance.md).
-# The pieces are cut inside sockio's loop over records (its `on_piece`), not by a loop here.
-_TLS_VERIFY_CHUNK = 256 << 10
-# The compiled loop (sockio.recv_xxh3_into) hands off the GIL once per value, not per piece, so
-# its pieces can stay small whatever the number of receivers: each is hashed from L2.
-_COMPILED_PIECE = 256 << 10
+from memkv.sockio import PeerClosed, recv_exactly, send_all, set_timeouts
 
 log = logging.getLogger("memkv.client")
 
@@ -119,6 +94,32 @@ def local_connect(name: str) -> Connect:
         return sock
 
     return connect
+
+
+class Way(Protocol):
+    """How the values of one connection move: over its socket or through the node's shared
+    memory. The implementations are memkv/transport/stream.py and memkv/transport/shm.py, which
+    the client core does not import: NodeClient is handed an `OpenWay` and calls it once per
+    connection it opens. Raises MemKVError subclasses only."""
+
+    def get_into(
+        self, keys: Sequence[bytes], views: Sequence[memoryview], checksummer: Checksummer
+    ) -> tuple[list[bool], int]:
+        """GET into `views` (each exactly the value's length): (loaded, checksum failures)."""
+        ...
+
+    def put(self, keys: Sequence[bytes], views: Sequence[memoryview], checksummer: Checksummer) -> bytes:
+        """PUT `views` under `keys`: one status per key."""
+        ...
+
+    def get_values(self, keys: Sequence[bytes], checksummer: Checksummer) -> tuple[list[bytes | None], int]:
+        """GET values of unknown length: (values, checksum failures), None for a miss."""
+        ...
+
+
+# The way of a connection just opened, given the mappings of its node process when the node
+# offered its shared memory on that connection and it is on here (else None): memkv.transport.open_way.
+OpenWay = Callable[["NodeConnection", MappedValues | None], Way]
 
 
 def handshake_timeout_s(connect_timeout_s: float, io_timeout_s: float) -> float:
@@ -159,9 +160,7 @@ class NodeConnection:
         self._unsent = bytearray()  # queued by queue_request, not yet taken by the socket
         self._rx = bytearray()  # the part of the next reply received by recv_ready so far
         self._rx_header: p.FrameHeader | None = None
-        # Values exchanged as memfds: set by NodeClient on a same-host connection whose node
-        # offered it (HELLO_OK shared_memory); loads and stores then go through them.
-        self.memory: MappedValues | None = None
+        self._way: Way | None = None  # chosen by NodeClient when it opened this connection
         self.local_name: str | None = None  # the same-host socket this connection went to (NodeClient)
         started = time.monotonic()
         try:
@@ -187,7 +186,7 @@ class NodeConnection:
     def _handshake(self, auth_key: bytes, version: int, deadline: float) -> tuple[p.FrameCodec, p.HelloOk]:
         """The whole handshake must finish by `deadline` (a peer dripping bytes cannot stretch it)."""
         hs = p.ClientHandshake(auth_key, os.urandom(p.NONCE_BYTES), version)
-        with self._io("handshake"):
+        with self.io("handshake"):
             send_all(self.sock, [hs.hello()], deadline)
             server_hello = bytes(recv_exactly(self.sock, p.SERVER_HELLO.size, deadline))
             if server_hello.startswith(b"HTTP/"):  # a node's admin port answers a hello in HTTP
@@ -228,20 +227,21 @@ class NodeConnection:
         return codec, msg
 
     @contextlib.contextmanager
-    def _io(self, op: str) -> Iterator[None]:
+    def io(self, op: str) -> Iterator[None]:
+        """An OSError in the block (a timeout included) raised as the MemKVError of `op`."""
         try:
             yield
         except OSError as exc:  # includes socket.timeout and ConnectionError
             raise map_os_error(exc, "write" if op == "write" else "read", self.name) from exc
 
-    def _deadline(self) -> float:
+    def deadline(self) -> float:
         """When a request or reply started now must be complete: io_timeout_s bounds the whole
         frame, not each read, so a peer trickling bytes cannot hold the caller longer."""
         return time.monotonic() + self.io_timeout_s
 
     def _read_reply(self, codec: p.FrameCodec, prefix: bytes | None = None, deadline: float | None = None) -> p.Message:
-        deadline = self._deadline() if deadline is None else deadline
-        with self._io("read"):
+        deadline = self.deadline() if deadline is None else deadline
+        with self.io("read"):
             if prefix is None:
                 prefix = bytes(recv_exactly(self.sock, p.FRAME_PREFIX_BYTES, deadline))
             header = codec.parse_header(prefix)
@@ -254,6 +254,14 @@ class NodeConnection:
     @property
     def limits(self) -> p.Limits:
         return self.codec.limits
+
+    @property
+    def way(self) -> Way:
+        """How values move on this connection (memkv/transport: the socket or the node's shared
+        memory), chosen once, when NodeClient opened it."""
+        if self._way is None:
+            raise RuntimeError(f"{self.name}: a connection NodeClient did not open has no way for values")
+        return self._way
 
     def close(self) -> None:
         try:
@@ -280,11 +288,13 @@ class NodeConnection:
 
     def send(self, msg: p.Request, payload: Sequence[memoryview] = ()) -> None:
         frame = self.codec.encode(msg)
-        with self._io("write"):
-            send_all(self.sock, [frame, *payload], self._deadline())
+        with self.io("write"):
+            send_all(self.sock, [frame, *payload], self.deadline())
 
-    def read_reply(self) -> p.Message:
-        return self._read_reply(self.codec)
+    def read_reply(self, deadline: float | None = None) -> p.Message:
+        """The next reply's frame (its meta; a value payload stays for the caller), whole by
+        `deadline` (by default io_timeout_s from now)."""
+        return self._read_reply(self.codec, deadline=deadline)
 
     # -- without waiting (client/pipeline.py) ---------------------------------------------------
     # Requests queued by `queue_request` leave through `send_ready`; a reply comes in through
@@ -307,7 +317,7 @@ class NodeConnection:
 
     def send_ready(self) -> bool:
         """Send what the socket takes now; True once nothing queued is left."""
-        with self._io("write"), self._no_wait() as flags:
+        with self.io("write"), self._no_wait() as flags:
             while self._unsent:
                 try:
                     sent = self.sock.send(self._unsent, flags)
@@ -333,7 +343,7 @@ class NodeConnection:
     def recv_ready(self) -> p.Message | None:
         """Take the bytes of the next reply that have arrived; the reply once it is whole, else
         None. Reads exactly up to the end of that reply, never into the next one."""
-        with self._io("read"), self._no_wait() as flags:
+        with self.io("read"), self._no_wait() as flags:
             while True:
                 header = self._rx_header
                 want = p.FRAME_PREFIX_BYTES + (header.meta_len if header is not None else 0)
@@ -356,295 +366,6 @@ class NodeConnection:
             raise ServerError(f"{self.name}: node error {p.error_name(msg.code)}: {msg.message}", msg.code)
         return msg
 
-    def get_into(
-        self, keys: Sequence[bytes], views: Sequence[memoryview], checksummer: Checksummer
-    ) -> tuple[list[bool], int]:
-        """GET values straight into `views` (each exactly the expected length).
-
-        Returns (loaded, checksum_failures). `loaded[i]` is True only for a value received whole
-        whose checksum verified. On a checksum failure the item is False, counted in
-        `checksum_failures`, and the connection stays usable. Raises on transport/protocol
-        errors: every value not yet verified counts as not loaded.
-        """
-        if self.memory is not None:
-            return self._get_shared(self.memory, keys, views, checksummer)
-        return self._get_received(keys, views, checksummer)
-
-    def _get_received(
-        self, keys: Sequence[bytes], views: Sequence[memoryview], checksummer: Checksummer
-    ) -> tuple[list[bool], int]:
-        """GET: the values come over the socket."""
-        request = p.GetRequest(tuple(keys), tuple(len(v) for v in views))
-        with self._io("write"):
-            send_all(self.sock, [self.codec.encode(request)], self._deadline())
-        deadline = self._deadline()  # for the whole reply, values included
-        reply = self.matched(request, self._read_reply(self.codec, deadline=deadline))
-        assert isinstance(reply, p.GetReply)
-        results = []
-        bad_sums = 0
-        for item, view in zip(reply.items, views):
-            if item.status != p.ItemStatus.OK:
-                results.append(False)
-                continue
-            if item.length != len(view):
-                # Full-length-or-miss is the node's promise; a node that breaks it is not trusted.
-                raise RemoteProtocolError(f"{self.name}: sent {item.length} bytes for a {len(view)}-byte GET")
-            ok = self._recv_verified(view, item.algo, item.checksum, checksummer, deadline)
-            bad_sums += not ok
-            results.append(ok)
-        return results, bad_sums
-
-    def _get_shared(
-        self, memory: MappedValues, keys: Sequence[bytes], views: Sequence[memoryview], checksummer: Checksummer
-    ) -> tuple[list[bool], int]:
-        """SHM_GET the values of SHM_MIN_VALUE and more: each copied from its sealed memfd (one
-        this process still maps, or one the node passes now) and verified here. The others
-        (smaller, or NOT_SHARED: in the node's private memory) come by GET (docs/protocol.md
-        section 13)."""
-        big = [i for i, v in enumerate(views) if len(v) >= p.SHM_MIN_VALUE]
-        if not big:
-            return self._get_received(keys, views, checksummer)
-        if memory.retired:  # the node process it maps is gone (see NodeClient._memory_for)
-            self.memory = None
-            return self._get_received(keys, views, checksummer)
-        results = [False] * len(keys)
-        bad_sums = 0
-        by_socket = [i for i, v in enumerate(views) if len(v) < p.SHM_MIN_VALUE]
-        big_keys = [keys[i] for i in big]
-        want = bytes(not mapped for mapped in memory.has(big_keys))
-        request = p.ShmGetRequest(tuple(big_keys), tuple(len(views[i]) for i in big), want)
-        reply, fds = self._shm_request(request, p.Opcode.SHM_GET)
-        try:
-            for j, i in enumerate(big):
-                item = reply.items[j]
-                fd = fds.pop(0) if reply.passed[j] else None
-                if item.status not in (p.ItemStatus.OK, p.ItemStatus.NOT_SHARED):
-                    memory.forget(keys[i])  # gone from the node: the bytes this process still maps go too
-                    continue  # a miss, not a checksum failure (a passed item is OK: _shm_request)
-                try:
-                    ok = self._copy_shared(memory, keys[i], item, fd, views[i], checksummer)
-                finally:
-                    if fd is not None:
-                        os.close(fd)
-                if ok is None:
-                    by_socket.append(i)
-                else:
-                    bad_sums += not ok
-                    results[i] = ok
-        finally:
-            for fd in fds:
-                os.close(fd)
-        if memory.refused:
-            self.memory = None
-        if by_socket:
-            by_socket.sort()
-            got, bad = self._get_received([keys[i] for i in by_socket], [views[i] for i in by_socket], checksummer)
-            for i, ok in zip(by_socket, got):
-                results[i] = ok
-            bad_sums += bad
-        return results, bad_sums
-
-    def _copy_shared(
-        self,
-        memory: MappedValues,
-        key: bytes,
-        item: p.GetReplyItem,
-        fd: int | None,
-        view: memoryview,
-        checksummer: Checksummer,
-    ) -> bool | None:
-        """One SHM_GET item (OK or NOT_SHARED) into `view`: whether it verified, or None when it
-        must come over the socket (NOT_SHARED, a mapping of another value, a refused memfd)."""
-        if item.status == p.ItemStatus.NOT_SHARED:
-            return None
-        if item.length != len(view):
-            raise RemoteProtocolError(f"{self.name}: SHM_GET gave {item.length} bytes for a {len(view)}-byte GET")
-        if fd is None:
-            found = memory.find(key)
-            if found is None:
-                return None
-            try:
-                if found.length != item.length or not hmac.compare_digest(found.checksum, item.checksum):
-                    memory.forget(key)  # the node holds another value of this key now
-                    return None
-                return copy_verified(view, found.addr, item.algo, item.checksum, checksummer)
-            finally:
-                memory.done(found)
-        try:
-            check_sealed(fd, item.length)
-        except SealError as exc:
-            log.warning("MemKV: %s: shared memory off for this node process: %s", self.name, exc.strerror)
-            memory.refuse(str(exc.strerror))
-            return None
-        return read_verified(view, fd, item.algo, item.checksum, checksummer)
-
-    def _shm_request(self, msg: p.ShmGetRequest | p.ShmPutRequest, opcode: p.Opcode) -> tuple[p.ShmGetReply, list[int]]:
-        """Send an SHM_GET or SHM_PUT; its reply and the descriptors it passed, exactly one per
-        item it flags (the caller closes them; none is left open on an error)."""
-        self.send(msg)
-        deadline = self._deadline()
-        with self._io("read"):
-            prefix, fds = recv_exactly_with_fds(self.sock, p.FRAME_PREFIX_BYTES, p.MAX_SHM_FDS, deadline)
-            try:
-                header = self.codec.parse_header(prefix)
-                meta, more = recv_exactly_with_fds(self.sock, header.meta_len, p.MAX_SHM_FDS, deadline)
-                fds += more
-            except BaseException:
-                for fd in fds:
-                    os.close(fd)
-                raise
-        try:
-            reply = self.codec.open(header, bytes(prefix), meta)
-            if isinstance(reply, p.ErrorReply):
-                raise ServerError(f"{self.name}: node error {p.error_name(reply.code)}: {reply.message}", reply.code)
-            reply = self.matched(msg, reply)
-            assert isinstance(reply, p.ShmGetReply)
-            if sum(reply.passed) != len(fds):
-                raise RemoteProtocolError(
-                    f"{self.name}: {opcode.name} reply flags {sum(reply.passed)} memfd(s), passed {len(fds)}"
-                )
-        except BaseException:
-            for fd in fds:
-                os.close(fd)
-            raise
-        return reply, fds
-
-    def put_shared(
-        self, memory: MappedValues, keys: Sequence[bytes], values: Sequence[memoryview], checksummer: Checksummer
-    ) -> tuple[bytes, list[int]]:
-        """SHM_PUT `keys` (values of SHM_MIN_VALUE and more), write each value into the memfd the
-        node passed for it, hashing it as it is written (`write_value`: one pass over the bytes,
-        no writable mapping left after), SHM_COMMIT them with those checksums: (one status per
-        key, the indexes answered NOT_SHARED, which the caller PUTs over the socket). This
-        process keeps a read-only mapping of each value stored so (`MappedValues`)."""
-        if memory.retired:
-            self.memory = None
-            return bytes([p.ItemStatus.NOT_SHARED]) * len(keys), list(range(len(keys)))
-        algo = checksummer.algo
-        no_sum = bytes(p.CHECKSUM_BYTES)
-        items = [p.PutItem(k, len(v), algo, no_sum) for k, v in zip(keys, values)]
-        kept: dict[int, tuple[int, int]] = {}
-        try:
-            reply, fds = self._shm_request(p.ShmPutRequest(tuple(items)), p.Opcode.SHM_PUT)
-            places = [i for i, passed in enumerate(reply.passed) if passed]
-            # Once the node has passed them, the next frame must be their SHM_COMMIT: a value not
-            # written (a memfd this process refuses) is committed as not written.
-            written = bytearray()
-            checksums = []
-            try:
-                for i in places:
-                    fd = fds.pop(0)
-                    checksum = no_sum
-                    if reply.items[i].length != items[i].length:
-                        os.close(fd)
-                        raise RemoteProtocolError(
-                            f"{self.name}: SHM_PUT passed {reply.items[i].length} bytes for {items[i].length}"
-                        )
-                    if memory.refused:
-                        os.close(fd)
-                    else:
-                        try:
-                            checksum, mapping = write_value(fd, values[i], algo, checksummer, keep=True)
-                            if mapping is not None:
-                                kept[i] = mapping
-                        except SealError as exc:
-                            log.warning(
-                                "MemKV: %s: shared memory off for this node process: %s", self.name, exc.strerror
-                            )
-                            memory.refuse(str(exc.strerror))
-                    written.append(i in kept)
-                    checksums.append(checksum)
-            finally:
-                for fd in fds:
-                    os.close(fd)
-            statuses = bytearray(item.status for item in reply.items)
-            if places:
-                done = self.request(p.ShmCommitRequest(bytes(written), tuple(checksums)))
-                assert isinstance(done, p.StatusReply)  # one status per flag: NodeConnection.matched
-                for i, ok, checksum, status in zip(places, written, checksums, done.statuses):
-                    statuses[i] = status if ok else p.ItemStatus.NOT_SHARED
-                    if ok and status == p.ItemStatus.OK:
-                        addr, size = kept.pop(i)
-                        memory.add(keys[i], addr, size, items[i].length, checksum)
-            if memory.refused:
-                self.memory = None
-        finally:
-            for addr, size in kept.values():  # not stored: nothing to load from
-                unmap(addr, size)
-        return bytes(statuses), [i for i, s in enumerate(statuses) if s == p.ItemStatus.NOT_SHARED]
-
-    def _recv_verified(
-        self, view: memoryview, algo: int, checksum: bytes, checksummer: Checksummer, deadline: float
-    ) -> bool:
-        """Receive a value into `view` in pieces, hashing each piece right after it arrived
-        (`_receive_step` says how large: in cache, or fewer GIL hand-offs). An xxh3 value on
-        plain TCP goes through the compiled loop when it is there: small pieces, no hand-offs."""
-        if algo == ChecksumAlgo.XXH3_128 and can_recv_xxh3(self.sock):
-            with self._io("read"):
-                digest = recv_xxh3_into(self.sock, view, deadline, _COMPILED_PIECE)
-            return hmac.compare_digest(Checksummer.padded(digest), checksum)
-        try:
-            hasher = checksummer.hasher(algo)
-        except ValueError:  # unknown algorithm: receive (to keep the stream in step), then fail
-            hasher = None
-        with _RECEIVERS.receiving() as receivers, self._io("read"):
-            step = _receive_step(isinstance(self.sock, ssl.SSLSocket), receivers)
-            recv_exactly_into(self.sock, view, deadline, hasher.update if hasher is not None else None, step)
-        return hasher is not None and hmac.compare_digest(checksummer.finish(hasher), checksum)
-
-    def get_values(self, keys: Sequence[bytes], checksummer: Checksummer) -> tuple[list[bytes | None], int]:
-        """GET values of unknown length into fresh buffers (convenience path, not the data path).
-        Returns (values, checksum_failures): a value whose checksum failed is None, as a miss,
-        and counted; the connection stays usable, as after `get_into`."""
-        request = p.GetRequest(tuple(keys), tuple(p.ANY_LENGTH for _ in keys))
-        with self._io("write"):
-            send_all(self.sock, [self.codec.encode(request)], self._deadline())
-        deadline = self._deadline()
-        reply = self.matched(request, self._read_reply(self.codec, deadline=deadline))
-        assert isinstance(reply, p.GetReply)
-        out: list[bytes | None] = []
-        bad_sums = 0
-        for item in reply.items:
-            if item.status != p.ItemStatus.OK:
-                out.append(None)
-                continue
-            with self._io("read"):
-                buf = recv_exactly(self.sock, item.length, deadline)
-            good = checksummer.verify(buf, item.algo, item.checksum)
-            bad_sums += not good
-            out.append(bytes(buf) if good else None)
-        return out, bad_sums
-
-
-class _Receivers:
-    """How many threads of this process are receiving a value right now (all clients together)."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self.count = 0
-
-    @contextlib.contextmanager
-    def receiving(self) -> Iterator[int]:
-        """The block counts as one receiver; yields the count including it."""
-        with self._lock:
-            self.count += 1
-            now = self.count
-        try:
-            yield now
-        finally:
-            with self._lock:
-                self.count -= 1
-
-
-_RECEIVERS = _Receivers()
-
-
-def _receive_step(tls: bool, receivers: int) -> int:
-    """The piece size a value is received and hashed in, with `receivers` threads receiving."""
-    if tls:
-        return _TLS_VERIFY_CHUNK
-    return _VERIFY_PIECE if receivers <= _SMALL_PIECES_UP_TO else _VERIFY_CHUNK
-
 
 class NodeClient:
     """A pool of connections to one node plus its health. Thread-safe."""
@@ -659,13 +380,15 @@ class NodeClient:
         io_timeout_s: float,
         down_for_s: float,
         checksummer: Checksummer,
+        open_way: OpenWay,
         on_health: Callable[[str, bool], None] | None = None,
         connect: Connect = tcp_connect,
         local_socket: bool = True,
         shared_memory: bool = False,
     ) -> None:
         """`local_socket`: use the node's same-host socket when it names one that works.
-        `shared_memory`: there, copy values from the node's memory when it offers it."""
+        `shared_memory`: there, copy values from the node's memory when it offers it.
+        `open_way`: makes each new connection's way for values (memkv.transport.open_way)."""
         self.address = address
         self.name = address.name
         self._auth_key = auth_key
@@ -673,6 +396,7 @@ class NodeClient:
         self._io_timeout_s = io_timeout_s
         self._down_for_s = down_for_s
         self.checksummer = checksummer
+        self._open_way = open_way
         self._idle: list[NodeConnection] = []
         self._lock = threading.Lock()
         self._slots = threading.BoundedSemaphore(pool_size)
@@ -731,6 +455,7 @@ class NodeClient:
                 conn = self._idle.pop() if self._idle else None
             if conn is None:
                 conn = self._open()
+                conn._way = self._open_way(conn, self._shared_memory_of(conn))
                 self.limits, self.node_id = conn.limits, conn.hello.node_id
             return conn
         except BaseException:
@@ -804,9 +529,15 @@ class NodeClient:
             log.debug("MemKV: %s: connections go to the same-host socket %s", self.name, name)
         self._local = (name, node_id)
         conn.local_name = name
-        if self._use_shared and conn.hello.shared_memory:
-            conn.memory = self._memory_for(name)
         return conn
+
+    def _shared_memory_of(self, conn: NodeConnection) -> MappedValues | None:
+        """The mappings of the node process a new connection reaches when its values may move
+        through that process's memory: a same-host connection whose node offered it, with
+        `shared_memory` on here, and memfds of that process not refused here; else None."""
+        if conn.local_name is None or not self._use_shared or not conn.hello.shared_memory:
+            return None
+        return self._memory_for(conn.local_name)
 
     def _memory_for(self, process: str) -> MappedValues | None:
         """The mappings of one node process, named by its same-host socket (random per process:
@@ -937,35 +668,10 @@ class NodeClient:
             return _statuses(conn, msg, payload)
 
     def put(self, keys: Sequence[bytes], views: Sequence[memoryview], checksummer: Checksummer) -> bytes:
-        """PUT `views` under `keys` (one request's worth: `byte_chunks`); one status per key. On
-        a connection that shares the node's memory, values of SHM_MIN_VALUE and more are written
-        into memfds (SHM_PUT, `NodeConnection.put_shared`, hashed as they are copied) and the rest go
-        over the socket (hashed first)."""
-        conn = self.borrow()
-        statuses = bytearray(len(keys))
-        by_socket = list(range(len(keys)))
-        try:
-            memory = conn.memory
-            big = [i for i, v in enumerate(views) if len(v) >= p.SHM_MIN_VALUE]
-            if memory is not None and big:
-                shared, not_shared = conn.put_shared(
-                    memory, [keys[i] for i in big], [views[i] for i in big], checksummer
-                )
-                for i, status in zip(big, shared):
-                    statuses[i] = status
-                small = [i for i, v in enumerate(views) if len(v) < p.SHM_MIN_VALUE]
-                by_socket = sorted(small + [big[j] for j in not_shared])
-            if by_socket:
-                algo = checksummer.algo
-                items = tuple(p.PutItem(keys[i], len(views[i]), algo, checksummer.compute(views[i])) for i in by_socket)
-                sent = _statuses(conn, p.PutRequest(items), [views[i] for i in by_socket])
-                for i, status in zip(by_socket, sent):
-                    statuses[i] = status
-        except BaseException as exc:
-            self.give_back(conn, exc)
-            raise
-        self.give_back(conn)
-        return bytes(statuses)
+        """PUT `views` under `keys` (one request's worth: `byte_chunks`) the way the connection
+        borrowed moves values (`NodeConnection.way`); one status per key."""
+        with self.connection() as conn:
+            return conn.way.put(keys, views, checksummer)
 
 
 def _statuses(conn: NodeConnection, msg: p.Request, payload: Sequence[memoryview] = ()) -> bytes:

@@ -10,7 +10,7 @@ Layering (imports point one way only):
 
     client/node.py      one node: connections, pool, health
     client/nodeset.py   the configured nodes, placement, fan-out (this module)
-    transport/*         how loads move (TCP, RDMA), built on a NodeSet
+    transport/*         how values move (socket, shared memory, RDMA), built on the above
     client/pipeline.py  pipelined EXISTS / DELETE, built on a NodeSet
     client/cluster.py   `memkv.Client`: the public API over all of the above
 

@@ -1,5 +1,5 @@
 """A same-host node's values as sealed memfds, written and read by this process (docs/protocol.md
-section 13).
+section 13). The SHM_GET / SHM_PUT exchanges that pass them are memkv/transport/shm.py.
 
 Stores: an SHM_PUT passes a memfd per value, of exactly the value's buffer size, sealed against
 shrinking and growing. `write_value` maps it shared and writable (its pages made already when it
@@ -22,7 +22,7 @@ bounded LRU, per node process, made while the store had the value in cache), and
 ask the node for the value's status and checksum only and copy from the mapping
 (`copy_verified`); a value the node no longer has (MISS) or holds anew (another checksum) loses
 its mapping.
-Spares (memkv/server/shared.py) make the memfd of a store exist before the store: then only the
+Spares (memkv/server/shm.py) make the memfd of a store exist before the store: then only the
 copy is the writer's.
 """
 
@@ -110,7 +110,7 @@ def write_value(
         size = check_sealed(fd, length, SEALS_OPEN)
         addr = _mmap(fd, size, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_SHARED)
         try:
-            fault_in(addr, size)  # a spare's pages exist (memkv/server/shared.py): tables only
+            fault_in(addr, size)  # a spare's pages exist (memkv/server/shm.py): tables only
             target = memoryview((ctypes.c_char * length).from_address(addr)).cast("B")
             checksum = copy_hashed(target, value.cast("B"), algo, checksummer)
             if checksum is None:

@@ -64,7 +64,7 @@ class StoreCollector:
             lane_values.add_metric([lane["name"]], lane["values"])
             evictions.add_metric([lane["name"]], lane["evictions"])
         yield from (lane_bytes, lane_share, lane_values, evictions)
-        if self.store.shared is not None:  # memfd values (memkv/server/shared.py)
+        if self.store.shared is not None:  # memfd values (memkv/server/shm.py)
             shm = self.store.shared.stats()
             yield GaugeMetricFamily(
                 "memkv_node_shm_bytes",

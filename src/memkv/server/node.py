@@ -63,7 +63,7 @@ from memkv.config import ServerConfig
 from memkv.errors import AuthError, LocalProtocolError, RemoteProtocolError
 from memkv.server.metrics import NodeMetrics
 from memkv.server.rdma import RdmaResponder, RequestContext
-from memkv.server.shared import SealedBuffer, SharedValues, StillMapped, spares_on
+from memkv.server.shm import SealedBuffer, SharedValues, StillMapped, spares_on
 from memkv.server.store import Leased, NoSpace, PutTicket, Store
 from memkv.sockio import PeerClosed, discard, recv_exactly, recv_exactly_into, send_all, set_recv_timeout, set_timeouts
 from memkv.tls import TLS_HANDSHAKE_BYTE, ServerTls
@@ -143,7 +143,7 @@ class Node:
         # at most one: its items are received one after another). Bounds what writers that
         # stall mid-value can take from the cache (docs/operations.md, "Resource bounds").
         inflight = max(2 * config.max_value_bytes, config.capacity_bytes // 4)
-        # Values same-host clients store and load as sealed memfds (memkv/server/shared.py): only
+        # Values same-host clients store and load as sealed memfds (memkv/server/shm.py): only
         # where there is a same-host socket to hand descriptors over (Linux, no TLS on the data port).
         self.shared: SharedValues | None = None
         if config.shared_memory and config.local_socket and sys.platform.startswith("linux"):
@@ -244,7 +244,7 @@ class Node:
     def serve_forever(self) -> None:
         side_loops: list[threading.Thread] = []
         if self.shared is not None and spares_on(self.config.shared_memory_spares):
-            # Spares (memkv/server/shared.py): memfds faulted in while no store waits for them.
+            # Spares (memkv/server/shm.py): memfds faulted in while no store waits for them.
             threading.Thread(target=self._refill_spares, name="memkv-spares", daemon=True).start()
         for listener, tls, name in ((self._tls_listener, True, "tls"), (self._local_listener, False, "local")):
             if listener is not None:
@@ -902,7 +902,7 @@ _HANDLERS: dict[int, tuple[str, Callable[[Connection, Any], None]]] = {
     p.Opcode.RELEASE: ("release", Connection._release),
     p.Opcode.RDMA_ATTACH: ("rdma_attach", Connection._rdma),  # RDMA control messages: memkv/server/rdma.py
     p.Opcode.RDMA_GET: ("rdma_get", Connection._rdma),
-    p.Opcode.SHM_GET: ("shm_get", Connection._shm_get),  # shared memory: memkv/server/shared.py
+    p.Opcode.SHM_GET: ("shm_get", Connection._shm_get),  # shared memory: memkv/server/shm.py
     p.Opcode.SHM_PUT: ("shm_put", Connection._shm_put),  # a client writing values into memfds itself
     p.Opcode.SHM_COMMIT: ("shm_commit", Connection._shm_commit),
 }

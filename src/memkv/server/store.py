@@ -2,7 +2,7 @@
 
 Memory. A value lives in a buffer the store owns: for values >= 1 MiB an anonymous private
 mmap, pre-faulted; a bytearray for smaller ones; or, for a value a same-host client stored
-through shared memory (SHM_PUT), a sealed memfd of its own (memkv/server/shared.py). Buffers are
+through shared memory (SHM_PUT), a sealed memfd of its own (memkv/server/shm.py). Buffers are
 sized to the value rounded up to a page. When a value is evicted or deleted its private buffer
 is reused for the next value of the same size class (KV-cache values of one model are all one
 size), so the hot path neither allocates nor page-faults; a bounded pool keeps freed buffers for
@@ -57,7 +57,7 @@ from typing import Any
 
 from memkv.config import LaneSpec
 from memkv.protocol import ItemStatus
-from memkv.server.shared import MAX_SPARE_BYTES, SPARE_CAPACITY_DIVISOR, SPARE_KEEP_S, SealedBuffer, SharedValues
+from memkv.server.shm import MAX_SPARE_BYTES, SPARE_CAPACITY_DIVISOR, SPARE_KEEP_S, SealedBuffer, SharedValues
 
 PAGE = mmap.PAGESIZE
 MMAP_THRESHOLD = 1 << 20
@@ -371,7 +371,7 @@ class Store:
         if self.shared is not None and isinstance(ticket.buf, SealedBuffer):
             self.shared.ended()
 
-    # -- spares (memkv/server/shared.py) --------------------------------------------------------
+    # -- spares (memkv/server/shm.py) --------------------------------------------------------
 
     def _take_spare(self, key: bytes, size: int) -> SealedBuffer | None:
         """A spare of exactly `size` for an SHM_PUT of `key`, or None; either way the size is

@@ -1,8 +1,12 @@
-"""How values move: the TCP transport (MemKV's own data path) and the RDMA transport (NIXL).
+"""How values move: one class per way bytes travel, and the choice of one.
 
-    base.py          Transport (the seam), LoadResult
-    tcp.py           TcpTransport: the node streams values over the authenticated connection
+    base.py          Transport (the seam of a client's loads), LoadResult
+    tcp.py           TcpTransport: loads over each node's connections, the way each moves values
+    stream.py        SocketStream: values streamed over one connection (TCP, Unix socket, TLS)
+    shm.py           SharedMemory: a same-host node's values as sealed memfds, on one connection
     rdma.py          RdmaTransport: the node WRITEs values into the client's registered pool
+
+The node's halves are beside the node: memkv/server/shm.py (memfds) and memkv/server/rdma.py.
 
 Every NIXL call is in memkv/nixl_adapter.py, a leaf module outside this package: the node's
 side of RDMA (memkv/server/rdma.py) uses it too, and must not load the client this package
@@ -10,6 +14,11 @@ is built on.
 
 Both transports are built on the client core (`memkv.client.nodeset.NodeSet`), never on
 `memkv.Client`; the client's errors, `RdmaError` included, are in memkv.errors.
+
+`open_way` picks the way of each connection once, when NodeClient opens it (its `OpenWay`):
+`SharedMemory` for a same-host connection whose node offered shared memory (HELLO_OK) while
+`shared_memory` is on here, else `SocketStream`. Every GET and PUT of that connection goes its
+way (`NodeConnection.way`).
 
 `select_transport` picks one per client from MEMKV_TRANSPORT (docs/rdma.md):
   * `tcp`: always TCP.
@@ -27,13 +36,23 @@ from __future__ import annotations
 
 import logging
 
+from memkv.client.node import NodeConnection, Way
 from memkv.client.nodeset import NodeSet
+from memkv.client.shared import MappedValues
 from memkv.config import ClientConfig
 from memkv.errors import ConfigError, RdmaError
 from memkv.transport.base import LoadResult, Transport
+from memkv.transport.shm import SharedMemory
+from memkv.transport.stream import SocketStream
 from memkv.transport.tcp import TcpTransport
 
 log = logging.getLogger("memkv.client")
+
+
+def open_way(conn: NodeConnection, memory: MappedValues | None) -> Way:
+    """The way of a connection just opened: through `memory` (the mappings of its node process,
+    given when that process's shared memory may be used on it), else over its socket."""
+    return SocketStream(conn) if memory is None else SharedMemory(conn, memory)
 
 
 def select_transport(nodes: NodeSet, config: ClientConfig) -> Transport:
@@ -70,4 +89,13 @@ def select_transport(nodes: NodeSet, config: ClientConfig) -> Transport:
     return RdmaTransport(nodes, mode, config.rdma_devices)
 
 
-__all__ = ["LoadResult", "RdmaError", "TcpTransport", "Transport", "select_transport"]
+__all__ = [
+    "LoadResult",
+    "RdmaError",
+    "SharedMemory",
+    "SocketStream",
+    "TcpTransport",
+    "Transport",
+    "open_way",
+    "select_transport",
+]

@@ -1,7 +1,7 @@
 """The transport seam: how a batch of loads reaches the caller's buffers.
 
-Two implementations: `TcpTransport` (memkv/transport/tcp.py: the node streams the value over
-the authenticated TCP connection and the client receives it straight into the buffer) and
+Two implementations: `TcpTransport` (memkv/transport/tcp.py: over each node's connections, each
+moving values its own way: the socket, or a same-host node's shared memory) and
 `RdmaTransport` (memkv/transport/rdma.py: the node WRITEs the value into the client's
 registered pool by RDMA; only control messages use the TCP connection). Stores always use
 the TCP path (docs/rdma.md, "Stores", has the measurement behind that choice).

@@ -1,9 +1,11 @@
-"""The TCP transport: MemKV's own data path for loads.
+"""The TCP transport: MemKV's own data path for loads, over each node's connections.
 
-The node sends each value after the GET reply's meta on the authenticated connection and the
-client receives it with `recv_into` straight into the caller's buffer, hashing each chunk
-while it is in cache (client/node.py `NodeConnection.get_into`). When the call returns, no
-byte can reach the buffer any more: `may_land_late` is always False.
+Each connection moves the values its own way, chosen when it was opened (`NodeConnection.way`):
+the node sends each value after the GET reply's meta and the client receives it straight into
+the caller's buffer, hashing each piece while it is in cache (memkv/transport/stream.py), or,
+on a same-host connection, the client copies it from the node's sealed memfds
+(memkv/transport/shm.py). Either way the client's own thread writes the buffer: when the call
+returns no byte can reach it any more, and `may_land_late` is always False.
 
 A batch is split by owner (`NodeSet.scatter`) and, per node, into requests within the node's
 batch and payload bounds (`byte_chunks`). A node that fails answers False for the keys it had
@@ -57,7 +59,7 @@ class TcpTransport(Transport):
                 for lo, hi in byte_chunks(node, sub_v):
                     t = time.perf_counter()
                     with node.connection() as conn:
-                        got, bad = conn.get_into(sub_k[lo:hi], sub_v[lo:hi], nodes.checksummer)
+                        got, bad = conn.way.get_into(sub_k[lo:hi], sub_v[lo:hi], nodes.checksummer)
                     m.SECONDS.labels("get").observe(time.perf_counter() - t)
                     m.REQUESTS.labels(node.name, "get", "ok").inc()
                     if bad:
