@@ -53,6 +53,7 @@ import errno
 import json
 import os
 import platform
+import shlex
 import shutil
 import socket
 import statistics
@@ -83,6 +84,7 @@ if not (SRC / "memkv" / "__init__.py").is_file():
 sys.path.insert(0, str(SRC))
 sys.path.insert(1, str(Path(__file__).resolve().parents[1]))  # tests/tlscerts.py for --tls
 # Ahead of the caller's PYTHONPATH, which may hold the dependencies (a staged host: bench/gpu).
+NODE_ARGS: list[str] = []  # --node-args: more `memkv serve` flags for the MemKV nodes of measure()
 NODE_ENV = {"PYTHONPATH": os.pathsep.join(p for p in (str(SRC), os.environ.get("PYTHONPATH", "")) if p)}
 
 from memkv.benchmark import fill_pattern, prefaulted_pool  # noqa: E402
@@ -303,7 +305,7 @@ def measure(
     # Three sets of values: each MemKV client reads back what it stored itself (a shared-memory
     # client then copies from the read-only mappings it kept of them; memkv/client/shared.py).
     capacity = str(int(3 * value_bytes * n * 1.3 / n_nodes) + (64 << 20))
-    nodes = [LocalNode(key, capacity=capacity, env=NODE_ENV) for _ in range(n_nodes)]
+    nodes = [LocalNode(key, capacity=capacity, env=NODE_ENV, extra_args=NODE_ARGS) for _ in range(n_nodes)]
     redis_proc, rclient, redis_note = start_redis(value_bytes) if with_redis else (None, None, "not run")
     rawc, rawu = RawClient(raw_port), RawClient(raw_port, unix_name=raw_unix)
     try:
@@ -727,10 +729,16 @@ def main() -> None:
         metavar="DIR",
         help="measure the memkv under DIR (another revision's src/) instead of this checkout's",
     )
+    ap.add_argument(
+        "--node-args",
+        default="",
+        help="more `memkv serve` flags for the MemKV nodes, one string (e.g. '--shared-memory-spares on')",
+    )
     ap.add_argument("--raw-server", nargs=2, metavar=("PORT_FILE", "SLOTS"), help=argparse.SUPPRESS)
     ap.add_argument("--raw-tls", nargs=3, metavar=("CERT", "KEY", "KTLS"), help=argparse.SUPPRESS)
     ap.add_argument("--raw-host", default="127.0.0.1", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    NODE_ARGS[:] = shlex.split(args.node_args)
     value_bytes = parse_size(args.value_size, "--value-size")
     if args.raw_server:
         raw_server(args.raw_server[0], value_bytes, int(args.raw_server[1]), args.raw_tls, args.raw_host)

@@ -189,8 +189,11 @@ def test_a_full_store_evicts_for_spares_and_gives_them_up_before_refusing_a_stor
     store.abort(ticket)
 
 
-def test_write_value_leaves_no_writable_mapping_and_keeps_a_read_only_one() -> None:
+@pytest.mark.parametrize("spare", [False, True], ids=["fresh-memfd-mapped", "spare-written-with-pwrite"])
+def test_write_value_leaves_no_writable_mapping_and_keeps_a_read_only_one(spare: bool) -> None:
     buf = SealedBuffer(2 * MiB)
+    if spare:  # its pages exist: write_value takes pwrite, no mapping
+        buf.prefault()
     try:
         value = os.urandom(2 * MiB - 100)
         checksum, kept = write_value(os.dup(buf.fd), memoryview(value), ChecksumAlgo.XXH3_128, SUMS, keep=True)

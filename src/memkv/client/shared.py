@@ -103,23 +103,49 @@ def write_value(
     `keep`, (address, size) of a private read-only mapping of them, its page tables filled now:
     a load then copies with no fault, else None). No writable mapping is left: the node's seal
     needs that. Raises SealError for a descriptor that is not the memfd announced, ValueError for
-    an unknown `algo`. (pwrite instead of a mapping measured slower where pages are 4 KiB: the kernel's
-    per-page work on a write costs more than filling the mapping's page tables.)"""
+    an unknown `algo`.
+
+    How, by measurement (bench/shm_store_costs.py): into a spare, whose pages exist, with pwrite
+    (no page tables to fill, nothing to unmap: 2x faster than a mapping where pages are 4 KiB);
+    into a memfd with no pages yet, through a mapping advised for huge pages (the host's THP for
+    shared memory then makes them 2 MiB, which pwrite cannot ask for)."""
     length = len(value)
     try:
         size = check_sealed(fd, length, SEALS_OPEN)
-        addr = _mmap(fd, size, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_SHARED)
-        try:
-            fault_in(addr, size)  # a spare's pages exist (memkv/server/shm.py): tables only
-            target = memoryview((ctypes.c_char * length).from_address(addr)).cast("B")
-            checksum = copy_hashed(target, value.cast("B"), algo, checksummer)
-            if checksum is None:
-                raise ValueError(f"unknown checksum algorithm {algo}")
-        finally:
-            unmap(addr, size)
+        if os.fstat(fd).st_blocks * 512 >= size:
+            checksum = pwrite_hashed(fd, value.cast("B"), algo, checksummer)
+        else:
+            addr = _mmap(fd, size, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_SHARED)
+            try:
+                fault_in(addr, size)
+                target = memoryview((ctypes.c_char * length).from_address(addr)).cast("B")
+                checksum = copy_hashed(target, value.cast("B"), algo, checksummer)
+            finally:
+                unmap(addr, size)
+        if checksum is None:
+            raise ValueError(f"unknown checksum algorithm {algo}")
         return checksum, ((map_value(fd, size), size) if keep else None)
     finally:
         os.close(fd)
+
+
+def pwrite_hashed(fd: int, source: memoryview, algo: int, checksummer: Checksummer) -> bytes | None:
+    """Write `source` at offset 0 of `fd` piece by piece, each piece copied into a small buffer
+    first and hashed there: the checksum of the bytes written, whatever `source` does meanwhile
+    (None for an unknown algo)."""
+    try:
+        hasher = checksummer.hasher(algo)
+    except ValueError:
+        return None
+    piece = memoryview(bytearray(min(COPY_PIECE, len(source))))
+    for off in range(0, len(source), COPY_PIECE):
+        part = piece[: min(COPY_PIECE, len(source) - off)]
+        part[:] = source[off : off + len(part)]
+        hasher.update(part)
+        done = 0
+        while done < len(part):
+            done += os.pwrite(fd, part[done:], off + done)
+    return checksummer.finish(hasher)
 
 
 class Mapping:
