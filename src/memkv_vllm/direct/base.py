@@ -129,14 +129,19 @@ class DirectManagerBase(OffloadingManager):
         if keyset is None:
             return
         for key in keyset:
-            held = self._pinned_entry(key)
+            held = self._held_entry(key)
             if held is not None and held.pins:
                 held.pins -= 1
         self._loaded(keyset)
         self._unref(rid, only=keyset)
 
-    def _pinned_entry(self, key: bytes) -> Any:
-        """What prepare_load pinned for `key` (an object with a `pins` count), or None."""
+    def _held_entry(self, key: bytes) -> Any:
+        """What this engine holds for chunk `key` (an object with `refs`, the requests whose
+        lookups answered HIT from it, and `pins`, its load jobs in flight), or None."""
+        raise NotImplementedError
+
+    def _unreferenced(self, entries: list[tuple[bytes, Any]]) -> None:
+        """(key, entry) pairs that no request refers to and no load pins any more."""
         raise NotImplementedError
 
     def _loaded(self, keyset: set[bytes]) -> None:  # noqa: B027 - a manager that counts elsewhere keeps it
@@ -146,7 +151,24 @@ class DirectManagerBase(OffloadingManager):
         return {k for job in self._loads.get(rid, ()) for k in job}
 
     def _unref(self, rid: str, keep: set[bytes] = frozenset(), only: set[bytes] | None = None) -> None:
-        raise NotImplementedError
+        """`rid` lets go of the chunks it refers to (those in `only`, or all), never of those in
+        `keep`; what nothing refers to or pins any more goes to `_unreferenced`."""
+        keys = self._req_refs.get(rid)
+        if not keys:
+            return
+        free = []
+        for key in list(keys if only is None else keys & only):
+            if key in keep:
+                continue
+            keys.discard(key)
+            held = self._held_entry(key)
+            if held is not None:
+                held.refs.discard(rid)
+                if not held.refs and not held.pins:
+                    free.append((key, held))
+        if not keys:
+            self._req_refs.pop(rid, None)
+        self._unreferenced(free)
 
     def _release_answered(self) -> None:
         """A request whose lookups this step were all final has been answered: what it did not

@@ -204,7 +204,7 @@ class LeasedDirectManager(DirectManagerBase):
                          "(%d lookup call(s))", rid, len(keys), time.perf_counter() - first, calls)
         return MemKVLoadStoreSpec([], keys=[self.keys.chunk_prefix(k) for k in keys])
 
-    def _pinned_entry(self, key: bytes) -> _Held | None:
+    def _held_entry(self, key: bytes) -> _Held | None:
         return self._held.get(key)
 
     def _loaded(self, keyset: set[bytes]) -> None:
@@ -213,24 +213,10 @@ class LeasedDirectManager(DirectManagerBase):
 
     # -- references -------------------------------------------------------------------------------
 
-    def _unref(self, rid: str, keep: set[bytes] = frozenset(), only: set[bytes] | None = None) -> None:
-        keys = self._req_refs.get(rid)
-        if not keys:
-            return
-        gone = []
-        for key in list(keys if only is None else keys & only):
-            if key in keep:
-                continue
-            keys.discard(key)
-            h = self._held.get(key)
-            if h is not None:
-                h.refs.discard(rid)
-                if not h.refs and not h.pins:
-                    del self._held[key]
-                    gone.append(key)
-        if not keys:
-            self._req_refs.pop(rid, None)
-        self._release_chunks(gone)
+    def _unreferenced(self, entries: list[tuple[bytes, _Held]]) -> None:
+        for key, _ in entries:
+            del self._held[key]
+        self._release_chunks([key for key, _ in entries])
 
     def _release_chunks(self, chunk_keys: list[bytes]) -> None:
         if not chunk_keys:

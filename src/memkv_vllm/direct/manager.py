@@ -185,7 +185,7 @@ class MemKVDirectManager(DirectManagerBase):
         self._unref(rid, keep=loading)  # staged past the loaded prefix: not needed any more
         return MemKVLoadStoreSpec(slots)
 
-    def _pinned_entry(self, key: bytes) -> _Entry | None:
+    def _held_entry(self, key: bytes) -> _Entry | None:
         return self._entries.get(key)
 
     # ---------------------------------------------------------------------------------------------
@@ -362,20 +362,9 @@ class MemKVDirectManager(DirectManagerBase):
             e.refs.add(rid)
             self._req_refs.setdefault(rid, set()).add(e.key)
 
-    def _unref(self, rid: str, keep: set[bytes] = frozenset(), only: set[bytes] | None = None) -> None:
-        keys = self._req_refs.get(rid)
-        if not keys:
-            return
-        for key in list(keys if only is None else keys & only):
-            if key in keep:
-                continue
-            keys.discard(key)
-            e = self._entries.get(key)
-            if e is not None:
-                e.refs.discard(rid)
-                self._maybe_drop(e)
-        if not keys:
-            self._req_refs.pop(rid, None)
+    def _unreferenced(self, entries: list[tuple[bytes, _Entry]]) -> None:
+        for _, e in entries:
+            self._maybe_drop(e)
 
     def _maybe_drop(self, e: _Entry) -> None:
         if e.state == FILLING and not e.refs and not e.pins:

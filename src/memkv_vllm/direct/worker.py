@@ -40,7 +40,6 @@ the StreamingTransfers threads, which only touch the job's GPU blocks and their 
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
 
@@ -48,7 +47,7 @@ import torch
 from vllm.v1.kv_offload.base import OffloadingWorker, TransferResult
 
 from memkv_vllm import compat
-from memkv_vllm.direct.config import PIECES, SCRATCH, DirectSettings
+from memkv_vllm.direct.config import PIECES, DirectSettings
 from memkv_vllm.direct.copies import PieceCopier, PiecesUnavailable, SectionCopier, copy_runs
 from memkv_vllm.direct.layout import StagingLayout
 from memkv_vllm.direct.staging import StagingRegion
@@ -318,7 +317,6 @@ class MemKVDirectWorker(OffloadingWorker):
         except PiecesUnavailable as exc:
             log.warning('MemKV direct mode: rank %d: memkv.copy_method "pieces" cannot run here (%s); copies go '
                         'through the scratch ("scratch")', self.layout.rank, exc)
-            self.settings = dataclasses.replace(self.settings, copy_method=SCRATCH)
             return None
         log.info("MemKV direct mode: rank %d copies chunks as pieces, one call per batch (memkv.copy_method)",
                  self.layout.rank)
