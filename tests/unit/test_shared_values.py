@@ -226,6 +226,21 @@ def test_a_memfd_without_its_seals_is_refused() -> None:
         os.close(fd)
 
 
+@pytest.mark.parametrize("spare", [False, True], ids=["fresh-memfd-mapped", "spare-written-with-pwrite"])
+def test_write_value_into_a_memfd_sealed_against_writing_is_refused_as_a_seal_error(spare: bool) -> None:
+    """A node that passes a committed memfd for a store: the write fails as a mapping would, with
+    SealError (the caller turns shared memory off for that node process), never another error."""
+    buf = SealedBuffer(MiB)
+    try:
+        if spare:
+            buf.prefault()
+        buf.seal()
+        with pytest.raises(SealError):
+            write_value(os.dup(buf.fd), memoryview(os.urandom(MiB)), ChecksumAlgo.XXH3_128, SUMS, keep=False)
+    finally:
+        buf.free()
+
+
 def _sealed_value(monkeypatch, compiled: bool) -> tuple[SealedBuffer, bytes]:
     """A committed 4 MiB memfd value, with the compiled copy loop on or off."""
     if compiled and not client_shared.COMPILED_COPY:

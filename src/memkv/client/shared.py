@@ -2,12 +2,12 @@
 section 13). The SHM_GET / SHM_PUT exchanges that pass them are memkv/transport/shm.py.
 
 Stores: an SHM_PUT passes a memfd per value, of exactly the value's buffer size, sealed against
-shrinking and growing. `write_value` maps it shared and writable (its pages made already when it
-is one of the node's spares, else faulted in with one call), copies the value in and hashes the
-copy piece by piece while it is in cache (one pass over the bytes, no socket, no work in the
-node), maps it again private and read-only for later loads, then unmaps the writable mapping
-and closes the descriptor: the node seals it against writing at SHM_COMMIT, which the kernel
-refuses while a writable shared mapping exists.
+shrinking and growing. `write_value` copies the value in and hashes it piece by piece while it
+is in cache (one pass over the bytes, no socket, no work in the node): with pwrite into one of
+the node's spares (its pages exist), else through a shared writable mapping faulted in with one
+call and unmapped after. It maps the memfd again private and read-only for later loads and
+closes the descriptor: the node seals it against writing at SHM_COMMIT, which the kernel refuses
+while a writable shared mapping exists.
 
 Loads: an SHM_GET passes a value's memfd; `check_sealed` refuses one that is not sealed against
 shrinking, growing and writing (a node not to be trusted, or another process's doing), and
@@ -113,7 +113,10 @@ def write_value(
     try:
         size = check_sealed(fd, length, SEALS_OPEN)
         if os.fstat(fd).st_blocks * 512 >= size:
-            checksum = pwrite_hashed(fd, value.cast("B"), algo, checksummer)
+            try:
+                checksum = pwrite_hashed(fd, value.cast("B"), algo, checksummer)
+            except OSError as exc:  # as a mapping refused: not the writable memfd announced
+                raise SealError(exc.errno or errno.EINVAL, exc.strerror or "pwrite failed") from None
         else:
             addr = _mmap(fd, size, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_SHARED)
             try:
