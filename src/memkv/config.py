@@ -353,7 +353,7 @@ class ClientConfig:
     # On the same-host socket, copy values straight from the node's shared memory when it offers
     # it (memkv/client/shared.py): one copy per byte instead of two. Only values this client
     # stored itself (their page tables are filled right after the PUT); the rest come over the
-    # socket, so a cold promotion pays no page faults (docs/performance.md, run 53).
+    # socket, so a cold promotion pays no page faults (docs/archive/performance-log.md, run 53).
     shared_memory: bool = True
 
     def __post_init__(self) -> None:

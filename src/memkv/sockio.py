@@ -22,7 +22,7 @@ has no sendmsg. Small transfers (headers, meta, values under _TLS_BLOCKING_BYTES
 socket timeout, cut to the time left. A large transfer with a deadline runs on the socket in
 blocking mode instead, bounded by memkv.watchdog (it shuts the socket down at the deadline): a
 timeout makes the socket non-blocking underneath, and every record not yet whole then costs a
-failed read, a poll() and two more GIL hand-offs (~6% of a TLS GET, docs/performance.md).
+failed read, a poll() and two more GIL hand-offs (~6% of a TLS GET, docs/archive/performance-log.md).
 Receives land in the caller's memoryview (`SSLSocket.read(n, view)` copies one decrypted TLS
 record, up to 16 KiB, into it per call): the loop per record is the hot Python code of a TLS
 GET, so it does one read call per record and nothing else (plus, on the timeout path, one

@@ -3,7 +3,7 @@
 Why: an `ssl.SSLSocket` with a Python timeout is non-blocking underneath, so every record that
 has not fully arrived costs a failed read, a poll() and two more GIL hand-offs; with several
 transfers per process that is ~6% of a TLS GET's throughput and ~9% more CPU on the 2-vCPU VM
-(docs/performance.md, "TLS"). Kernel timeouts (SO_RCVTIMEO) do not help: `_ssl` retries a
+(docs/archive/performance-log.md, "TLS"). Kernel timeouts (SO_RCVTIMEO) do not help: `_ssl` retries a
 blocking read that timed out, for ever. So a large TLS transfer runs on a blocking socket, and
 this watchdog bounds it instead: `guard(sock, deadline)` registers the socket; if the block is
 still running at the deadline, the watchdog calls shutdown(SHUT_RDWR) on the socket's

@@ -9,7 +9,7 @@ tries again. A connection that failed in any way is closed, never returned to th
 
 Same-host nodes (docs/protocol.md section 2.6): a node names its abstract Unix socket in
 HELLO_OK; once a TCP connection has learnt the name, NodeClient opens its connections there
-(same protocol, same handshake; a cheaper kernel path than loopback TCP: docs/performance.md) and
+(same protocol, same handshake; a cheaper kernel path than loopback TCP: docs/archive/performance-log.md) and
 closes the TCP one. A name that cannot be reached from here (another host or
 network namespace: refused at once) or that answers as another node is not tried again; a node
 that restarted names a new socket, learnt on the next TCP connection. Any process may bind a

@@ -2,7 +2,7 @@
 
 Why threads: on loopback and real NICs a blocking socket per connection moving values with
 `recv_into`/`sendall` on memoryviews runs at the kernel's copy speed and releases the GIL for
-each syscall; asyncio streams lose 60-70% of that (docs/performance.md). Per-request Python
+each syscall; asyncio streams lose 60-70% of that (docs/archive/performance-log.md). Per-request Python
 work is O(keys) metadata under the store lock; value bytes go socket <-> store buffer directly.
 
 Connection lifecycle: handshake (bounded by io_timeout_s) -> frames until the client closes,

@@ -48,7 +48,7 @@ SPARE_CAPACITY_DIVISOR = 16
 SPARE_KEEP_S = 30.0
 # "auto" makes spares only where the node may run on this many CPUs: faulting pages in ahead
 # helps a store when another core does it; on a 2-core host it competed with the writers and
-# made stores slower (docs/performance.md, "Shared memory").
+# made stores slower (docs/archive/performance-log.md, "Shared memory").
 MIN_SPARE_CPUS = 4
 
 

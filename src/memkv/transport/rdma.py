@@ -60,7 +60,7 @@ WINDOW_SHARE = 0.5
 ATTACH_TIMEOUT_S = 10.0  # at least this long for an RDMA_ATTACH reply (see _attach)
 ENV_PIPELINE_MB = "MEMKV_RDMA_PIPELINE_MB"
 # Off by default: over UCX cma (the node's CPU copies) 16 MiB parts were 4-8% slower than one
-# RDMA_GET per batch, inside vLLM and outside (docs/performance.md, runs 39-40). A host whose
+# RDMA_GET per batch, inside vLLM and outside (docs/archive/performance-log.md, runs 39-40). A host whose
 # NIC does the writes may gain from verifying one part while the next is written.
 DEFAULT_PIPELINE_MB = 0
 
@@ -131,7 +131,7 @@ class _NotifInbox:
 
     Why no notification thread: one was built (it read NIXL while loaders slept on their
     events) and measured in the same run as this inbox under a busy scheduler: no difference
-    (RDMA / TCP 0.90 vs 0.92, docs/performance.md "RDMA vs TCP under a busy scheduler"), and
+    (RDMA / TCP 0.90 vs 0.92, docs/archive/performance-log.md "RDMA vs TCP under a busy scheduler"), and
     under a scheduler that holds the GIL every hand-off between threads costs a GIL
     acquisition (a thread that reads and wakes the loader needs three where the loader
     reading itself needs one). `close()` wakes every waiting loader (its wait returns False)."""

@@ -36,7 +36,7 @@ _VERIFY_PIECE = 256 << 10  # while at most _SMALL_PIECES_UP_TO threads receive
 _SMALL_PIECES_UP_TO = 2
 # Over TLS a receive takes one 16 KiB record per call (a GIL hand-off each) whatever the piece
 # size, so pieces this small cost no extra hand-offs and are hashed while still in L2 cache
-# (16 MiB pieces were hashed from DRAM: 10% of a TLS GET on the 2-vCPU VM, docs/performance.md).
+# (16 MiB pieces were hashed from DRAM: 10% of a TLS GET on the 2-vCPU VM, docs/archive/performance-log.md).
 # The pieces are cut inside sockio's loop over records (its `on_piece`), not by a loop here.
 _TLS_VERIFY_CHUNK = 256 << 10
 # The compiled loop (sockio.recv_xxh3_into) hands off the GIL once per value, not per piece, so
