@@ -125,11 +125,13 @@ def time_write(value: memoryview, n: int, spare: bool, checksummer: Checksummer)
     return times
 
 
-def time_pwrite_spare(value: memoryview, n: int, checksummer: Checksummer) -> list[float]:
-    """The client's part with a spare and no mapping: each piece copied into a small buffer,
-    hashed there, written with pwrite (the kernel copies into the spare's existing pages)."""
+def time_pwrite(value: memoryview, n: int, spare: bool, checksummer: Checksummer) -> list[float]:
+    """The client's part with no mapping: each piece copied into a small buffer, hashed there,
+    written with pwrite; into a spare the kernel copies into existing pages, into a fresh memfd
+    it allocates each page as the write reaches it (shared memory skips zeroing a page that a
+    write fills whole)."""
     size = -(-len(value) // PAGE) * PAGE
-    fds = [allocate(size) for _ in range(n)]
+    fds = [allocate(size) if spare else new_memfd(size) for _ in range(n)]
     piece = memoryview(bytearray(256 << 10))
     times = []
     for fd in fds:
@@ -180,7 +182,8 @@ def main() -> None:
         "allocate": lambda: time_allocate(size, args.values),
         "write spare": lambda: time_write(value, args.values, True, checksummer),
         "write fresh": lambda: time_write(value, args.values, False, checksummer),
-        "pwrite spare": lambda: time_pwrite_spare(value, args.values, checksummer),
+        "pwrite spare": lambda: time_pwrite(value, args.values, True, checksummer),
+        "pwrite fresh": lambda: time_pwrite(value, args.values, False, checksummer),
         "copy reused": lambda: time_copy_reused(value, args.values, checksummer),
     }
     times: dict[str, list[float]] = {name: [] for name in parts}

@@ -28,6 +28,22 @@ MADV_POPULATE_WRITE = 23  # Linux 5.14: fault a range in for writing with one ca
 MADV_HUGEPAGE = 14
 
 
+SHMEM_THP = "/sys/kernel/mm/transparent_hugepage/shmem_enabled"
+
+
+def shmem_huge_pages() -> str | None:
+    """The host's transparent-huge-page mode for shared memory (the bracketed word of SHMEM_THP),
+    or None where it cannot be read. Stores into memfds need "advise" (or "within_size",
+    "always") to run at the copy's speed: memkv/client/shared.py, `write_value`."""
+    try:
+        with open(SHMEM_THP) as f:
+            text = f.read()
+    except OSError:
+        return None
+    start, end = text.find("["), text.find("]")
+    return text[start + 1 : end] if 0 <= start < end else None
+
+
 def map_fd(fd: int, size: int, prot: int, flags: int) -> int:
     """mmap `size` bytes of `fd` at an address the kernel picks (2 MiB-aligned for a large
     memfd where huge pages are allowed): the address. Raises OSError."""

@@ -534,8 +534,8 @@ def test_a_commit_whose_checksum_is_not_of_the_bytes_written_is_a_miss_for_every
 def shmem_huge_pages():
     """Sets the host's transparent-huge-page mode for shared memory for one test, then puts back
     what was there (root only; skips where the file cannot be written)."""
-    from memkv.server.shm import SHMEM_THP
-    from memkv.server.shm import shmem_huge_pages as mode_now
+    from memkv.memfd import SHMEM_THP
+    from memkv.memfd import shmem_huge_pages as mode_now
 
     before = mode_now()
     if before is None or not os.access(SHMEM_THP, os.W_OK):

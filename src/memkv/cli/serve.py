@@ -167,9 +167,9 @@ def _server_key(args: argparse.Namespace) -> AuthKey:
 def cmd_serve(args: argparse.Namespace) -> int:
     import faulthandler
 
+    from memkv.memfd import SHMEM_THP, shmem_huge_pages
     from memkv.server.admin import AdminServer
     from memkv.server.node import Node
-    from memkv.server.shm import SHMEM_THP, shmem_huge_pages
 
     # A crash in native code (NIXL/UCX, the compiled receive loop) then leaves every thread's
     # Python stack on stderr, where `kubectl logs` finds it, instead of a bare exit code -11.
@@ -241,7 +241,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         if huge in ("never", "deny"):
             logging.getLogger("memkv.serve").warning(
                 "transparent huge pages for shared memory are %r on this host: stores through shared memory run "
-                "at a third of their speed or less; set %s to advise (docs/operations.md, 'Same-host clients')",
+                "at half their speed or less; set %s to advise (docs/operations.md, 'Same-host clients')",
                 huge,
                 SHMEM_THP,
             )

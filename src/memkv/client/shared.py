@@ -3,9 +3,9 @@ section 13). The SHM_GET / SHM_PUT exchanges that pass them are memkv/transport/
 
 Stores: an SHM_PUT passes a memfd per value, of exactly the value's buffer size, sealed against
 shrinking and growing. `write_value` copies the value in and hashes it piece by piece while it
-is in cache (one pass over the bytes, no socket, no work in the node): with pwrite into one of
-the node's spares (its pages exist), else through a shared writable mapping faulted in with one
-call and unmapped after. It maps the memfd again private and read-only for later loads and
+is in cache (one pass over the bytes, no socket, no work in the node): with pwrite, or, where
+the host gives shared memory huge pages on advice only, into a memfd with no pages yet through
+a shared writable mapping advised for them, faulted in with one call and unmapped after. It maps the memfd again private and read-only for later loads and
 closes the descriptor: the node seals it against writing at SHM_COMMIT, which the kernel refuses
 while a writable shared mapping exists.
 
@@ -40,7 +40,7 @@ import threading
 from collections.abc import Sequence
 
 from memkv.integrity import Checksummer
-from memkv.memfd import MAP_POPULATE, fault_in, map_fd, unmap
+from memkv.memfd import MAP_POPULATE, fault_in, map_fd, shmem_huge_pages, unmap
 from memkv.protocol import ChecksumAlgo
 
 try:
@@ -105,14 +105,15 @@ def write_value(
     needs that. Raises SealError for a descriptor that is not the memfd announced, ValueError for
     an unknown `algo`.
 
-    How, by measurement (bench/shm_store_costs.py): into a spare, whose pages exist, with pwrite
-    (no page tables to fill, nothing to unmap: 2x faster than a mapping where pages are 4 KiB);
-    into a memfd with no pages yet, through a mapping advised for huge pages (the host's THP for
-    shared memory then makes them 2 MiB, which pwrite cannot ask for)."""
+    How, by measurement (bench/shm_store_costs.py): with pwrite (no page tables to fill, nothing
+    to unmap; into a memfd with no pages yet the kernel makes each page as the write fills it,
+    without zeroing it first: half the time of a mapping where pages are 4 KiB), except into a
+    memfd with no pages yet on a host whose THP for shared memory is "advise": there through a
+    mapping advised for huge pages, which makes them 2 MiB (pwrite cannot ask for that)."""
     length = len(value)
     try:
         size = check_sealed(fd, length, SEALS_OPEN)
-        if os.fstat(fd).st_blocks * 512 >= size:
+        if os.fstat(fd).st_blocks * 512 >= size or shmem_huge_pages() != "advise":
             try:
                 checksum = pwrite_hashed(fd, value.cast("B"), algo, checksummer)
             except OSError as exc:  # as a mapping refused: not the writable memfd announced

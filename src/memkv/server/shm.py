@@ -122,22 +122,6 @@ class SealedBuffer:
                 pass
 
 
-SHMEM_THP = "/sys/kernel/mm/transparent_hugepage/shmem_enabled"
-
-
-def shmem_huge_pages() -> str | None:
-    """The host's transparent-huge-page mode for shared memory (the bracketed word of SHMEM_THP),
-    or None where it cannot be read. Stores into memfds need "advise" (or "within_size",
-    "always") to run at the copy's speed: memkv/client/shared.py, MADV_HUGEPAGE."""
-    try:
-        with open(SHMEM_THP) as f:
-            text = f.read()
-    except OSError:
-        return None
-    start, end = text.find("["), text.find("]")
-    return text[start + 1 : end] if 0 <= start < end else None
-
-
 def _max_map_count() -> int:
     try:
         with open("/proc/sys/vm/max_map_count") as f:
