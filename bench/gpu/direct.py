@@ -9,6 +9,8 @@ engine process per (mode, role), so the restarted engine is a real new process:
            no CPU pool; a staging region of --staging-mb, host-registered (pinned) by the worker.
   tier     OffloadingConnector + TieringOffloadingSpec + the `memkv` tier: a CPU pool of
            --cpu-gib (pinned), then MemKV.
+  none     no offload connector: each prompt's cold prefill twice (the baseline of direct mode's
+           store cost: its recompute runs store every chunk)
 
   role main     per prompt: recompute (cold: first sight, stores to MemKV), then memkv (after
                 llm.reset_prefix_cache(reset_connector=True): GPU cache and, for the tier, the
@@ -65,7 +67,9 @@ def log(msg: str) -> None:
     print(f"[direct {time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
-def kv_transfer_config(spec: dict) -> dict:
+def kv_transfer_config(spec: dict) -> dict | None:
+    if spec["mode"] == "none":  # no offload connector: the cold-prefill baseline (issue 44 item 3)
+        return None
     if spec["mode"] == "direct":
         extra = {
             "spec_name": "MemKVOffloadingSpec",
@@ -98,13 +102,18 @@ def proc_status() -> dict:
 
 
 def memkv_object(llm, mode: str):
-    """The direct manager or the memkv tier of an in-process engine (stats.totals, layout)."""
+    """The direct manager or the memkv tier of an in-process engine (stats.totals, layout); None
+    without a connector."""
+    if mode == "none":
+        return None
     conn = llm.llm_engine.engine_core.engine_core.scheduler.connector
     mgr = conn.connector_scheduler.manager
     return mgr if mode == "direct" else mgr.secondary_tiers[0]
 
 
 def totals(obj) -> dict:
+    if obj is None:
+        return {}
     with obj.stats._lock:
         return {f"{n}{{{','.join(labels)}}}": float(v) for (n, labels), v in obj.stats.totals.items()}
 
@@ -164,8 +173,10 @@ def engine_child(spec: dict) -> int:
         result["pinned_bytes"] = obj.layout.region_bytes
         result["staging"] = {"slots": obj.layout.num_slots, "slot_bytes": obj.layout.slot_bytes}
         result["chunk_bytes"] = obj.layout.value_bytes * obj.layout.world_size
-    else:
+    elif spec["mode"] == "tier":
         result["pinned_bytes"] = int(spec["cpu_gib"] * 2**30)
+    else:
+        result["pinned_bytes"] = 0
     log(
         f"[{spec['mode']}/{spec['role']}] engine up in {result['engine_init_s']:.1f} s, "
         f"pinned host memory {result['pinned_bytes'] / 2**30:.2f} GiB"
@@ -174,6 +185,8 @@ def engine_child(spec: dict) -> int:
 
     def settle() -> None:
         conn = llm.llm_engine.engine_core.engine_core.scheduler.connector
+        if conn is None:
+            return
         deadline = time.monotonic() + 120
         while conn.has_pending_push_work() and time.monotonic() < deadline:
             llm.llm_engine.step()
@@ -211,7 +224,11 @@ def engine_child(spec: dict) -> int:
     try:
         for tokens in spec["tokens"]:
             ids = ttft.prompt_ids(tokens, ttft.prompt_seed(tokens, 0), shape["vocab_size"])
-            if spec["role"] == "main":
+            if spec["mode"] == "none":  # cold prefill twice, no connector
+                run("recompute", tokens, ids)
+                llm.reset_prefix_cache()
+                run("recompute", tokens, ids)
+            elif spec["role"] == "main":
                 run("recompute", tokens, ids)
                 llm.reset_prefix_cache(reset_connector=True)
                 run("memkv", tokens, ids)
@@ -231,7 +248,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--engine-child")
     ap.add_argument("--out-dir", default="bench/gpu/results/direct")
-    ap.add_argument("--modes", default="direct,tier")
+    ap.add_argument("--modes", default="direct,tier", help="of direct, tier, none (no offload connector)")
     ap.add_argument("--tokens", default="8192,32768")
     ap.add_argument("--staging-mb", type=int, default=512, help="direct mode's staging_mb (default: the key's, 512)")
     ap.add_argument(
@@ -280,7 +297,7 @@ def main() -> int:
     engines = []
     try:
         for mode in args.modes.split(","):
-            for role in ("main", "restart"):
+            for role in ("main",) if mode == "none" else ("main", "restart"):
                 spec = {
                     "mode": mode,
                     "role": role,
