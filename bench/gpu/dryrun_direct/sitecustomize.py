@@ -59,7 +59,24 @@ if os.environ.get("TTFT_FAKE_LLM"):
                 self.engine.connector.reset_cache()
             return True
 
+    class PlainLLM:
+        """No offload connector (direct.py's mode "none"): every run a prefill."""
+
+        def __init__(self, model, kv_transfer_config, **kw):
+            self.llm_engine = NS(engine_core=NS(engine_core=NS(scheduler=NS(connector=None))), step=lambda: None)
+
+        def generate(self, prompts, sp, use_tqdm=False):
+            ids = prompts[0]["prompt_token_ids"]
+            tok = sum(ids) % 997
+            comp = NS(token_ids=[tok], logprobs=[{tok: NS(logprob=-1.0), 3: NS(logprob=-2.0)}])
+            return [NS(outputs=[comp])]
+
+        def reset_prefix_cache(self, reset_running_requests=False, reset_connector=False):
+            return True
+
     def LLM(model, kv_transfer_config, **kw):
+        if kv_transfer_config is None:
+            return PlainLLM(model, kv_transfer_config, **kw)
         spec = kv_transfer_config["kv_connector_extra_config"]["spec_name"]
         return (DirectLLM if spec == "MemKVOffloadingSpec" else TierLLM)(model, kv_transfer_config, **kw)
 
