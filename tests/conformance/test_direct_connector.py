@@ -35,8 +35,12 @@ def _values(engine: dh.DirectEngine, tag: str, n_chunks: int) -> list[list[bytes
     return [[m.client.get(vk) for vk in m.keys.value_keys(k)] for k in dh.prompt_keys(tag, n_chunks, engine.g)]
 
 
-# The scratch copier (default), per-run copies, and pieces issued in one call (copy_method "pieces").
-COPIES = {"scratch": {"copy_scratch_mb": 128}, "per-run": {"copy_scratch_mb": 0}, "pieces": {"copy_method": "pieces"}}
+# Pieces issued in one call (copy_method "pieces", the default), the scratch copier, per-run copies.
+COPIES = {
+    "pieces": {},
+    "scratch": {"copy_method": "scratch", "copy_scratch_mb": 128},
+    "per-run": {"copy_method": "scratch", "copy_scratch_mb": 0},
+}
 
 
 @pytest.mark.parametrize("copies", COPIES)

@@ -40,10 +40,11 @@ class DirectSettings:
     # GPU memory per copy direction through which a batch of chunks moves between staging and
     # the KV cache (copies.SectionCopier); 0: one copy_ per (chunk, tensor) run, no GPU memory
     copy_scratch_mb: int = DEFAULT_COPY_SCRATCH_MB
-    # How a batch of chunks moves between staging and the KV cache: "scratch" (copies.SectionCopier,
-    # through copy_scratch_mb of GPU memory) or "pieces" (copies.PieceCopier: one call into C per
-    # batch, one cudaMemcpyAsync per run without the GIL, no GPU memory)
-    copy_method: str = SCRATCH
+    # How a batch of chunks moves between staging and the KV cache: "pieces" (copies.PieceCopier:
+    # one call into C per batch, one cudaMemcpyAsync per run without the GIL, no GPU memory; on an
+    # H100 a 32k load 5-9x faster than "scratch", docs/direct-mode.md) or "scratch"
+    # (copies.SectionCopier, through copy_scratch_mb of GPU memory; also where pieces cannot run)
+    copy_method: str = PIECES
     n_read_threads: int = 8  # prefetch (load) priority threads
     n_write_threads: int = 8  # put (store) priority threads
     blocks_per_op: int = 8  # chunks per batched request
