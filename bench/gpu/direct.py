@@ -279,13 +279,18 @@ def main() -> int:
         help="print direct mode's per-job stage times (lookups, network, copies, slot waits)",
     )
     ap.add_argument("--child-timeout-s", type=float, default=1500)
+    ap.add_argument(
+        "--state-dir",
+        default="/tmp/direct-state",
+        help="the nodes' logs and state (outside --out-dir: what a GPU call brings back stays small)",
+    )
     args = ap.parse_args()
     if args.engine_child:
         with open(args.engine_child) as f:
             return engine_child(json.load(f))
 
     os.makedirs(args.out_dir, exist_ok=True)
-    state = ttft.start_nodes(args.nodes, args.node_capacity, "64MiB", os.path.join(args.out_dir, "nodes"), [])
+    state = ttft.start_nodes(args.nodes, args.node_capacity, "64MiB", os.path.join(args.state_dir, "nodes"), [])
     env = {
         **os.environ,
         "MEMKV_SERVERS": ",".join(n["address"] for n in state["nodes"]),
