@@ -23,6 +23,7 @@
 #include <Python.h>
 
 #include <errno.h>
+#include <stdlib.h>
 #include <string.h>
 #include <stdint.h>
 #include <sys/mman.h>
@@ -316,6 +317,70 @@ static PyObject *read_xxh3(PyObject *self, PyObject *args) {
     return PyBytes_FromStringAndSize((const char *)canon.digest, sizeof canon.digest);
 }
 
+static PyObject *write_xxh3(PyObject *self, PyObject *args) {
+    /* write_xxh3(fd, source, piece_bytes) -> digest: pwrite `source` at offset 0 of the file
+     * `fd` piece by piece, each piece first copied into a small buffer and hashed there (in
+     * cache), with no GIL: the store into a memfd a same-host node passed
+     * (memkv/client/shared.py). The digest is of the bytes written, whatever the source does
+     * meanwhile. OSError (errno of the write) when a write fails. */
+    (void)self;
+    int fd;
+    PyObject *source_obj;
+    Py_ssize_t piece;
+    if (!PyArg_ParseTuple(args, "iOn", &fd, &source_obj, &piece)) {
+        return NULL;
+    }
+    if (piece <= 0) {
+        PyErr_SetString(PyExc_ValueError, "piece_bytes must be positive");
+        return NULL;
+    }
+    Py_buffer source;
+    if (PyObject_GetBuffer(source_obj, &source, PyBUF_C_CONTIGUOUS) < 0) {
+        return NULL;
+    }
+    size_t total = (size_t)source.len;
+    size_t bounce_bytes = total < (size_t)piece ? (total > 0 ? total : 1) : (size_t)piece;
+    char *bounce = malloc(bounce_bytes);
+    XXH3_state_t *state = bounce == NULL ? NULL : new_state();
+    if (state == NULL) {
+        free(bounce);
+        PyBuffer_Release(&source);
+        return bounce == NULL ? PyErr_NoMemory() : NULL;
+    }
+    const char *src = (const char *)source.buf;
+    int err = 0;
+    Py_BEGIN_ALLOW_THREADS
+    for (size_t off = 0; off < total && err == 0; off += bounce_bytes) {
+        size_t n = total - off < bounce_bytes ? total - off : bounce_bytes;
+        memcpy(bounce, src + off, n);
+        xxh3_update(state, bounce, n);
+        size_t done = 0;
+        while (done < n) {
+            ssize_t w = pwrite(fd, bounce + done, n - done, (off_t)(off + done));
+            if (w > 0) {
+                done += (size_t)w;
+            } else if (w < 0 && errno == EINTR) {
+                continue;
+            } else {
+                err = w < 0 ? errno : EIO;
+                break;
+            }
+        }
+    }
+    Py_END_ALLOW_THREADS
+    free(bounce);
+    PyBuffer_Release(&source);
+    if (err != 0) {
+        XXH3_freeState(state);
+        errno = err;
+        return PyErr_SetFromErrno(PyExc_OSError);
+    }
+    XXH128_canonical_t canon;
+    XXH128_canonicalFromHash(&canon, XXH3_128bits_digest(state));
+    XXH3_freeState(state);
+    return PyBytes_FromStringAndSize((const char *)canon.digest, sizeof canon.digest);
+}
+
 static PyObject *xxh3_128_digest(PyObject *self, PyObject *args) {
     /* The one-shot digest of this build, for the tests that hold it to python-xxhash's:
      * through the update loop chosen at import, or the baseline one when `baseline` is true
@@ -347,6 +412,8 @@ static PyMethodDef methods[] = {
      "copy_xxh3(target, source, piece_bytes, populate=False) -> digest of the copy (16 bytes)"},
     {"read_xxh3", read_xxh3, METH_VARARGS,
      "read_xxh3(fd, target, piece_bytes) -> digest of what was read (16 bytes), or None when short"},
+    {"write_xxh3", write_xxh3, METH_VARARGS,
+     "write_xxh3(fd, source, piece_bytes) -> digest of what was written (16 bytes)"},
     {"xxh3_128_digest", xxh3_128_digest, METH_VARARGS, "xxh3_128_digest(data, baseline=False) -> 16 bytes"},
     {NULL, NULL, 0, NULL},
 };

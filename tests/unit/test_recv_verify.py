@@ -5,7 +5,8 @@ Behaviour under test:
 * where a C compiler and Python's headers are there, the extension was built (a silent build
   failure would leave every user on the slower loop);
 * its xxh3-128 is python-xxhash's, for any bytes (hypothesis), and so is the digest of its
-  copy-and-hash loop (copy_xxh3), whose target holds the source whole;
+  copy-and-hash loop (copy_xxh3), whose target holds the source whole, and of its write loop
+  (write_xxh3), whose file holds the source whole;
 * a value of any length, in pieces that do or do not divide it, lands whole and its digest is
   that of the bytes sent;
 * a peer that closes mid-value raises PeerClosed naming how many bytes had come; the kernel
@@ -20,6 +21,7 @@ Behaviour under test:
 
 from __future__ import annotations
 
+import fcntl
 import importlib.util
 import os
 import shutil
@@ -113,6 +115,33 @@ def test_copy_xxh3_copies_whole_and_digests_the_copy(data: bytes, piece: int) ->
     target = bytearray(len(data))
     assert compiled.copy_xxh3(target, memoryview(data), piece) == xxhash.xxh3_128_digest(data)
     assert target == data
+
+
+@needs_compiled
+@settings(max_examples=40, deadline=None)
+@given(st.binary(max_size=600 * KiB), st.integers(min_value=1, max_value=300 * KiB))
+def test_write_xxh3_writes_whole_and_digests_what_it_wrote(data: bytes, piece: int) -> None:
+    # The same-host store into a memfd the node passed (memkv/client/shared.py pwrite_hashed).
+    fd = os.memfd_create("write-xxh3")
+    try:
+        assert compiled.write_xxh3(fd, memoryview(data), piece) == xxhash.xxh3_128_digest(data)
+        assert os.pread(fd, len(data) + 1, 0) == data
+    finally:
+        os.close(fd)
+
+
+@needs_compiled
+def test_write_xxh3_raises_the_writes_error() -> None:
+    fd = os.memfd_create("sealed", os.MFD_ALLOW_SEALING)
+    try:
+        os.ftruncate(fd, 4096)
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_WRITE)
+        with pytest.raises(PermissionError):
+            compiled.write_xxh3(fd, b"abcd", 2)
+    finally:
+        os.close(fd)
+    with pytest.raises(ValueError, match="piece_bytes must be positive"):
+        compiled.write_xxh3(0, b"abcd", 0)
 
 
 @needs_compiled

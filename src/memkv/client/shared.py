@@ -46,9 +46,11 @@ from memkv.protocol import ChecksumAlgo
 try:
     from memkv._recv_verify import copy_xxh3 as _compiled_copy
     from memkv._recv_verify import read_xxh3 as _compiled_read
+    from memkv._recv_verify import write_xxh3 as _compiled_write
 except ImportError:
     _compiled_copy = None  # type: ignore[assignment]
     _compiled_read = None  # type: ignore[assignment]
+    _compiled_write = None  # type: ignore[assignment]
 # MEMKV_PURE_PYTHON=1 turns the compiled loop off, as for receives (memkv/sockio.py).
 COMPILED_COPY = _compiled_copy is not None and os.environ.get("MEMKV_PURE_PYTHON", "") in ("", "0")
 
@@ -136,7 +138,11 @@ def write_value(
 def pwrite_hashed(fd: int, source: memoryview, algo: int, checksummer: Checksummer) -> bytes | None:
     """Write `source` at offset 0 of `fd` piece by piece, each piece copied into a small buffer
     first and hashed there: the checksum of the bytes written, whatever `source` does meanwhile
-    (None for an unknown algo)."""
+    (None for an unknown algo). The compiled loop does it in one GIL release (a store thread of a
+    busy engine, or of a process with many, would otherwise wait for the GIL at every piece)."""
+    if algo == ChecksumAlgo.XXH3_128 and COMPILED_COPY:
+        assert _compiled_write is not None
+        return Checksummer.padded(_compiled_write(fd, source, COPY_PIECE))
     try:
         hasher = checksummer.hasher(algo)
     except ValueError:
