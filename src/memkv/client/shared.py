@@ -5,9 +5,10 @@ Stores: an SHM_PUT passes a memfd per value, of exactly the value's buffer size,
 shrinking and growing. `write_value` copies the value in and hashes it piece by piece while it
 is in cache (one pass over the bytes, no socket, no work in the node): with pwrite, or, where
 the host gives shared memory huge pages on advice only, into a memfd with no pages yet through
-a shared writable mapping advised for them, faulted in with one call and unmapped after. It maps the memfd again private and read-only for later loads and
-closes the descriptor: the node seals it against writing at SHM_COMMIT, which the kernel refuses
-while a writable shared mapping exists.
+a shared writable mapping advised for them, faulted in with one call and unmapped after. It
+maps the memfd again private and read-only for later loads and closes the descriptor: the node
+seals it against writing at SHM_COMMIT, which the kernel refuses while a writable shared
+mapping exists.
 
 Loads: an SHM_GET passes a value's memfd; `check_sealed` refuses one that is not sealed against
 shrinking, growing and writing (a node not to be trusted, or another process's doing), and
@@ -115,6 +116,8 @@ def write_value(
     length = len(value)
     try:
         size = check_sealed(fd, length, SEALS_OPEN)
+        # The host's mode is read per store (a few us against milliseconds of copy): an operator
+        # who sets "advise" gets huge pages from the next store on, no restart.
         if os.fstat(fd).st_blocks * 512 >= size or shmem_huge_pages() != "advise":
             try:
                 checksum = pwrite_hashed(fd, value.cast("B"), algo, checksummer)
