@@ -8,7 +8,9 @@ copy thread, then issuing one `copy_` per (chunk, tensor) run, hundreds per 16 M
 re-taking the GIL that at TP=1 the worker shares with vLLM's scheduler loop. This compares the
 per-run loop (`copy_runs`), one `_foreach_copy_` for all runs (`copy_runs_foreach`) and the
 worker's copy since run 26 (`SectionCopier`) and `PieceCopier` (copy_method "pieces": every run as
-one cudaMemcpyAsync, or memcpy on the CPU, all issued by one call into C without the GIL; needs
+one piece of a cudaMemcpyBatchAsync where the CUDA runtime has it, also timed as one
+cudaMemcpyAsync per piece ("pieces-loop"), or memcpy on the CPU, all issued by one call into C
+without the GIL; needs
 `memkv_vllm._copy_pieces` built, `python3 setup.py build_ext --inplace`), all from
 `memkv_vllm/direct/copies.py`, loaded here from its file so that no vLLM is needed: the GPU host
 image has torch but not vLLM.
@@ -132,6 +134,9 @@ def main() -> None:
     if copies._copy_pieces is not None:
         pieces = copies.PieceCopier(tensors, staging)
         impls["pieces"] = lambda s: on_stream(lambda nb: pieces.copy(sections, s, nb))
+        if pieces.batched:  # the default where the runtime has cudaMemcpyBatchAsync: its loop beside it
+            pieces_loop = copies.PieceCopier(tensors, staging, batch=False)
+            impls["pieces-loop"] = lambda s: on_stream(lambda nb: pieces_loop.copy(sections, s, nb))
     else:
         print("memkv_vllm._copy_pieces is not built: PieceCopier is not timed")
     for n in args.scratch_chunks:

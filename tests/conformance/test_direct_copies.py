@@ -8,12 +8,17 @@ the sections' value bytes). CPU tensors stand in for the GPU, as in the rest of 
 
 from __future__ import annotations
 
+import ctypes
+import logging
+
+import numpy as np
 import pytest
 import torch
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from memkv_vllm.direct.copies import PieceCopier, PiecesUnavailable, SectionCopier, copy_runs
+from memkv_vllm import _copy_pieces
+from memkv_vllm.direct.copies import CudaRuntime, PieceCopier, PiecesUnavailable, SectionCopier, copy_runs
 
 pytestmark = pytest.mark.conformance
 
@@ -156,3 +161,113 @@ def test_tensors_it_cannot_address_as_rows_are_refused_at_construction():
         PieceCopier([torch.zeros(4, 16, dtype=torch.float16)], staging)
     with pytest.raises(PiecesUnavailable, match="contiguous rows"):
         PieceCopier([torch.zeros(16, 4, dtype=torch.int8).t()], staging)
+
+
+# cudaMemcpyBatchAsync, as the CUDA runtime declares it (driver_types.h, 12.8+), stood in for by
+# ctypes callbacks that copy with memmove: the runtime is the boundary this host cannot run.
+class _MemLocation(ctypes.Structure):
+    _fields_ = [("type", ctypes.c_int), ("id", ctypes.c_int)]
+
+
+class _MemcpyAttributes(ctypes.Structure):
+    _fields_ = [("src_access_order", ctypes.c_int), ("src_hint", _MemLocation), ("dst_hint", _MemLocation),
+                ("flags", ctypes.c_uint)]
+
+
+_U64P, _SIZEP = ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_size_t)
+_BATCH_13 = ctypes.CFUNCTYPE(ctypes.c_int, _U64P, _U64P, _U64P, ctypes.c_size_t, ctypes.POINTER(_MemcpyAttributes),
+                             _SIZEP, ctypes.c_size_t, ctypes.c_void_p)
+_BATCH_12 = ctypes.CFUNCTYPE(ctypes.c_int, _U64P, _U64P, _U64P, ctypes.c_size_t, ctypes.POINTER(_MemcpyAttributes),
+                             _SIZEP, ctypes.c_size_t, _SIZEP, ctypes.c_void_p)
+
+
+class FakeBatchCopy:
+    """Records each call (count, attributes, stream) and copies every piece, or fails with `error`."""
+
+    def __init__(self, version: int, error: int = 0) -> None:
+        self.calls: list[tuple[int, tuple[int, int, int, int, int, int], int | None]] = []
+        self.error = error
+        if version >= 13000:
+            self.fn = _BATCH_13(lambda d, s, z, n, a, i, na, stream: self._copy(d, s, z, n, a, i, na, stream))
+        else:
+            self.fn = _BATCH_12(lambda d, s, z, n, a, i, na, fail, stream: self._copy(d, s, z, n, a, i, na, stream))
+        self.address = ctypes.cast(self.fn, ctypes.c_void_p).value
+
+    def _copy(self, dsts, srcs, sizes, count, attrs, idxs, num_attrs, stream) -> int:
+        a = attrs[0]
+        assert num_attrs == 1 and idxs[0] == 0  # one set of attributes, for every piece
+        self.calls.append((count, (a.src_access_order, a.src_hint.type, a.src_hint.id, a.dst_hint.type,
+                                   a.dst_hint.id, a.flags), stream))
+        if self.error:
+            return self.error
+        for k in range(count):
+            ctypes.memmove(dsts[k], srcs[k], sizes[k])
+        return 0
+
+
+def _pieces(n: int, size: int, gen):
+    src = np.frombuffer(torch.randint(0, 255, (n * size,), dtype=torch.uint8, generator=gen).numpy().tobytes(),
+                        dtype=np.uint8).copy()
+    dst = np.zeros(n * size, dtype=np.uint8)
+    order = np.array(torch.randperm(n, generator=gen).tolist(), dtype=np.uint64)  # scattered destinations
+    srcs = src.ctypes.data + np.arange(n, dtype=np.uint64) * np.uint64(size)
+    dsts = dst.ctypes.data + order * np.uint64(size)
+    want = np.zeros_like(dst).reshape(n, size)
+    want[order.astype(np.int64)] = src.reshape(n, size)
+    return src, dst, srcs, dsts, want.reshape(-1)
+
+
+@pytest.mark.parametrize("version", [12080, 13000], ids=["cuda-12.8-signature", "cuda-13-signature"])
+@pytest.mark.parametrize("kind", [1, 2], ids=["host-to-device", "device-to-host"])
+def test_a_batch_is_one_batched_call_of_every_piece_in_stream_order(version, kind):
+    """Every piece goes to the runtime in ONE cudaMemcpyBatchAsync, called with the signature of
+    the runtime's version, the caller's stream, sources read in stream order, the host/device
+    hints of the direction; the bytes land where the per-piece copy would put them."""
+    gen = torch.Generator().manual_seed(version + kind)
+    src, dst, srcs, dsts, want = _pieces(300, 96, gen)
+    batch = FakeBatchCopy(version)
+    sizes = np.full(300, 96, dtype=np.uint64)
+    assert _copy_pieces.copy_pieces(0, kind, 0xABC0, dsts, srcs, sizes, batch.address, version, 3) == 0
+    host, device = (2, 0), (1, 3)  # cudaMemLocationTypeHost, id 0; cudaMemLocationTypeDevice, the GPU's index
+    src_hint, dst_hint = (host, device) if kind == 1 else (device, host)
+    assert batch.calls == [(300, (1, *src_hint, *dst_hint, 0), 0xABC0)]
+    assert np.array_equal(dst, want)
+
+
+def test_a_failed_batch_is_copied_piece_by_piece_and_its_error_returned():
+    gen = torch.Generator().manual_seed(11)
+    src, dst, srcs, dsts, want = _pieces(50, 40, gen)
+    batch = FakeBatchCopy(13000, error=1)  # cudaErrorInvalidValue
+    sizes = np.full(50, 40, dtype=np.uint64)
+    assert _copy_pieces.copy_pieces(0, 1, 7, dsts, srcs, sizes, batch.address, 13000, 0) == 1
+    assert len(batch.calls) == 1
+    assert np.array_equal(dst, want)  # by the loop (memcpy here: fn 0)
+
+
+def test_the_copier_warns_once_and_stops_batching_after_a_failed_batch(caplog):
+    """A runtime that refuses the batched call costs one failed call, not one per batch, and no
+    byte: the copier says so and copies piece by piece from then on."""
+    page, gen = 64, torch.Generator().manual_seed(13)
+    kv = [torch.zeros(10, page, dtype=torch.int8) for _ in range(2)]
+    staging = torch.randint(-128, 127, (20 * page,), dtype=torch.int8, generator=gen)
+    runs = [(0, 2, 3, page, 0), (1, 7, 2, page, 5 * page)]
+    copier = PieceCopier(kv, staging)
+    batch = FakeBatchCopy(13000, error=801)  # cudaErrorNotSupported
+    copier._runtime = CudaRuntime(0, batch.address, 13000)  # CPU tensors: memcpy is the per-piece copy
+    assert copier.batched
+    with caplog.at_level(logging.WARNING, logger="memkv_vllm.direct.copies"):
+        copier.copy([(0, runs)], False, False)
+        copier.copy([(0, runs)], False, False)
+    assert len(batch.calls) == 1 and not copier.batched
+    assert [r.getMessage() for r in caplog.records if "cudaMemcpyBatchAsync" in r.getMessage()] == [
+        "MemKV direct mode: cudaMemcpyBatchAsync failed with CUDA error 801 (runtime 13000); this batch and the next "
+        "are copied one cudaMemcpyAsync per piece"]
+    want = [torch.zeros_like(t) for t in kv]
+    copy_runs(want, staging, runs, to_staging=False, non_blocking=False)
+    assert all(torch.equal(w, g) for w, g in zip(want, kv))
+
+
+def test_a_copier_told_not_to_batch_or_on_cpu_copies_piece_by_piece():
+    kv, staging = [torch.zeros(4, 16, dtype=torch.int8)], torch.zeros(64, dtype=torch.int8)
+    assert not PieceCopier(kv, staging).batched  # CPU tensors: memcpy per piece
+    assert not PieceCopier(kv, staging, batch=False).batched

@@ -41,7 +41,8 @@ class DirectSettings:
     # the KV cache (copies.SectionCopier); 0: one copy_ per (chunk, tensor) run, no GPU memory
     copy_scratch_mb: int = DEFAULT_COPY_SCRATCH_MB
     # How a batch of chunks moves between staging and the KV cache: "pieces" (copies.PieceCopier:
-    # one call into C per batch, one cudaMemcpyAsync per run without the GIL, no GPU memory; on an
+    # one call into C per batch without the GIL: one cudaMemcpyBatchAsync, or a cudaMemcpyAsync per
+    # run where the runtime is older than 12.8; no GPU memory; on an
     # H100 a 32k load 5-9x faster than "scratch", docs/direct-mode.md) or "scratch"
     # (copies.SectionCopier, through copy_scratch_mb of GPU memory; also where pieces cannot run)
     copy_method: str = PIECES

@@ -9,8 +9,10 @@ consecutive `page`-byte pieces of staging (worker.py `_chunk_runs` builds them).
 from __future__ import annotations
 
 import ctypes
+import logging
 from collections.abc import Sequence
 from math import gcd
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -21,6 +23,8 @@ except ImportError:  # not built (no C compiler at install): the worker copies t
     _copy_pieces = None  # type: ignore[assignment]
 
 Run = tuple[int, int, int, int, int]
+
+log = logging.getLogger(__name__)
 
 
 def copy_runs(tensors: Sequence[torch.Tensor], staging: torch.Tensor, runs: Sequence[Run], to_staging: bool,
@@ -165,10 +169,18 @@ class PiecesUnavailable(RuntimeError):
     """PieceCopier cannot run here (the reason is the message): the worker uses SectionCopier."""
 
 
-def cuda_memcpy_async() -> int | None:
-    """The address of cudaMemcpyAsync in the CUDA runtime this process loaded (torch's, so that
-    its streams and device pointers are the runtime's own); None where none is loaded as a shared
-    library (a runtime linked statically into torch)."""
+class CudaRuntime(NamedTuple):
+    """The copy entry points of the CUDA runtime this process loaded (addresses)."""
+
+    memcpy_async: int  # cudaMemcpyAsync
+    memcpy_batch_async: int  # cudaMemcpyBatchAsync (CUDA 12.8+), 0 where this runtime has none
+    version: int  # cudaRuntimeGetVersion: 13000 for 13.0 (the batch call's signature depends on it)
+
+
+def cuda_runtime() -> CudaRuntime | None:
+    """The CUDA runtime this process loaded (torch's, so that its streams and device pointers are
+    the runtime's own); None where none is loaded as a shared library (a runtime linked statically
+    into torch)."""
     paths = set()
     with open("/proc/self/maps") as maps:
         for line in maps:
@@ -177,17 +189,24 @@ def cuda_memcpy_async() -> int | None:
                 paths.add(fields[5].strip())
     for path in sorted(paths):
         try:
-            fn = ctypes.CDLL(path).cudaMemcpyAsync  # dlopen of a loaded library: the same copy
+            lib = ctypes.CDLL(path)  # dlopen of a loaded library: the same runtime
+            memcpy_async = ctypes.cast(lib.cudaMemcpyAsync, ctypes.c_void_p).value
+            version = ctypes.c_int(0)
+            if lib.cudaRuntimeGetVersion(ctypes.byref(version)) != 0:
+                continue
         except (OSError, AttributeError):
             continue
-        return ctypes.cast(fn, ctypes.c_void_p).value
+        batch = getattr(lib, "cudaMemcpyBatchAsync", None) if version.value >= 12080 else None
+        return CudaRuntime(memcpy_async or 0, ctypes.cast(batch, ctypes.c_void_p).value or 0 if batch else 0,
+                           version.value)
     return None
 
 
 class PieceCopier:
     """Copies a batch as (destination, source, bytes) pieces issued by ONE call into C with the
-    GIL released (memkv_vllm._copy_pieces): on CUDA one cudaMemcpyAsync per piece on the current
-    stream (staging is pinned: host-registered by the worker), on CPU one memcpy per piece.
+    GIL released (memkv_vllm._copy_pieces): on CUDA one `cudaMemcpyBatchAsync` for the whole batch
+    on the current stream where the runtime has it (12.8+), else one cudaMemcpyAsync per piece
+    (staging is pinned: host-registered by the worker); on CPU one memcpy per piece.
 
     A piece is a run (`copy_runs`' unit): its `blocks` rows of one KV tensor, one piece when
     those rows are contiguous (row stride == page), else one per row. The pieces are computed
@@ -196,10 +215,14 @@ class PieceCopier:
     loop at TP=1 (SectionCopier still makes two torch calls per KV tensor per batch). Every piece
     is checked against its tensor's rows and the staging buffer before anything is copied.
 
+    `batch`: None uses the batched call where the runtime has it, False never (bench/direct_copy.py
+    compares the two). Where a batched call fails, that batch is copied piece by piece, a WARNING
+    names the error, and the copier copies piece by piece from then on.
+
     Raises PiecesUnavailable where it cannot run: the module is not built, a KV tensor is not a
     2-D int8 view with contiguous rows, or the CUDA runtime is not loaded as a shared library."""
 
-    def __init__(self, tensors: Sequence[torch.Tensor], staging: torch.Tensor) -> None:
+    def __init__(self, tensors: Sequence[torch.Tensor], staging: torch.Tensor, batch: bool | None = None) -> None:
         if _copy_pieces is None:
             raise PiecesUnavailable("memkv_vllm._copy_pieces is not built (no C compiler at install)")
         for i, t in enumerate(tensors):
@@ -207,12 +230,13 @@ class PieceCopier:
                 raise PiecesUnavailable(f"KV tensor {i} is not a 2-D int8 view with contiguous rows "
                                         f"({tuple(t.shape)}, {t.dtype}, strides {t.stride()})")
         self.cuda = bool(tensors) and tensors[0].is_cuda
-        fn = 0
+        self._runtime = CudaRuntime(0, 0, 0)  # memcpy, no batched call: CPU tensors
         if self.cuda:
-            fn = cuda_memcpy_async()
-            if fn is None:
+            runtime = cuda_runtime()
+            if runtime is None:
                 raise PiecesUnavailable("no CUDA runtime loaded as a shared library (libcudart.so)")
-        self._fn = fn
+            self._runtime = runtime if batch is not False else runtime._replace(memcpy_batch_async=0)
+        self._device = tensors[0].device.index or 0 if self.cuda else 0
         self._base = np.array([t.data_ptr() for t in tensors], dtype=np.int64)
         self._stride = np.array([t.stride(0) for t in tensors], dtype=np.int64)
         self._rows = np.array([t.shape[0] for t in tensors], dtype=np.int64)
@@ -220,6 +244,11 @@ class PieceCopier:
         self._staging = int(staging.data_ptr())
         self._staging_bytes = staging.numel() * staging.element_size()
         self._keep = (list(tensors), staging)  # the pointers above stay valid while we hold these
+
+    @property
+    def batched(self) -> bool:
+        """Whether a batch goes to the GPU as one cudaMemcpyBatchAsync."""
+        return bool(self._runtime.memcpy_batch_async)
 
     def copy(self, sections: Sequence[tuple[int, Sequence[Run]]], to_staging: bool, non_blocking: bool) -> None:
         runs = np.array([(t, b, n, p, base + off) for base, rs in sections for t, b, n, p, off in rs],
@@ -243,7 +272,13 @@ class PieceCopier:
         dst, src = (host, device) if to_staging else (device, host)
         kind = CUDA_MEMCPY_DEVICE_TO_HOST if to_staging else CUDA_MEMCPY_HOST_TO_DEVICE
         stream = torch.cuda.current_stream().cuda_stream if self.cuda else 0
-        _copy_pieces.copy_pieces(self._fn, kind, stream, dst.astype(np.uint64), src.astype(np.uint64),
-                                 size.astype(np.uint64))
+        rt = self._runtime
+        failed = _copy_pieces.copy_pieces(rt.memcpy_async, kind, stream, dst.astype(np.uint64),
+                                          src.astype(np.uint64), size.astype(np.uint64), rt.memcpy_batch_async,
+                                          rt.version, self._device)
+        if failed:
+            log.warning("MemKV direct mode: cudaMemcpyBatchAsync failed with CUDA error %d (runtime %d); this batch "
+                        "and the next are copied one cudaMemcpyAsync per piece", failed, rt.version)
+            self._runtime = rt._replace(memcpy_batch_async=0)
         if self.cuda and not non_blocking:
             torch.cuda.current_stream().synchronize()

@@ -28,8 +28,9 @@ GPU ordering: a job's copies run on this worker's side stream, which first waits
 stream that was current at submit (the compute that wrote a store's blocks; pending zeroing of
 blocks re-allocated to a load). A batch of chunks moves through the stream's GPU scratch
 (copies.SectionCopier, `copy_scratch_mb`): one host <-> GPU copy per chunk, one gather/scatter
-per KV tensor; or, with `copy_method` "pieces", as one cudaMemcpyAsync per run, all issued by one
-call into C without the GIL (copies.PieceCopier). "leased": a batch (every fetched chunk that is ready, or one gather of up to
+per KV tensor; or, with `copy_method` "pieces", as one piece per run, all issued by one call into
+C without the GIL (copies.PieceCopier): one cudaMemcpyBatchAsync where the runtime has it, else a
+cudaMemcpyAsync per piece. "leased": a batch (every fetched chunk that is ready, or one gather of up to
 `blocks_per_op`) is queued on the direction's side stream at once and waited for with one
 event. CPU tensors (the conformance suite) copy synchronously, through the same batches.
 The staging region is mapped and host-registered with CUDA (pinned) once, in get_worker.
@@ -318,8 +319,8 @@ class MemKVDirectWorker(OffloadingWorker):
             log.warning('MemKV direct mode: rank %d: memkv.copy_method "pieces" cannot run here (%s); copies go '
                         'through the scratch ("scratch")', self.layout.rank, exc)
             return None
-        log.info("MemKV direct mode: rank %d copies chunks as pieces, one call per batch (memkv.copy_method)",
-                 self.layout.rank)
+        log.info("MemKV direct mode: rank %d copies chunks as pieces, one call per batch (memkv.copy_method): %s",
+                 self.layout.rank, "one cudaMemcpyBatchAsync" if copier.batched else "a copy per piece")
         return copier
 
     def get_finished(self) -> list[TransferResult]:
