@@ -51,6 +51,7 @@ from __future__ import annotations
 import argparse
 import glob
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -125,6 +126,40 @@ def ttft_chunk_bytes(spec: dict) -> int:
     return 2 * shape["num_hidden_layers"] * shape["num_key_value_heads"] * head * 2 * BLOCK_TOKENS
 
 
+class StageLog(logging.Handler):
+    """Direct mode's timing records (memkv_vllm.direct.timing, with --timing), summed per run:
+    lookup_s (first lookup -> load prepared), load_s (the load jobs' wall time), fetch_s (network
+    thread-seconds over the fetch threads: the mean thread's busy time), copy_s (staging -> GPU),
+    overlap_s (fetch_s + copy_s - load_s: how long both ran at once) and store_s (store jobs)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.records: list[tuple[str, tuple]] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append((str(record.msg), tuple(record.args or ())))
+
+    def summary(self, first: int) -> dict[str, float]:
+        out: dict[str, float] = {}
+        for msg, a in self.records[first:]:
+            if msg.startswith("request ") and "prepared" in msg:
+                out["lookup_s"] = out.get("lookup_s", 0.0) + a[2]
+            elif msg.startswith("rank ") and len(a) >= 12:
+                # (rank, "load"|"store", job, chunks, MiB, took, GB/s, first, net_s, threads, copy_s, slot_wait_s)
+                if a[1] == "store":
+                    out["store_s"] = out.get("store_s", 0.0) + a[5]
+                    continue
+                fetch = a[8] / max(a[9], 1)
+                for k, v in (
+                    ("load_s", a[5]),
+                    ("fetch_s", fetch),
+                    ("copy_s", a[10]),
+                    ("overlap_s", fetch + a[10] - a[5]),
+                ):
+                    out[k] = out.get(k, 0.0) + v
+        return out
+
+
 def engine_child(spec: dict) -> int:
     result: dict = {"mode": spec["mode"], "role": spec["role"], "spec": spec, "runs": [], "errors": []}
 
@@ -133,13 +168,13 @@ def engine_child(spec: dict) -> int:
             json.dump(result, f, indent=1)
         os.replace(spec["out"] + ".tmp", spec["out"])
 
+    stage_log = StageLog()
     if spec.get("timing"):  # direct mode's per-job stage times (DEBUG, its own logger)
-        import logging
-
         handler = logging.StreamHandler(sys.stdout)
         handler.setFormatter(logging.Formatter("[timing %(asctime)s] %(message)s"))
         timing = logging.getLogger("memkv_vllm.direct.timing")
         timing.addHandler(handler)
+        timing.addHandler(stage_log)
         timing.setLevel(logging.DEBUG)
     import memkv_vllm
 
@@ -195,6 +230,7 @@ def engine_child(spec: dict) -> int:
 
     def run(phase: str, tokens: int, ids: list[int]) -> None:
         before = totals(obj)
+        first_record = len(stage_log.records)
         t0 = time.perf_counter()
         out = llm.generate([TokensPrompt(prompt_token_ids=ids)], sp, use_tqdm=False)[0]
         seconds = time.perf_counter() - t0
@@ -210,6 +246,7 @@ def engine_child(spec: dict) -> int:
         }
         settle()
         rec["counters_after_settle"] = ttft.diff(totals(obj), before)
+        rec["stages"] = stage_log.summary(first_record)
         loaded = sum(v for k, v in rec["counters_after_settle"].items() if "load_bytes" in k)
         chunk_bytes = result.get("chunk_bytes") or ttft_chunk_bytes(spec)
         rec["chunks_loaded"] = int(loaded // chunk_bytes)
@@ -217,6 +254,7 @@ def engine_child(spec: dict) -> int:
         log(
             f"[{spec['mode']}/{spec['role']}] {phase:<9} {tokens:>6} tok: {seconds:.3f} s  tok={rec['token_ids']} "
             f"memkv_load={loaded / 2**30:.2f} GiB chunks={rec['chunks_loaded']}/{rec['prompt_chunks']}"
+            + "".join(f" {k}={v:.3f}" for k, v in rec["stages"].items())
         )
         result["runs"].append(rec)
         save()
@@ -232,6 +270,9 @@ def engine_child(spec: dict) -> int:
                 run("recompute", tokens, ids)
                 llm.reset_prefix_cache(reset_connector=True)
                 run("memkv", tokens, ids)
+                if spec["mode"] == "tier":  # the CPU pool holds the prompt now: only the GPU cache is emptied
+                    llm.reset_prefix_cache()
+                    run("pool", tokens, ids)
             else:
                 run("restart", tokens, ids)
         result["proc_status"] = proc_status()
@@ -348,7 +389,7 @@ def main() -> int:
     outputs: dict[int, set] = {}
     print(
         f"\n{'mode':<7} {'role':<8} {'tokens':>6} {'phase':<9} {'TTFT s':>8} {'MemKV GiB':>9} {'chunks':>11} "
-        f"{'pinned GiB':>10}"
+        f"{'pinned GiB':>10}  stages s (--timing: lookup, load job, fetch, copy, overlap; store jobs)"
     )
     for e in engines:
         for r in e.get("runs", []):
@@ -356,7 +397,8 @@ def main() -> int:
             chunks = f"{r.get('chunks_loaded', '?')}/{r.get('prompt_chunks', '?')}"
             print(
                 f"{e['mode']:<7} {e['role']:<8} {r['tokens']:>6} {r['phase']:<9} {r['seconds']:>8.3f} "
-                f"{loaded / 2**30:>9.3f} {chunks:>11} {e.get('pinned_bytes', 0) / 2**30:>10.2f}"
+                f"{loaded / 2**30:>9.3f} {chunks:>11} {e.get('pinned_bytes', 0) / 2**30:>10.2f}  "
+                + " ".join(f"{k[:-2]}={v:.3f}" for k, v in r.get("stages", {}).items())
             )
             outputs.setdefault(r["tokens"], set()).add(tuple(r["token_ids"]))
             # A chunk-aligned prompt may recompute its last chunk (vLLM computes the last token itself).
@@ -367,7 +409,11 @@ def main() -> int:
                 and sp.get("load_guarantee") == "staged"
                 and r.get("prompt_chunks", 0) * e.get("chunk_bytes", 0) > sp.get("staging_mb", 0) * 2**20
             )
-            if r["phase"] != "recompute" and not capped and r.get("chunks_loaded", 0) < r.get("prompt_chunks", 0) - 1:
+            if (
+                r["phase"] not in ("recompute", "pool")
+                and not capped
+                and r.get("chunks_loaded", 0) < r.get("prompt_chunks", 0) - 1
+            ):
                 bad.append(
                     f"{e['mode']}/{e['role']} {r['tokens']} tokens: reused {chunks} chunks, not the whole prompt"
                 )
