@@ -613,10 +613,15 @@ def test_sigterm_exits_zero_promptly_and_clients_then_see_misses(start_node, mak
     assert time.monotonic() - started < 1.0 + 0.5 + MARGIN_S
 
 
-def test_a_node_crashing_in_native_code_leaves_every_threads_python_stack_in_its_log(auth_key_hex) -> None:
+def test_a_node_crashing_in_native_code_leaves_its_threads_python_stacks_in_its_log(auth_key_hex) -> None:
     """`memkv serve` enables faulthandler: a segfault (NIXL/UCX and the compiled loop are native
-    code) ends the process as before (-11) but first writes where each thread was, so the log
-    says more than an exit code. No core file is left behind (RLIMIT_CORE 0 in the child)."""
+    code) ends the process as before (-11) but first writes where its threads were, so the log
+    says more than an exit code. No core file is left behind (RLIMIT_CORE 0 in the child).
+
+    faulthandler reads the other threads' frames without the GIL, so a thread that wakes from a
+    timed wait during the dump can cut it short (seen once in a full run: the dump ended inside
+    the main thread's stack). What holds every time is the fatal error line and the stack of
+    the threads it reached, which are named from the node's own code and threads."""
     import resource
 
     def no_core() -> None:
@@ -630,7 +635,9 @@ def test_a_node_crashing_in_native_code_leaves_every_threads_python_stack_in_its
         node.stop()
     log = "".join(node.output)
     assert "Fatal Python error: Segmentation fault" in log
-    assert "in serve_forever" in log and "in cmd_serve" in log, log[-2000:]
+    stacks = re.findall(r"[Tt]hread 0x[0-9a-f]+ \(most recent call first\):\n((?:  File .*\n?)+)", log)
+    assert stacks, log[-2000:]
+    assert any("/memkv/" in stack or "threading.py" in stack for stack in stacks), log[-2000:]
 
 
 # --------------------------------------------------------------------------------------------
