@@ -615,13 +615,15 @@ def test_sigterm_exits_zero_promptly_and_clients_then_see_misses(start_node, mak
 
 def test_a_node_crashing_in_native_code_leaves_its_threads_python_stacks_in_its_log(auth_key_hex) -> None:
     """`memkv serve` enables faulthandler: a segfault (NIXL/UCX and the compiled loop are native
-    code) ends the process as before (-11) but first writes where its threads were, so the log
-    says more than an exit code. No core file is left behind (RLIMIT_CORE 0 in the child).
+    code) ends the process as before (-11) but first writes the fatal error and where its
+    threads were, so the log says more than an exit code. No core file is left behind
+    (RLIMIT_CORE 0 in the child).
 
-    faulthandler reads the other threads' frames without the GIL, so a thread that wakes from a
-    timed wait during the dump can cut it short (seen once in a full run: the dump ended inside
-    the main thread's stack). What holds every time is the fatal error line and the stack of
-    the threads it reached, which are named from the node's own code and threads."""
+    faulthandler reads the other threads' frames without the GIL: a thread running Python
+    code during the dump can cut it short (seen in full runs on two vCPUs: the dump ended at
+    the main thread's header, or inside its stack). So the fatal error line and at least one
+    thread's header are asserted every time, and the frames written, when there are any, must
+    be the node's own; Python without faulthandler writes none of this."""
     import resource
 
     def no_core() -> None:
@@ -635,9 +637,9 @@ def test_a_node_crashing_in_native_code_leaves_its_threads_python_stacks_in_its_
         node.stop()
     log = "".join(node.output)
     assert "Fatal Python error: Segmentation fault" in log
-    stacks = re.findall(r"[Tt]hread 0x[0-9a-f]+ \(most recent call first\):\n((?:  File .*\n?)+)", log)
-    assert stacks, log[-2000:]
-    assert any("/memkv/" in stack or "threading.py" in stack for stack in stacks), log[-2000:]
+    assert re.search(r"[Tt]hread 0x[0-9a-f]+ \(most recent call first\):", log), log[-2000:]
+    frames = re.findall(r'^  File "([^"]+)", line \d+ in \w+', log, re.MULTILINE)
+    assert all("/memkv/" in f or "/lib/python3" in f or f.startswith("<frozen ") for f in frames), log[-2000:]
 
 
 # --------------------------------------------------------------------------------------------
