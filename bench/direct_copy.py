@@ -10,14 +10,16 @@ per-run loop (`copy_runs`), one `_foreach_copy_` for all runs (`copy_runs_foreac
 worker's copy since run 26 (`SectionCopier`) and `PieceCopier` (copy_method "pieces": every run as
 one piece of a cudaMemcpyBatchAsync where the CUDA runtime has it, also timed as one
 cudaMemcpyAsync per piece ("pieces-loop"), or memcpy on the CPU, all issued by one call into C
-without the GIL; needs
+without the GIL; "pieces-tuples" is the same copier handed each chunk's runs as Python tuples
+instead of the worker's int64 arrays (`chunk_runs`); needs
 `memkv_vllm._copy_pieces` built, `python3 setup.py build_ext --inplace`), all from
 `memkv_vllm/direct/copies.py`, loaded here from its file so that no vLLM is needed: the GPU host
 image has torch but not vLLM.
 
 What runs: KV tensors shaped like the 32B model's pages (`--layers` x K and V, 16-token pages of
 `--page-kib`), a staging buffer of `--chunks` chunks, each chunk's runs as the worker builds them
-(one run per tensor: 4 consecutive pages, or one per page with `--shuffle`); per repetition, in
+(`chunk_runs`, the worker's own builder: one run per tensor of 4 consecutive pages, or one per
+page with `--shuffle`); per repetition, in
 alternating order, each implementation alone and beside a thread that spins in Python (the
 scheduler's loop with nothing to do). The KV tensors are compared with the staging bytes after
 every copy. `--device cpu` (default): CPU tensors; `--device cuda`: KV tensors on the GPU, staging
@@ -93,15 +95,14 @@ def main() -> None:
     blocks = torch.arange(num_blocks)
     if args.shuffle:  # blocks of a long-lived engine: no two consecutive, one run per page
         blocks = blocks[torch.randperm(num_blocks, generator=torch.Generator().manual_seed(1))]
-    block_of = [int(b) for b in blocks]
-    rel = [
-        [(t, block_of[c * ppc + j], 1, page, t * ppc * page + j * page) for t in range(n_tensors) for j in range(ppc)]
-        if args.shuffle
-        else [(t, c * ppc, ppc, page, t * ppc * page) for t in range(n_tensors)]
-        for c in range(args.chunks)
-    ]
+    # The worker's own run builder: one KV group whose layers are the tensors, each chunk's pages
+    # of tensor t at t * ppc * page in its section.
+    group = [(t, page, t * ppc * page) for t in range(n_tensors)]
+    rel_arrays = copies.chunk_runs(blocks.tolist(), [num_blocks], [0], [group], ppc, args.chunks)
+    rel = [copies.as_tuples(r) for r in rel_arrays]
     runs = [(t, b, n, p, c * section + off) for c in range(args.chunks) for t, b, n, p, off in rel[c]]
-    sections = [(c * section, rel[c]) for c in range(args.chunks)]
+    sections = [(c * section, rel_arrays[c]) for c in range(args.chunks)]  # as the worker hands them over
+    tuple_sections = [(c * section, rel[c]) for c in range(args.chunks)]
     stream = torch.cuda.Stream() if cuda else None
 
     def on_stream(fn):
@@ -134,6 +135,8 @@ def main() -> None:
     if copies._copy_pieces is not None:
         pieces = copies.PieceCopier(tensors, staging)
         impls["pieces"] = lambda s: on_stream(lambda nb: pieces.copy(sections, s, nb))
+        # The same copier handed Python tuples (the worker's runs before they were arrays).
+        impls["pieces-tuples"] = lambda s: on_stream(lambda nb: pieces.copy(tuple_sections, s, nb))
         if pieces.batched:  # the default where the runtime has cudaMemcpyBatchAsync: its loop beside it
             pieces_loop = copies.PieceCopier(tensors, staging, batch=False)
             impls["pieces-loop"] = lambda s: on_stream(lambda nb: pieces_loop.copy(sections, s, nb))

@@ -82,6 +82,7 @@ def kv_transfer_config(spec: dict) -> dict | None:
             extra["memkv"]["copy_scratch_mb"] = spec["copy_scratch_mb"]
         if spec.get("copy_method") is not None:
             extra["memkv"]["copy_method"] = spec["copy_method"]
+        extra["memkv"].update(spec.get("memkv_keys") or {})
     else:
         extra = {
             "spec_name": "TieringOffloadingSpec",
@@ -307,6 +308,13 @@ def main() -> int:
         choices=("leased", "staged"),
         help="direct mode's load_guarantee (default: staged; the key's own default is leased on vLLM 0.34+)",
     )
+    ap.add_argument(
+        "--memkv",
+        action="append",
+        default=[],
+        metavar="KEY=JSON",
+        help="another key of direct mode's memkv extra config, e.g. n_read_threads=16 (repeatable)",
+    )
     ap.add_argument("--cpu-gib", type=float, default=24.0)
     ap.add_argument("--nodes", type=int, default=4)
     ap.add_argument("--node-capacity", default="24GiB")
@@ -340,6 +348,12 @@ def main() -> int:
         "PYTHONHASHSEED": "0",
     }  # block hashes equal across engine processes (restart reuse)
     tokens = [int(t) for t in args.tokens.split(",")]
+    memkv_keys = {}
+    for item in args.memkv:
+        key, sep, value = item.partition("=")
+        if not sep:
+            ap.error(f"--memkv {item!r}: expected KEY=JSON")
+        memkv_keys[key] = json.loads(value)
     engines = []
     try:
         for mode in args.modes.split(","):
@@ -352,6 +366,7 @@ def main() -> int:
                     "load_guarantee": args.load_guarantee,
                     "copy_scratch_mb": args.copy_scratch_mb,
                     "copy_method": args.copy_method,
+                    "memkv_keys": memkv_keys,
                     "cpu_gib": args.cpu_gib,
                     "shape": args.shape,
                     "tp": args.tp,

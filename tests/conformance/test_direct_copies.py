@@ -18,7 +18,8 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from memkv_vllm import _copy_pieces
-from memkv_vllm.direct.copies import CudaRuntime, PieceCopier, PiecesUnavailable, SectionCopier, copy_runs
+from memkv_vllm.direct.copies import (CudaRuntime, PieceCopier, PiecesUnavailable, SectionCopier, chunk_runs,
+                                      copy_runs, run_bytes)
 
 pytestmark = pytest.mark.conformance
 
@@ -57,6 +58,84 @@ def _tensors(widths, gen):
 
 def _absolute(sections):
     return [(t, b, n, p, base + off) for base, runs in sections for t, b, n, p, off in runs]
+
+
+@st.composite
+def jobs(draw):
+    """A job's GPU blocks as vLLM hands them over: per KV group a prompt position and blocks that
+    are partly consecutive (as vLLM's allocator often leaves them), partly scattered."""
+    bpc = draw(st.integers(1, 4))
+    groups, block_ids, sizes, indices = [], [], [], []
+    for _ in range(draw(st.integers(1, 3))):
+        pages = draw(st.lists(st.sampled_from([8, 16, 24]), min_size=1, max_size=3))
+        entries, offset = [], 0
+        for page in pages:
+            entries.append((draw(st.integers(0, 5)), page, offset))
+            offset += bpc * page
+        groups.append(entries)
+        n = draw(st.integers(0, 9))
+        ids: list[int] = []
+        while len(ids) < n:
+            start, length = draw(st.integers(0, 200)), draw(st.integers(1, 4))
+            ids += range(start, start + length)
+        block_ids += ids[:n]
+        sizes.append(n)
+        indices.append(draw(st.integers(0, 50)))
+    n_chunks = sum(-(-(n + i % bpc) // bpc) for n, i in zip(sizes, indices) if n)
+    return bpc, groups, block_ids, sizes, indices, n_chunks
+
+
+@settings(max_examples=300, deadline=None)
+@given(jobs())
+def test_chunk_runs_place_every_block_where_vllms_rule_puts_it(job):
+    """Each GPU block of group g at position j is sub-block (skip + j) % bpc of the group's chunk
+    (skip + j) // bpc, one page per layer; consecutive blocks of one chunk are one run."""
+    bpc, groups, block_ids, sizes, indices, n_chunks = job
+    expected: list[set] = [set() for _ in range(n_chunks)]
+    expected_runs = 0
+    pos = key = 0
+    for g, n in enumerate(sizes):
+        skip = indices[g] % bpc
+        for j in range(n):
+            chunk, sub = divmod(skip + j, bpc)
+            block = block_ids[pos + j]
+            if j == 0 or sub == 0 or block != block_ids[pos + j - 1] + 1:
+                expected_runs += len(groups[g])
+            for t, page, offset in groups[g]:
+                expected[key + chunk].add((t, block, page, offset + sub * page))
+        pos += n
+        key += -(-(n + skip) // bpc) if n else 0
+    got = chunk_runs(block_ids, sizes, indices, groups, bpc, n_chunks)
+    assert len(got) == n_chunks
+    assert sum(len(runs) for runs in got) == expected_runs
+    for chunk, runs in enumerate(got):
+        assert runs.dtype == np.int64 and runs.shape[1:] == (5,)
+        blocks = [(t, b + i, p, o + i * p) for t, b, n, p, o in runs.tolist() for i in range(n)]
+        assert len(blocks) == len(set(blocks)) and set(blocks) == expected[chunk]
+        assert run_bytes(runs) == sum(p for _, _, p, _ in blocks)
+
+
+def test_chunk_runs_refuse_a_job_whose_blocks_do_not_cover_its_chunks():
+    groups = [[(0, 16, 0)]]
+    with pytest.raises(AssertionError, match="cover more"):
+        chunk_runs([1, 2, 3], [3], [0], groups, 2, 1)
+    with pytest.raises(AssertionError, match="cover 2"):
+        chunk_runs([1, 2, 3], [3], [0], groups, 2, 3)
+
+
+def test_pieces_take_run_arrays_and_leave_them_as_they_are():
+    """The worker hands PieceCopier each chunk's run array; the section offsets are added to a
+    copy, so a chunk retried in another slot still holds its own offsets."""
+    gen = torch.Generator().manual_seed(3)
+    kv = _tensors([16], gen)
+    runs = chunk_runs([4, 5, 9], [3], [0], [[(0, 16, 0)]], 4, 1)[0]
+    before = runs.copy()
+    staging = torch.zeros(256, dtype=torch.int8)
+    PieceCopier(kv, staging).copy([(64, runs)], True, False)
+    assert (runs == before).all()
+    want = torch.zeros(256, dtype=torch.int8)
+    copy_runs(kv, want, [(t, b, n, p, 64 + o) for t, b, n, p, o in runs.tolist()], True, False)
+    assert torch.equal(staging, want)
 
 
 COPIERS = {

@@ -4,7 +4,9 @@ bench/direct_copy.py can time them on a host without vLLM). The worker uses `Sec
 
 A run is `(tensor idx, first block, blocks, page bytes, byte offset in staging)`: `blocks`
 consecutive rows of KV tensor `tensor idx` (a `(num_blocks, >= page)` int8 view) and as many
-consecutive `page`-byte pieces of staging (worker.py `_chunk_runs` builds them)."""
+consecutive `page`-byte pieces of staging. `chunk_runs` builds a job's runs, one int64 array of
+shape (runs, 5) per chunk, with numpy: a 32k job has tens of thousands of runs, and a Python
+loop over them holds the GIL the worker shares with vLLM's scheduler loop."""
 
 from __future__ import annotations
 
@@ -23,8 +25,78 @@ except ImportError:  # not built (no C compiler at install): the worker copies t
     _copy_pieces = None  # type: ignore[assignment]
 
 Run = tuple[int, int, int, int, int]
+RunArray = np.ndarray  # int64, shape (runs, 5): one Run per row
+Runs = Sequence[Run] | RunArray
 
 log = logging.getLogger(__name__)
+
+
+def chunk_runs(block_ids: Sequence[int] | np.ndarray, group_sizes: Sequence[int], block_indices: Sequence[int],
+               groups: Sequence[Sequence[tuple[int, int, int]]], blocks_per_chunk: int,
+               n_chunks: int) -> list[RunArray]:
+    """Per chunk of a job, its runs (offsets inside the chunk's section) as an int64 array of
+    shape (runs, 5): consecutive GPU blocks that are consecutive sub-blocks of one chunk are one
+    run per layer, in block order, each block's layers in `groups[g]` order.
+
+    `block_ids`: the job's GPU blocks, KV group after KV group (`group_sizes` of them each);
+    `block_indices[g]`: the position in the prompt of group g's first block; `groups[g]`: the
+    group's layers as (tensor idx, page bytes, offset of its pages in a section). vLLM's rule
+    (vllm-spec-api.md 5.3): with `skip = block_indices[g] % blocks_per_chunk`, the group's block j
+    is sub-block `(skip + j) % bpc` of its chunk `(skip + j) // bpc`, and the group takes
+    `ceil((n + skip) / bpc)` of the job's chunks."""
+    bpc = blocks_per_chunk
+    ids_all = np.asarray(block_ids, dtype=np.int64)
+    parts: list[np.ndarray] = []  # per group: (chunk of the job, run) rows
+    pos = 0  # the group's first GPU block in block_ids
+    key = 0  # the group's first chunk
+    for g, n in enumerate(group_sizes):
+        n = int(n)
+        if n == 0:
+            continue
+        skip = int(block_indices[g]) % bpc
+        ids = ids_all[pos : pos + n]
+        if len(ids) != n:
+            raise AssertionError(f"MemKV direct mode: a job's group sizes name {pos + n} GPU block(s), it has "
+                                 f"{len(ids_all)}")
+        place = skip + np.arange(n, dtype=np.int64)
+        chunk, sub = place // bpc, place % bpc
+        start = np.ones(n, dtype=bool)  # a run starts at a new chunk or where the block ids jump
+        start[1:] = (sub[1:] == 0) | (ids[1:] != ids[:-1] + 1)
+        first = np.flatnonzero(start)
+        length = np.diff(np.append(first, n))
+        if key + int(chunk[-1]) >= n_chunks:
+            raise AssertionError(f"MemKV direct mode: a job names {n_chunks} chunk(s) but its GPU blocks cover more")
+        entries = np.asarray(groups[g], dtype=np.int64).reshape(-1, 3)  # (tensor idx, page, offset)
+        m = len(entries)
+        rows = np.empty((len(first) * m, 6), dtype=np.int64)
+        rows[:, 0] = np.repeat(key + chunk[first], m)
+        rows[:, 1] = np.tile(entries[:, 0], len(first))
+        rows[:, 2] = np.repeat(ids[first], m)
+        rows[:, 3] = np.repeat(length, m)
+        rows[:, 4] = np.tile(entries[:, 1], len(first))
+        rows[:, 5] = np.tile(entries[:, 2], len(first)) + np.repeat(sub[first], m) * rows[:, 4]
+        parts.append(rows)
+        pos += n
+        key += -(-(n + skip) // bpc)
+    if key != n_chunks:
+        raise AssertionError(f"MemKV direct mode: a job names {n_chunks} chunk(s) but its GPU blocks cover {key}")
+    if not parts:
+        return [np.empty((0, 5), dtype=np.int64) for _ in range(n_chunks)]
+    rows = np.concatenate(parts)  # chunk numbers never decrease: groups take consecutive chunks
+    bounds = np.searchsorted(rows[:, 0], np.arange(1, n_chunks))
+    return np.split(rows[:, 1:], bounds)
+
+
+def run_bytes(runs: Runs) -> int:
+    """The bytes `runs` move."""
+    if isinstance(runs, np.ndarray):
+        return int((runs[:, 2] * runs[:, 3]).sum())
+    return sum(n * page for _, _, n, page, _ in runs)
+
+
+def as_tuples(runs: Runs) -> Sequence[Run]:
+    """`runs` as Python tuples of ints, for the copiers that loop over them in Python."""
+    return [tuple(r) for r in runs.tolist()] if isinstance(runs, np.ndarray) else runs  # type: ignore[misc]
 
 
 def copy_runs(tensors: Sequence[torch.Tensor], staging: torch.Tensor, runs: Sequence[Run], to_staging: bool,
@@ -210,8 +282,8 @@ class PieceCopier:
 
     A piece is a run (`copy_runs`' unit): its `blocks` rows of one KV tensor, one piece when
     those rows are contiguous (row stride == page), else one per row. The pieces are computed
-    with numpy, so a batch costs a bounded number of Python-level calls, however many runs it
-    has: the per-run cost is in C without the GIL, which the worker shares with vLLM's scheduler
+    with numpy from the chunks' run arrays (`chunk_runs`), so a batch costs a bounded number of
+    Python-level calls, however many runs it has: the per-run cost is in C without the GIL, which the worker shares with vLLM's scheduler
     loop at TP=1 (SectionCopier still makes two torch calls per KV tensor per batch). Every piece
     is checked against its tensor's rows and the staging buffer before anything is copied.
 
@@ -250,11 +322,14 @@ class PieceCopier:
         """Whether a batch goes to the GPU as one cudaMemcpyBatchAsync."""
         return bool(self._runtime.memcpy_batch_async)
 
-    def copy(self, sections: Sequence[tuple[int, Sequence[Run]]], to_staging: bool, non_blocking: bool) -> None:
-        runs = np.array([(t, b, n, p, base + off) for base, rs in sections for t, b, n, p, off in rs],
-                        dtype=np.int64).reshape(-1, 5)
+    def copy(self, sections: Sequence[tuple[int, Runs]], to_staging: bool, non_blocking: bool) -> None:
+        parts = [np.asarray(rs, dtype=np.int64).reshape(-1, 5) for _, rs in sections]
+        if not parts:
+            return
+        runs = np.concatenate(parts)  # a copy: the sections' arrays stay as they are
         if not len(runs):
             return
+        runs[:, 4] += np.repeat(np.array([base for base, _ in sections], dtype=np.int64), [len(r) for r in parts])
         t, block, blocks, page, offset = runs.T
         if ((t < 0) | (t >= len(self._base))).any():
             raise ValueError("PieceCopier: a run names a KV tensor that does not exist")

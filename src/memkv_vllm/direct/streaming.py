@@ -142,7 +142,7 @@ class SlotRing:
 @dataclasses.dataclass
 class Chunk:
     key: bytes  # this rank's MemKV key of the chunk
-    runs: list[tuple[int, int, int, int, int]]  # (tensor idx, first GPU block, blocks, page bytes, offset in section)
+    runs: Any  # copies.RunArray: (tensor idx, first GPU block, blocks, page bytes, offset in section) rows
 
 
 class Job:

@@ -49,7 +49,8 @@ from vllm.v1.kv_offload.base import OffloadingWorker, TransferResult
 
 from memkv_vllm import compat
 from memkv_vllm.direct.config import PIECES, DirectSettings
-from memkv_vllm.direct.copies import PieceCopier, PiecesUnavailable, SectionCopier, copy_runs
+from memkv_vllm.direct.copies import (PieceCopier, PiecesUnavailable, RunArray, SectionCopier, as_tuples, chunk_runs,
+                                      copy_runs, run_bytes)
 from memkv_vllm.direct.layout import StagingLayout
 from memkv_vllm.direct.staging import StagingRegion
 from memkv_vllm.direct.streaming import Chunk, Job, LoadFailed, StreamingTransfers
@@ -163,7 +164,7 @@ class MemKVDirectWorker(OffloadingWorker):
         chunks_runs = self._chunk_runs(gpu_spec, len(keys))
         suffix = b"/r%d" % self.layout.rank
         chunks = [Chunk(k + suffix, runs) for k, runs in zip(keys, chunks_runs)]
-        nbytes = sum(n * page for runs in chunks_runs for _, _, n, page, _ in runs)
+        nbytes = sum(run_bytes(runs) for runs in chunks_runs)
         if not chunks:
             self._done.append(TransferResult(job_id, True, 0, 0.0))
             return True
@@ -229,8 +230,8 @@ class MemKVDirectWorker(OffloadingWorker):
         start = time.perf_counter()
         rank = self.layout.rank
         sections = [(self.layout.section_offset(slot, rank), runs)
-                    for slot, runs in zip(slots, self._chunk_runs(gpu_spec, len(slots))) if runs]
-        nbytes = sum(length * page for _, runs in sections for _, _, length, page, _ in runs)
+                    for slot, runs in zip(slots, self._chunk_runs(gpu_spec, len(slots))) if len(runs)]
+        nbytes = sum(run_bytes(runs) for _, runs in sections)
         if not sections:
             self._done.append(TransferResult(job_id, True, 0, 0.0))
             return True
@@ -248,41 +249,13 @@ class MemKVDirectWorker(OffloadingWorker):
             self._done.append(TransferResult(job_id, True, nbytes, time.perf_counter() - start))
         return True
 
-    def _chunk_runs(self, gpu_spec, n_chunks: int) -> list[list[tuple[int, int, int, int, int]]]:
-        """Per chunk of the job, its (tensor idx, first GPU block, blocks, page bytes, byte offset
-        inside the rank's section) runs: consecutive GPU blocks that are consecutive sub-blocks
-        of one chunk are one copy per layer."""
-        bpc = self.layout.blocks_per_chunk
+    def _chunk_runs(self, gpu_spec, n_chunks: int) -> list[RunArray]:
+        """Per chunk of the job, its runs (copies.chunk_runs), offsets inside the rank's section."""
         blocks = compat.gpu_blocks(gpu_spec, self._kv_caches)
-        block_ids, group_sizes, block_indices = blocks.block_ids, blocks.group_sizes, blocks.block_indices
-        per_chunk: list[list[tuple[int, int, int, int, int]]] = [[] for _ in range(n_chunks)]
-        pos = 0  # the group's first GPU block in block_ids
-        key = 0  # the group's first chunk
-        for g, n in enumerate(group_sizes):
-            if n == 0:
-                continue
-            skip = int(block_indices[g]) % bpc
-            ids = block_ids[pos : pos + n]
-            j = 0
-            while j < n:
-                chunk, sub = divmod(skip + j, bpc)
-                length = 1
-                while j + length < n and sub + length < bpc and ids[j + length] == ids[j] + length:
-                    length += 1
-                if key + chunk >= n_chunks:
-                    raise AssertionError(f"MemKV direct mode: a job names {n_chunks} chunk(s) but its GPU blocks "
-                                         f"cover more")
-                runs = per_chunk[key + chunk]
-                for tensor_idx, page, offset in self._groups[g]:
-                    runs.append((tensor_idx, ids[j], length, page, offset + sub * page))
-                j += length
-            pos += n
-            key += -(-(n + skip) // bpc)
-        if key != n_chunks:
-            raise AssertionError(f"MemKV direct mode: a job names {n_chunks} chunk(s) but its GPU blocks cover {key}")
-        return per_chunk
+        return chunk_runs(blocks.block_ids, blocks.group_sizes, blocks.block_indices, self._groups,
+                          self.layout.blocks_per_chunk, n_chunks)
 
-    def _copy(self, stream: str, sections: list[tuple[int, list]], to_staging: bool, non_blocking: bool) -> None:
+    def _copy(self, stream: str, sections: list[tuple[int, RunArray]], to_staging: bool, non_blocking: bool) -> None:
         """Every run of `sections` ((staging offset of a chunk's section, its runs)); on CUDA
         queued on the current stream. As pieces in one call (copy_method "pieces"), else through
         the copy stream's SectionCopier (copies.py says why), or one copy_ per run with
@@ -293,9 +266,10 @@ class MemKVDirectWorker(OffloadingWorker):
             self._pieces.copy(sections, to_staging, non_blocking)
             return
         scratch = self.settings.copy_scratch_bytes
+        tuples = [(base, as_tuples(runs)) for base, runs in sections]  # the copiers below loop in Python
         if scratch == 0:
             copy_runs(self._tensors, staging,
-                      [(t, b, n, p, base + off) for base, runs in sections for t, b, n, p, off in runs],
+                      [(t, b, n, p, base + off) for base, runs in tuples for t, b, n, p, off in runs],
                       to_staging, non_blocking)
             return
         copier = self._copiers.get(stream)
@@ -307,7 +281,7 @@ class MemKVDirectWorker(OffloadingWorker):
             log.info("MemKV direct mode: rank %d copies %s chunks through %d MiB of %s scratch (%d chunk(s) at a "
                      "time; memkv.copy_scratch_mb)", self.layout.rank, stream, copier.scratch_bytes >> 20,
                      copier.device.type, copier.scratch_chunks)
-        copier.copy(sections, to_staging, non_blocking)
+        copier.copy(tuples, to_staging, non_blocking)
 
     def _piece_copier(self) -> PieceCopier | None:
         """copy_method "pieces": the PieceCopier; None (said once, at startup) where it cannot run,
