@@ -79,6 +79,12 @@ def main() -> None:
         default=[4, 16],
         help="SectionCopier variants to time: chunks its scratch holds",
     )
+    ap.add_argument(
+        "--staging",
+        default="pinned",
+        choices=("pinned", "shm"),
+        help="pinned: torch's pinned allocation; shm: a mapped /dev/shm file host-registered, as direct mode's worker",
+    )
     ap.add_argument("--shuffle", action="store_true", help="permute the GPU blocks: one run per page")
     ap.add_argument("--out", default=str(ROOT / "bench" / "out" / "direct_copy.json"))
     args = ap.parse_args()
@@ -91,7 +97,18 @@ def main() -> None:
     tensors = [torch.zeros(num_blocks, page, dtype=torch.int8, device=args.device) for _ in range(n_tensors)]
     section = n_tensors * ppc * page
     want = torch.randint(-128, 127, (args.chunks * section,), dtype=torch.int8)
-    staging = want.clone().pin_memory() if cuda else want.clone()
+    if args.staging == "shm":  # as the worker: a /dev/shm file mapped, then host-registered (pinned) on CUDA
+        import mmap
+
+        fd = os.open(f"/dev/shm/direct_copy_bench_{os.getpid()}", os.O_RDWR | os.O_CREAT, 0o600)
+        os.unlink(f"/dev/shm/direct_copy_bench_{os.getpid()}")
+        os.ftruncate(fd, want.numel())
+        staging = torch.frombuffer(mmap.mmap(fd, want.numel()), dtype=torch.int8)
+        staging.copy_(want)
+        if cuda and torch.cuda.cudart().cudaHostRegister(staging.data_ptr(), want.numel(), 0).value != 0:
+            raise SystemExit("cudaHostRegister of the /dev/shm staging failed")
+    else:
+        staging = want.clone().pin_memory() if cuda else want.clone()
     blocks = torch.arange(num_blocks)
     if args.shuffle:  # blocks of a long-lived engine: no two consecutive, one run per page
         blocks = blocks[torch.randperm(num_blocks, generator=torch.Generator().manual_seed(1))]
@@ -175,7 +192,7 @@ def main() -> None:
     mib = args.chunks * section / 2**20
     print(
         f"{args.device}: {args.chunks} chunks x {n_tensors} tensors x {ppc} pages of {args.page_kib} KiB ({mib:.0f} MiB, "
-        f"{len(runs)} runs{', shuffled blocks' if args.shuffle else ''}), {args.reps} reps, torch {torch.__version__}, "
+        f"{len(runs)} runs{', shuffled blocks' if args.shuffle else ''}, {args.staging} staging), {args.reps} reps, torch {torch.__version__}, "
         f"{os.cpu_count()} CPUs, load {os.getloadavg()[0]:.1f}"
     )
     names = list(impls)
