@@ -51,10 +51,10 @@ def shm_files(b: int, invocations: tuple[int, ...]) -> list[str]:
 COMMITS = {
     **{path: MEMFD_COMMIT for b in (1, 8) for path in shm_files(b, (1, 2))},
     **{path: commit for _, path, commit in H100_DATAPATH},
-    f"{GPU_RESULTS}/run63-h100-colocated-main-restart.json": "1499605",
+    f"{GPU_RESULTS}/run73-h100-ttft-colocated-vs-off/colocated.json": "8627347",
+    f"{GPU_RESULTS}/run73-h100-ttft-colocated-vs-off/local-socket-off.json": "8627347",
     f"{VM_RESULTS}/datapath_2026-12-05/memory.json": "159889a",
     f"{VM_RESULTS}/fleet_2026-12-06/fleet.json": "e8338cf",
-    f"{GPU_RESULTS}/run60-h100-remote-main-restart.json": "383289d",
     f"{GPU_RESULTS}/run54-defaults-main-restart-notier.json": "3684015",
     f"{GPU_RESULTS}/run55-shm-off-main-restart.json": "3684015",
     f"{GPU_RESULTS}/run44-tcp-main.json": "f3bbe01",
@@ -283,13 +283,13 @@ def vm_fleet() -> list[str]:
 
 H100_RUNS = [
     (
-        f"{GPU_RESULTS}/run63-h100-colocated-main-restart.json",
-        "63",
+        f"{GPU_RESULTS}/run73-h100-ttft-colocated-vs-off/colocated.json",
+        "73, co-located",
         "co-located: the defaults (4 nodes on the engine's host)",
     ),
     (
-        f"{GPU_RESULTS}/run60-h100-remote-main-restart.json",
-        "60",
+        f"{GPU_RESULTS}/run73-h100-ttft-colocated-vs-off/local-socket-off.json",
+        "73, TCP",
         "TCP on loopback (`MEMKV_LOCAL_SOCKET=off`: the path to a node on another host)",
     ),
 ]
@@ -322,7 +322,7 @@ def gpu_h100_ttft() -> list[str]:
     host, a = ref["meta"]["host"], ref["meta"]["args"]
     what = (
         f"`python3 bench/gpu/ttft.py --phases main,restart --tokens 8192,32768 --gpu-util {a['gpu_util']}` "
-        "(run 60 with `MEMKV_LOCAL_SOCKET=off`), the two runs on different machines of that kind, each with its "
+        "then the same with `MEMKV_LOCAL_SOCKET=off`, both in one call on one machine, each with its "
         "own baselines: time to first token of a revisited "
         f"prompt, the two repetitions, seconds; {host['cpus']} vCPUs, vLLM "
         f"{ref['engines']['main']['versions']['vllm']}, {a['nodes']} nodes on the same host"
