@@ -56,9 +56,8 @@ COMMITS = {
     f"{VM_RESULTS}/datapath_2026-12-05/memory.json": "159889a",
     f"{VM_RESULTS}/fleet_2026-12-06/fleet.json": "e8338cf",
     f"{GPU_RESULTS}/run54-defaults-main-restart-notier.json": "3684015",
-    f"{GPU_RESULTS}/run55-shm-off-main-restart.json": "3684015",
-    f"{GPU_RESULTS}/run44-tcp-main.json": "f3bbe01",
-    f"{GPU_RESULTS}/run47-tcp-main.json": "d118b5c",
+    f"{GPU_RESULTS}/run78-h200-ttft-colocated-vs-off/colocated.json": "59f7136",
+    f"{GPU_RESULTS}/run78-h200-ttft-colocated-vs-off/local-socket-off.json": "59f7136",
 }
 
 # The datapath bench's systems: what each is, and the raw design on the same transport.
@@ -296,56 +295,71 @@ H100_RUNS = [
 H100_TOKENS = (8192, 32768)
 
 
-def gpu_h100_ttft() -> list[str]:
+def paired_ttft(runs: list[tuple[str, str, str]], tokens: tuple[int, ...]) -> list[str]:
+    """Co-located and TCP runs of one call on one machine: main and restarted engine, baselines."""
     rows = []
-    for path, run, label in H100_RUNS:
+    for path, run, label in runs:
         d = load(path)
         rows.append(
             [
                 f"{label}: run {run}, commit {COMMITS[path]}",
                 "main",
-                *[pair(seconds(d, "main", "memkv", t)) for t in H100_TOKENS],
+                *[pair(seconds(d, "main", "memkv", t)) for t in tokens],
             ]
         )
-        rows.append(["", "restarted", *[pair(seconds(d, "restart", "restart_memkv", t)) for t in H100_TOKENS]])
-    for path, run, _ in H100_RUNS:
+        rows.append(["", "restarted", *[pair(seconds(d, "restart", "restart_memkv", t)) for t in tokens]])
+    for path, run, _ in runs:
         d = load(path)
         rows.append(
-            [f"recompute (no cache), run {run}", "", *[pair(seconds(d, "main", "recompute", t)) for t in H100_TOKENS]]
+            [f"recompute (no cache), run {run}", "", *[pair(seconds(d, "main", "recompute", t)) for t in tokens]]
         )
-    for path, run, _ in H100_RUNS:
+    for path, run, _ in runs:
         d = load(path)
         rows.append(
-            [f"vLLM's own CPU-pool hit, run {run}", "", *[pair(seconds(d, "main", "cpu_hit", t)) for t in H100_TOKENS]]
+            [f"vLLM's own CPU-pool hit, run {run}", "", *[pair(seconds(d, "main", "cpu_hit", t)) for t in tokens]]
         )
-    ref = load(H100_RUNS[0][0])
+    ref = load(runs[0][0])
     host, a = ref["meta"]["host"], ref["meta"]["args"]
     what = (
-        f"`python3 bench/gpu/ttft.py --phases main,restart --tokens 8192,32768 --gpu-util {a['gpu_util']}` "
-        "then the same with `MEMKV_LOCAL_SOCKET=off`, both in one call on one machine, each with its "
-        "own baselines: time to first token of a revisited "
+        f"`python3 bench/gpu/ttft.py --phases main,restart --tokens {','.join(map(str, tokens))} "
+        f"--gpu-util {a['gpu_util']}` then the same with `MEMKV_LOCAL_SOCKET=off`, both in one call on one "
+        "machine, each with its own baselines: time to first token of a revisited "
         f"prompt, the two repetitions, seconds; {host['cpus']} vCPUs, vLLM "
         f"{ref['engines']['main']['versions']['vllm']}, {a['nodes']} nodes on the same host"
     )
-    paths = [p for p, _, _ in H100_RUNS]
-    return [
-        source_line(paths, what, where=host["gpu"].split(",")[0]),
-        "",
-        *table(["client path: run", "engine", "8k tokens (2 GiB)", "32k (8 GiB)"], rows),
+    sizes = [
+        f"{t // 1024}k tokens ({t // 4096} GiB)" if i == 0 else f"{t // 1024}k ({t // 4096} GiB)"
+        for i, t in enumerate(tokens)
     ]
+    return [
+        source_line([p for p, _, _ in runs], what, where=host["gpu"].split(",")[0]),
+        "",
+        *table(["client path: run", "engine", *sizes], rows),
+    ]
+
+
+def gpu_h100_ttft() -> list[str]:
+    return paired_ttft(H100_RUNS, H100_TOKENS)
 
 
 # ------------------------------------------------------------------------------------------------
 # The H200 host (bench/gpu/ttft.py), 2026-12-03 and 2026-12-04
 # ------------------------------------------------------------------------------------------------
 
-GPU_RUNS = [
-    (f"{GPU_RESULTS}/run54-defaults-main-restart-notier.json", "54", "co-located: shared memory (the default)"),
-    (f"{GPU_RESULTS}/run55-shm-off-main-restart.json", "55", "same-host socket (`MEMKV_SHARED_MEMORY=off`)"),
-    (f"{GPU_RESULTS}/run44-tcp-main.json", "44", "TCP on loopback (`MEMKV_LOCAL_SOCKET=off`)"),
-    (f"{GPU_RESULTS}/run47-tcp-main.json", "47", "TCP on loopback (`MEMKV_LOCAL_SOCKET=off`)"),
+H200_RUNS = [
+    (
+        f"{GPU_RESULTS}/run78-h200-ttft-colocated-vs-off/colocated.json",
+        "78, co-located",
+        "co-located: the defaults (4 nodes on the engine's host)",
+    ),
+    (
+        f"{GPU_RESULTS}/run78-h200-ttft-colocated-vs-off/local-socket-off.json",
+        "78, TCP",
+        "TCP on loopback (`MEMKV_LOCAL_SOCKET=off`: the path to a node on another host)",
+    ),
 ]
 TOKENS = (8192, 32768, 65536)
+COLD_RUN = f"{GPU_RESULTS}/run54-defaults-main-restart-notier.json"
 
 
 def seconds(doc: dict, engine: str, phase: str, tokens: int) -> list[float]:
@@ -358,36 +372,11 @@ def pair(xs: list[float]) -> str:
 
 
 def gpu_ttft() -> list[str]:
-    rows = []
-    for path, run, label in GPU_RUNS:
-        d = load(path)
-        date = d["meta"]["host"]["date_utc"]
-        main = [pair(seconds(d, "main", "memkv", t)) for t in TOKENS]
-        restart = [pair(seconds(d, "restart", "restart_memkv", t)) for t in TOKENS]
-        rows.append([f"{label}: run {run}, {date}, commit {COMMITS[path]}", "main", *main])
-        if any(x != "-" for x in restart):
-            rows.append(["", "restarted", *restart])
-    ref = load(GPU_RUNS[0][0])
-    rows.append(["recompute (no cache), run 54", "", *[pair(seconds(ref, "main", "recompute", t)) for t in TOKENS]])
-    rows.append(["vLLM's own CPU-pool hit, run 54", "", *[pair(seconds(ref, "main", "cpu_hit", t)) for t in TOKENS]])
-    host = ref["meta"]["host"]
-    what = (
-        f"`python3 bench/gpu/ttft.py --phases main,restart` (run 54 also `notier`): time to first token of "
-        f"a revisited prompt, the two repetitions, seconds; {host['gpu'].split(',')[0]}, {host['cpus']} vCPUs, "
-        f"vLLM {ref['engines']['main']['versions']['vllm']}, 4 nodes on the same host"
-    )
-    dates = sorted(load(p)["meta"]["host"]["date_utc"] for p, _, _ in GPU_RUNS)
-    commits = ", ".join(dict.fromkeys(COMMITS[p] for p, _, _ in GPU_RUNS))
-    files = ", ".join(f"`{p}`" for p, _, _ in GPU_RUNS)
-    return [
-        f"{what}; {dates[0]} to {dates[-1]}, commits {commits} (each row names its own); source: {files}.",
-        "",
-        *table(["client path: run, date, commit", "engine", "8k tokens (2 GiB)", "32k (8 GiB)", "64k (16 GiB)"], rows),
-    ]
+    return paired_ttft(H200_RUNS, TOKENS)
 
 
 def gpu_cold() -> list[str]:
-    path = GPU_RUNS[0][0]
+    path = COLD_RUN
     d = load(path)
     rows = []
     for t in TOKENS:
