@@ -6,6 +6,8 @@ memkv_vllm.direct imports vLLM.)"""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from memkv.errors import ConfigError
@@ -123,5 +125,141 @@ def test_a_failed_fetch_is_retried_into_a_fresh_slot_and_the_failed_one_stays_qu
         assert job.error is None and Client.calls == 2
         assert filled == [1], "the chunk must be copied from the fresh slot"
         assert t.load_ring.quarantined == 1 and t.load_ring.free == 1
+    finally:
+        t.shutdown()
+
+
+class _SlotClient:
+    """A client whose fetches fill a slot with its chunk's key byte and record which slot they wrote
+    (found from the view's address) while `busy` names the slots whose GPU copy is in flight."""
+
+    def __init__(self, region: bytearray, slot_bytes: int, busy: set[int], delay_s: float = 0.0) -> None:
+        import numpy as np
+
+        self._np = np
+        self._base = np.frombuffer(region, dtype=np.uint8).__array_interface__["data"][0]
+        self._slot_bytes = slot_bytes
+        self._busy = busy
+        self.overwrites: list[int] = []  # slots fetched into while their copy was in flight
+        self._delay_s = delay_s
+
+    def batch_load_into(self, items):
+        from memkv.transport.base import LoadResult
+
+        time.sleep(self._delay_s)
+        for key, view in items:
+            addr = self._np.frombuffer(view, dtype=self._np.uint8).__array_interface__["data"][0]
+            slot = (addr - self._base) // self._slot_bytes
+            if slot in self._busy:
+                self.overwrites.append(slot)
+            view[:] = key[:1] * len(view)
+        return LoadResult([True] * len(items), may_land_late=False)
+
+
+def _transfers(client, region: bytearray, slot_bytes: int, copy, num_slots: int):
+    from memkv_vllm.direct.streaming import StreamingTransfers
+
+    def section(slot: int) -> memoryview:
+        return memoryview(region)[slot * slot_bytes : (slot + 1) * slot_bytes]
+
+    return StreamingTransfers(client, 0, section, num_slots, copy, blocks_per_op=1, load_retry_s=5.0,
+                              load_failure_grace_s=60.0, fetch_threads=2)
+
+
+def test_the_next_load_batch_is_queued_while_one_is_copied_and_no_slot_is_refilled_before_its_copy_ends():
+    """The scatter thread queues a second batch's copies before waiting for the first (the GPU's
+    copy engine never idles while the thread waits); a slot goes back to the fetchers only after
+    its copy completed, so no fetch overwrites bytes still being copied, and each chunk's bytes
+    reach the copy intact."""
+    import threading
+
+    from memkv_vllm.direct.streaming import SCATTER_IN_FLIGHT, Chunk, Job
+
+    slot_bytes, num_slots, n_chunks = 8, 16, 40
+    region = bytearray(slot_bytes * num_slots)
+    busy: set[int] = set()
+    lock = threading.Lock()
+    gates: list[threading.Event] = []
+    copied: list[bytes] = []
+    most_in_flight = 0
+    client = _SlotClient(region, slot_bytes, busy, delay_s=0.005)  # fetches arrive while copies run
+
+    def copy(items, to_staging):
+        nonlocal most_in_flight
+        gate = threading.Event()
+        with lock:
+            for _, chunk, slot in items:
+                seen = bytes(region[slot * slot_bytes : (slot + 1) * slot_bytes])
+                assert seen == chunk.key[:1] * slot_bytes, "a slot's bytes changed before its copy"
+                copied.append(chunk.key)
+                busy.add(slot)
+            gates.append(gate)
+            most_in_flight = max(most_in_flight, sum(not g.is_set() for g in gates))
+
+        def wait():
+            assert gate.wait(10), "the test never released this copy"
+            with lock:
+                for _, chunk, slot in items:
+                    assert bytes(region[slot * slot_bytes : (slot + 1) * slot_bytes]) == chunk.key[:1] * slot_bytes
+                    busy.discard(slot)
+
+        return wait
+
+    stop = threading.Event()
+
+    def copy_engine():  # completes the queued copies in order, 20 ms each: slower than the fetches
+        done = 0
+        while not stop.is_set():
+            with lock:
+                gate = gates[done] if done < len(gates) else None
+            if gate is None:
+                time.sleep(0.002)
+                continue
+            time.sleep(0.02)
+            gate.set()
+            done += 1
+
+    engine = threading.Thread(target=copy_engine, daemon=True)
+    engine.start()
+    t = _transfers(client, region, slot_bytes, copy, num_slots)
+    try:
+        keys = [bytes([65 + i]) + b"/r0" for i in range(n_chunks)]
+        job = Job(1, True, [Chunk(k, []) for k in keys], None, n_chunks * slot_bytes)
+        t.submit(job)
+        assert job.done.wait(20), "the load never completed"
+        assert job.error is None
+        assert sorted(copied) == sorted(keys), "every chunk copied exactly once"
+        assert client.overwrites == [], f"slots {client.overwrites} were fetched into during their copy"
+        assert most_in_flight >= 2, "the next batch must be queued while one is copied"
+        assert most_in_flight <= SCATTER_IN_FLIGHT, "more batches queued than the bound"
+        assert t.load_ring.free == t.load_ring.size
+    finally:
+        stop.set()
+        for g in gates:
+            g.set()
+        t.shutdown()
+
+
+def test_a_copy_whose_wait_fails_fails_its_job_and_gives_its_slots_back():
+    from memkv_vllm.direct.streaming import Chunk, Job
+
+    slot_bytes, num_slots = 8, 4
+    region = bytearray(slot_bytes * num_slots)
+    client = _SlotClient(region, slot_bytes, set())
+
+    def copy(items, to_staging):
+        def wait():
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+        return wait
+
+    t = _transfers(client, region, slot_bytes, copy, num_slots)
+    try:
+        job = Job(1, True, [Chunk(b"A/r0", []), Chunk(b"B/r0", [])], None, 2 * slot_bytes)
+        t.submit(job)
+        assert job.done.wait(10)
+        assert job.error is not None and "internal error in scatter" in job.error
+        assert "illegal memory access" in job.error
+        assert t.load_ring.free == t.load_ring.size
     finally:
         t.shutdown()

@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 
 import torch
 from vllm.v1.kv_offload.base import OffloadingWorker, TransferResult
@@ -137,17 +138,17 @@ class MemKVDirectWorker(OffloadingWorker):
                  self._streams.store_ring.size, self._streams.n_fetch, self._streams.load_batch,
                  self._streams.n_put, self._streams.store_batch)
 
-    def _copy_batch(self, items: list[tuple[Job, Chunk, int]], to_staging: bool) -> None:
-        """Every (job, chunk, slot) of `items` between the chunk's GPU blocks and the slot; returns
-        once all the copies are complete (the slots are then reused). On CUDA: queued together on
-        this direction's side stream, after the compute that was current when each job was
-        submitted, then one event waited for."""
+    def _copy_batch(self, items: list[tuple[Job, Chunk, int]], to_staging: bool) -> Callable[[], None] | None:
+        """Every (job, chunk, slot) of `items` between the chunk's GPU blocks and the slot. On
+        CUDA: queued together on this direction's side stream, after the compute that was
+        current when each job was submitted; returns a function that waits for them (one event;
+        the slots are reused after it). On CPU: copied, returns None."""
         rank = self.layout.rank
         sections = [(self.layout.section_offset(slot, rank), chunk.runs) for _, chunk, slot in items]
         direction = "store" if to_staging else "load"
         if not self._cuda:
             self._copy(direction, sections, to_staging, non_blocking=False)
-            return
+            return None
         stream = self._store_stream if to_staging else self._load_stream
         waited: set[int] = set()
         for job, _, _ in items:
@@ -158,7 +159,7 @@ class MemKVDirectWorker(OffloadingWorker):
             self._copy(direction, sections, to_staging, non_blocking=True)
             done = torch.cuda.Event()
             done.record(stream)
-        done.synchronize()
+        return done.synchronize
 
     def _submit_streaming(self, job_id: int, gpu_spec, keys: list[bytes], load: bool) -> bool:
         chunks_runs = self._chunk_runs(gpu_spec, len(keys))
