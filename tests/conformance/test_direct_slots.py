@@ -6,7 +6,7 @@ memkv_vllm.direct imports vLLM.)"""
 
 from __future__ import annotations
 
-import time
+from collections.abc import Callable
 
 import pytest
 
@@ -133,7 +133,8 @@ class _SlotClient:
     """A client whose fetches fill a slot with its chunk's key byte and record which slot they wrote
     (found from the view's address) while `busy` names the slots whose GPU copy is in flight."""
 
-    def __init__(self, region: bytearray, slot_bytes: int, busy: set[int], delay_s: float = 0.0) -> None:
+    def __init__(self, region: bytearray, slot_bytes: int, busy: set[int],
+                 before_fetch: Callable[[], None] = lambda: None) -> None:
         import numpy as np
 
         self._np = np
@@ -141,12 +142,12 @@ class _SlotClient:
         self._slot_bytes = slot_bytes
         self._busy = busy
         self.overwrites: list[int] = []  # slots fetched into while their copy was in flight
-        self._delay_s = delay_s
+        self._before_fetch = before_fetch
 
     def batch_load_into(self, items):
         from memkv.transport.base import LoadResult
 
-        time.sleep(self._delay_s)
+        self._before_fetch()
         for key, view in items:
             addr = self._np.frombuffer(view, dtype=self._np.uint8).__array_interface__["data"][0]
             slot = (addr - self._base) // self._slot_bytes
@@ -178,16 +179,26 @@ def test_the_next_load_batch_is_queued_while_one_is_copied_and_no_slot_is_refill
     slot_bytes, num_slots, n_chunks = 8, 16, 40
     region = bytearray(slot_bytes * num_slots)
     busy: set[int] = set()
-    lock = threading.Lock()
+    queued = threading.Condition()  # guards gates, copied, busy; notified when a batch is queued
     gates: list[threading.Event] = []
     copied: list[bytes] = []
     most_in_flight = 0
-    client = _SlotClient(region, slot_bytes, busy, delay_s=0.005)  # fetches arrive while copies run
+    fetched = 0
+
+    def one_fetch_at_a_time():
+        """A fetch completes only once every earlier one's chunk is queued for its copy: batches
+        of one chunk, so a second batch can exist while the first is copied."""
+        nonlocal fetched
+        with queued:
+            assert queued.wait_for(lambda: len(copied) >= fetched, timeout=10), "an earlier chunk was never copied"
+            fetched += 1
+
+    client = _SlotClient(region, slot_bytes, busy, one_fetch_at_a_time)
 
     def copy(items, to_staging):
         nonlocal most_in_flight
         gate = threading.Event()
-        with lock:
+        with queued:
             for _, chunk, slot in items:
                 seen = bytes(region[slot * slot_bytes : (slot + 1) * slot_bytes])
                 assert seen == chunk.key[:1] * slot_bytes, "a slot's bytes changed before its copy"
@@ -195,10 +206,11 @@ def test_the_next_load_batch_is_queued_while_one_is_copied_and_no_slot_is_refill
                 busy.add(slot)
             gates.append(gate)
             most_in_flight = max(most_in_flight, sum(not g.is_set() for g in gates))
+            queued.notify_all()
 
         def wait():
             assert gate.wait(10), "the test never released this copy"
-            with lock:
+            with queued:
                 for _, chunk, slot in items:
                     assert bytes(region[slot * slot_bytes : (slot + 1) * slot_bytes]) == chunk.key[:1] * slot_bytes
                     busy.discard(slot)
@@ -207,15 +219,18 @@ def test_the_next_load_batch_is_queued_while_one_is_copied_and_no_slot_is_refill
 
     stop = threading.Event()
 
-    def copy_engine():  # completes the queued copies in order, 20 ms each: slower than the fetches
+    def copy_engine():
+        """Completes the queued copies in order, each only once the batch after it is queued (or
+        every chunk is), so that the overlap asserted below does not depend on how fast the
+        threads run. Each wait is bounded (10 s)."""
         done = 0
         while not stop.is_set():
-            with lock:
+            with queued:
+                queued.wait_for(lambda: stop.is_set() or len(gates) > done + 1 or
+                                (done < len(gates) and len(copied) == n_chunks), timeout=10)
                 gate = gates[done] if done < len(gates) else None
             if gate is None:
-                time.sleep(0.002)
                 continue
-            time.sleep(0.02)
             gate.set()
             done += 1
 
@@ -235,8 +250,10 @@ def test_the_next_load_batch_is_queued_while_one_is_copied_and_no_slot_is_refill
         assert t.load_ring.free == t.load_ring.size
     finally:
         stop.set()
-        for g in gates:
-            g.set()
+        with queued:
+            queued.notify_all()
+            for g in gates:
+                g.set()
         t.shutdown()
 
 

@@ -283,8 +283,9 @@ class PieceCopier:
     A piece is a run (`copy_runs`' unit): its `blocks` rows of one KV tensor, one piece when
     those rows are contiguous (row stride == page), else one per row. The pieces are computed
     with numpy from the chunks' run arrays (`chunk_runs`), so a batch costs a bounded number of
-    Python-level calls, however many runs it has: the per-run cost is in C without the GIL, which the worker shares with vLLM's scheduler
-    loop at TP=1 (SectionCopier still makes two torch calls per KV tensor per batch). Every piece
+    Python-level calls, however many runs it has: the per-run cost is in C without the GIL,
+    which the worker shares with vLLM's scheduler loop at TP=1 (SectionCopier still makes two
+    torch calls per KV tensor per batch). Every piece
     is checked against its tensor's rows and the staging buffer before anything is copied.
 
     `batch`: None uses the batched call where the runtime has it, False never (bench/direct_copy.py
