@@ -353,7 +353,10 @@ def main() -> int:
         key, sep, value = item.partition("=")
         if not sep:
             ap.error(f"--memkv {item!r}: expected KEY=JSON")
-        memkv_keys[key] = json.loads(value)
+        try:
+            memkv_keys[key] = json.loads(value)
+        except json.JSONDecodeError as exc:
+            ap.error(f"--memkv {item!r}: the value after '=' is not JSON ({exc}); e.g. n_read_threads=16")
     engines = []
     try:
         for mode in args.modes.split(","):
