@@ -334,6 +334,15 @@ def main() -> int:
         help="the nodes' logs and state (outside --out-dir: what a GPU call brings back stays small)",
     )
     args = ap.parse_args()
+    memkv_keys = {}
+    for item in args.memkv:
+        key, sep, value = item.partition("=")
+        if not sep:
+            ap.error(f"--memkv {item!r}: expected KEY=JSON")
+        try:
+            memkv_keys[key] = json.loads(value)
+        except json.JSONDecodeError as exc:
+            ap.error(f"--memkv {item!r}: the value after '=' is not JSON ({exc}); e.g. n_read_threads=16")
     if args.engine_child:
         with open(args.engine_child) as f:
             return engine_child(json.load(f))
@@ -348,15 +357,6 @@ def main() -> int:
         "PYTHONHASHSEED": "0",
     }  # block hashes equal across engine processes (restart reuse)
     tokens = [int(t) for t in args.tokens.split(",")]
-    memkv_keys = {}
-    for item in args.memkv:
-        key, sep, value = item.partition("=")
-        if not sep:
-            ap.error(f"--memkv {item!r}: expected KEY=JSON")
-        try:
-            memkv_keys[key] = json.loads(value)
-        except json.JSONDecodeError as exc:
-            ap.error(f"--memkv {item!r}: the value after '=' is not JSON ({exc}); e.g. n_read_threads=16")
     engines = []
     try:
         for mode in args.modes.split(","):
