@@ -11,6 +11,8 @@ Behaviour under test:
   value leaves the reader's bytes intact until release, and pinned values are never evicted;
 * an evicted or deleted value's buffer is reused for the next value of its size class, without
   a new allocation;
+* making and filling a new large buffer never stalls the node's other threads (lookups, other
+  transfers): no page is made under the GIL or the process's mmap lock;
 * when everything is pinned a put raises NoSpace and changes nothing;
 * an aborted put makes nothing visible, and leaves a value it would have replaced intact while
   the store had room for both; a full store replacing a key drops that key's old value (never
@@ -20,6 +22,11 @@ Behaviour under test:
 """
 
 from __future__ import annotations
+
+import mmap
+import sys
+import threading
+import time
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -530,3 +537,46 @@ def test_a_waiting_reservation_gets_in_when_another_one_ends() -> None:
     assert not waiter.is_alive() and len(got) == 1
     store.commit(got[0])
     assert read(store, b"a") is not None and read(store, b"b") is not None
+
+
+def test_making_a_new_buffer_and_filling_it_never_stalls_other_threads():
+    """Python's mmap with MAP_POPULATE holds the GIL while the kernel makes every page (0.4 s a
+    GiB on the 2-vCPU VM), and a populating madvise holds the process's mmap lock as long: a
+    node making fresh buffers for a store storm froze its lookups for as long. Here another
+    thread (Python, mapping and unmapping as a connection thread does) must keep running while a
+    512 MiB buffer is made and filled by the kernel, as a socket's recv_into fills it."""
+    size = 512 * MiB
+    store = Store(2 * size)
+    worst = [0.0]
+    stop = threading.Event()
+
+    def other_connection_thread() -> None:
+        last = time.perf_counter()
+        while not stop.is_set():
+            other = mmap.mmap(-1, MiB, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)  # the mmap lock
+            other.close()
+            now = time.perf_counter()
+            worst[0], last = max(worst[0], now - last), now
+
+    saved = sys.getswitchinterval()
+    sys.setswitchinterval(0.0005)  # a thread waiting for the GIL gets it within ~1 ms
+    spinner = threading.Thread(target=other_connection_thread)
+    try:
+        spinner.start()
+        time.sleep(0.05)
+        worst[0], start = 0.0, time.perf_counter()
+        ticket = store.begin_put(b"fresh", size, 1, SUM)
+        with open("/dev/zero", "rb", buffering=0) as zero:  # a kernel copy without the GIL
+            filled = 0
+            while filled < size:
+                filled += zero.readinto(ticket.target[filled : filled + 16 * MiB]) or 0
+        took = time.perf_counter() - start
+        stalled = worst[0]
+    finally:
+        stop.set()
+        spinner.join(10)
+        sys.setswitchinterval(saved)
+    store.commit(ticket)
+    assert stalled < max(0.25 * took, 0.02), (
+        f"another thread was stalled {stalled * 1000:.0f} ms while the buffer was made ({took * 1000:.0f} ms)"
+    )

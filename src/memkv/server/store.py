@@ -1,8 +1,9 @@
 """The node's value store: byte capacity, lanes, LRU eviction, buffers faulted once and reused.
 
 Memory. A value lives in a buffer the store owns: for values >= 1 MiB an anonymous private
-mmap, pre-faulted; a bytearray for smaller ones; or, for a value a same-host client stored
-through shared memory (SHM_PUT), a sealed memfd of its own (memkv/server/shm.py). Buffers are
+mmap, its pages made by the first PUT's receive as it fills them; a bytearray for smaller ones;
+or, for a value a same-host client stored through shared memory (SHM_PUT), a sealed memfd of its
+own (memkv/server/shm.py). Buffers are
 sized to the value rounded up to a page. When a value is evicted or deleted its private buffer
 is reused for the next value of the same size class (KV-cache values of one model are all one
 size), so the hot path neither allocates nor page-faults; a bounded pool keeps freed buffers for
@@ -81,8 +82,11 @@ class ValueBuffer:
     def __init__(self, size: int) -> None:
         self.size = size
         if size >= MMAP_THRESHOLD:
-            flags = mmap.MAP_PRIVATE | getattr(mmap, "MAP_ANONYMOUS", 0x20) | getattr(mmap, "MAP_POPULATE", 0)
-            self._mem: mmap.mmap | bytearray = mmap.mmap(-1, size, flags=flags)
+            # No MAP_POPULATE: Python's mmap holds the GIL while the kernel makes every page
+            # (0.4 s a GiB on the 2-vCPU VM), freezing every connection thread of the node, and
+            # a populating madvise holds the process's mmap lock as long. The PUT's receive
+            # makes the pages as it fills them, with neither held.
+            self._mem: mmap.mmap | bytearray = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         else:
             self._mem = bytearray(size)
         self.view = memoryview(self._mem)
