@@ -55,6 +55,9 @@ COMMITS = {
     f"{GPU_RESULTS}/run73-h100-ttft-colocated-vs-off/local-socket-off.json": "8627347",
     f"{VM_RESULTS}/datapath_2026-12-05/memory.json": "159889a",
     f"{VM_RESULTS}/fleet_2026-12-06/fleet.json": "e8338cf",
+    f"{GPU_RESULTS}/run82-h200-datapath-fleet/dp8.json": "b6c12e9",
+    f"{GPU_RESULTS}/run82-h200-datapath-fleet/dp1.json": "b6c12e9",
+    f"{GPU_RESULTS}/run82-h200-datapath-fleet/fleet.json": "b6c12e9",
     f"{GPU_RESULTS}/run54-defaults-main-restart-notier.json": "3684015",
     f"{GPU_RESULTS}/run78-h200-ttft-colocated-vs-off/colocated.json": "59f7136",
     f"{GPU_RESULTS}/run78-h200-ttft-colocated-vs-off/local-socket-off.json": "59f7136",
@@ -117,38 +120,38 @@ def table(header: list[str], rows: list[list[str]], right: int = 0) -> list[str]
 # ------------------------------------------------------------------------------------------------
 
 
-def vm_datapath() -> list[str]:
-    path = shm_files(1, (1,))[0]
-    d = load(path)
+def datapath_rows(d: dict, label_suffix: str = "") -> list[list[str]]:
     rows = []
     for system, (label, base) in DATAPATH_SYSTEMS.items():
         g, c, r = d["gbps"], d["cpu_s_per_gb"], d["block_median_ratios"]
         vs = "1" if base is None else f"{ratio(r[f'{system}/{base} put'])} / {ratio(r[f'{system}/{base} get'])}"
         rows.append(
             [
-                label,
+                label + label_suffix,
                 f"{med(g[system + ' put']):.2f} / {med(g[system + ' get']):.2f}",
                 f"{med(c[system + ' put']):.2f} / {med(c[system + ' get']):.2f}",
                 vs if base is None else f"{vs} of `{base}`",
             ]
         )
+    return rows
+
+
+DATAPATH_HEADER = [
+    "client path",
+    "GB/s PUT / GET",
+    "CPU-s per GB PUT / GET",
+    "vs the raw design on the same transport, PUT / GET: median (min-max) of the repetitions",
+]
+
+
+def vm_datapath() -> list[str]:
+    path = shm_files(1, (1,))[0]
+    d = load(path)
     what = (
         f"`python3 bench/datapath.py --no-redis --reps {d['reps']}`: {d['value_bytes'] >> 20} MiB values, "
         f"{d['threads']} threads, {d['nodes']} node, one value per request, the systems interleaved in blocks"
     )
-    return [
-        source_line([path], what),
-        "",
-        *table(
-            [
-                "client path",
-                "GB/s PUT / GET",
-                "CPU-s per GB PUT / GET",
-                "vs the raw design on the same transport, PUT / GET: median (min-max) of the repetitions",
-            ],
-            rows,
-        ),
-    ]
+    return [source_line([path], what), "", *table(DATAPATH_HEADER, datapath_rows(d))]
 
 
 def vm_batched() -> list[str]:
@@ -216,10 +219,19 @@ def vm_memory() -> list[str]:
 
 FLEET = f"{VM_RESULTS}/fleet_2026-12-06/fleet.json"
 TOPOLOGIES = {"remote": "remote (TCP)", "colocated": "co-located"}
+TOPOLOGY_NOTES = {
+    "remote": "remote = every node in a network namespace of its own behind a veth pair (TCP, as from another "
+    "host), raw baseline TCP to the same place",
+    "colocated": "co-located = the client's defaults, raw baseline an abstract Unix socket",
+}
 
 
 def vm_fleet() -> list[str]:
-    d = load(FLEET)
+    return fleet_table(FLEET)
+
+
+def fleet_table(path: str, where: str = "") -> list[str]:
+    d = load(path)
     rows = []
     for r in d["rows"]:
         p, g, x = r["put"], r["get"], r.get("lookups")
@@ -243,17 +255,20 @@ def vm_fleet() -> list[str]:
             ]
         )
     a = d["meta"]["args"]
+    topologies = list(dict.fromkeys(r["topology"] for r in d["rows"]))
+    command = f"`python3 bench/fleet.py --lookups {a['lookups']}"
+    if topologies != list(TOPOLOGIES):
+        command += f" --topology {','.join(topologies)} --clients {a['clients']} --reps {a['reps']}"
+    reps = "one repetition" if str(a["reps"]) == "1" else f"median of {a['reps']} repetitions"
     what = (
-        f"`python3 bench/fleet.py --lookups {a['lookups']}`: K client processes x M nodes, each client "
-        f"{a['threads']} threads moving {a['values']} values of {a['value_mib']} MiB in batches of "
-        f"{a['blocks_per_op']} (the tier's shape), median of {a['reps']} repetitions; remote = every node "
-        "in a network namespace of its own behind a veth pair (TCP, as from another host), raw baseline TCP "
-        "to the same place; co-located = the client's defaults, raw baseline an abstract Unix socket; lookups: "
-        f"one client's {a['lookups']} batched lookups of 64 keys, 20 ms apart, alone, then while the other K-1 "
-        "clients store all their values again and again"
+        f"{command}`: K client processes x M nodes, each client {a['threads']} threads moving {a['values']} values "
+        f"of {a['value_mib']} MiB in batches of {a['blocks_per_op']} (the tier's shape), {reps}; "
+        + "; ".join(TOPOLOGY_NOTES[t] for t in topologies)
+        + f"; lookups: one client's {a['lookups']} batched lookups of 64 keys, 20 ms apart, alone, then while the "
+        "other K-1 clients store all their values again and again"
     )
     return [
-        source_line([FLEET], what),
+        source_line([path], what, where),
         "",
         *table(
             [
@@ -396,6 +411,29 @@ def gpu_cold() -> list[str]:
     ]
 
 
+H200_DATAPATH = [
+    (f"{GPU_RESULTS}/run82-h200-datapath-fleet/dp8.json", ", 8 values per request"),
+    (f"{GPU_RESULTS}/run82-h200-datapath-fleet/dp1.json", ", 1 value per request"),
+]
+H200_FLEET = f"{GPU_RESULTS}/run82-h200-datapath-fleet/fleet.json"
+H200_HOST = "NVIDIA H200 host (16 vCPUs, `shmem_enabled=never`)"
+
+
+def gpu_datapath() -> list[str]:
+    docs = [(load(path), suffix) for path, suffix in H200_DATAPATH]
+    d = docs[0][0]
+    what = (
+        f"`python3 bench/datapath.py --no-redis --reps {d['reps']} --threads {d['threads']} --blocks-per-op 8` "
+        f"(and `1`): {d['value_bytes'] >> 20} MiB values, {d['nodes']} node, the systems interleaved in blocks"
+    )
+    rows = [row for doc, suffix in docs for row in datapath_rows(doc, suffix)]
+    return [source_line([p for p, _ in H200_DATAPATH], what, H200_HOST), "", *table(DATAPATH_HEADER, rows)]
+
+
+def gpu_fleet() -> list[str]:
+    return fleet_table(H200_FLEET, H200_HOST)
+
+
 def gpu_h100_datapath() -> list[str]:
     rows = []
     for label, path, _ in H100_DATAPATH:
@@ -444,6 +482,8 @@ TABLES: dict[str, Callable[[], list[str]]] = {
     "gpu-h100-datapath": gpu_h100_datapath,
     "gpu-ttft": gpu_ttft,
     "gpu-cold": gpu_cold,
+    "gpu-datapath": gpu_datapath,
+    "gpu-fleet": gpu_fleet,
 }
 
 BLOCK = re.compile(r"(<!-- table: (?P<name>[\w-]+) -->\n)(?P<body>.*?)(<!-- /table -->)", re.S)

@@ -25,8 +25,8 @@ actually used (tier: cpu_bytes_to_use; direct: the staging region's size) and th
 process's VmRSS / VmLck after the runs.
 
 The model is ttft.py's Qwen2.5-32B-shaped dummy: 256 KiB of KV per token, 64-token chunks of
-16 MiB (8k tokens = 2 GiB, 32k = 8 GiB). Direct mode runs with --staging-mb 512 (the key's
-default) and --load-guarantee staged (the key's default before vLLM 0.34, "leased" from 0.34; a
+16 MiB (8k tokens = 2 GiB, 32k = 8 GiB). Direct mode runs with the key's default staging_mb
+(1024; --staging-mb to change it) and --load-guarantee staged (the key's default before vLLM 0.34, "leased" from 0.34; a
 HIT only for bytes already staged: reuse capped at the region's size unless --staging-mb is
 raised, e.g. 9216 for 32k). --load-guarantee leased (a HIT
 is a lease; workers stream every chunk through the region) must reuse the whole prompt. Each
@@ -292,7 +292,7 @@ def main() -> int:
     ap.add_argument("--out-dir", default="bench/gpu/results/direct")
     ap.add_argument("--modes", default="direct,tier", help="of direct, tier, none (no offload connector)")
     ap.add_argument("--tokens", default="8192,32768")
-    ap.add_argument("--staging-mb", type=int, default=512, help="direct mode's staging_mb (default: the key's, 512)")
+    ap.add_argument("--staging-mb", type=int, help="direct mode's staging_mb (default: the key's default)")
     ap.add_argument(
         "--copy-scratch-mb", type=int, default=None, help="direct mode's copy_scratch_mb (default: the key's)"
     )
@@ -346,7 +346,9 @@ def main() -> int:
     if args.engine_child:
         with open(args.engine_child) as f:
             return engine_child(json.load(f))
+    from memkv_vllm.direct.config import DEFAULT_STAGING_MB  # needs vLLM: imported here, not at the top
 
+    staging_mb = DEFAULT_STAGING_MB if args.staging_mb is None else args.staging_mb
     os.makedirs(args.out_dir, exist_ok=True)
     state = ttft.start_nodes(args.nodes, args.node_capacity, "64MiB", os.path.join(args.state_dir, "nodes"), [])
     env = {
@@ -365,7 +367,7 @@ def main() -> int:
                     "mode": mode,
                     "role": role,
                     "tokens": tokens,
-                    "staging_mb": args.staging_mb,
+                    "staging_mb": staging_mb,
                     "load_guarantee": args.load_guarantee,
                     "copy_scratch_mb": args.copy_scratch_mb,
                     "copy_method": args.copy_method,

@@ -3,7 +3,7 @@
 Selected in `kv_connector_extra_config` (vllm-spec-api.md 2.1):
 
     {"spec_name": "MemKVOffloadingSpec", "spec_module_path": "memkv_vllm.direct",
-     "block_size": 256, "memkv": {"staging_mb": 512}}
+     "block_size": 256, "memkv": {"staging_mb": 1024}}
 
 (`spec_module_path` may be left out where the `memkv_tier` plugin entry point is loaded:
 it registers the name with OffloadingSpecFactory in every vLLM process.)
