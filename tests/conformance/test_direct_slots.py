@@ -63,7 +63,7 @@ def test_bad_settings_name_the_key(raw, name):
 
 def test_defaults_without_a_memkv_object():
     s = DirectSettings.from_extra_config({"spec_name": "MemKVOffloadingSpec"})
-    assert s.staging_bytes == 512 << 20 and s.deadline_s == 5.0
+    assert s.staging_bytes == 1 << 30 and s.deadline_s == 5.0  # 1 GiB per engine, all ranks together
 
 
 # -- the worker's ring (load_guarantee "leased", memkv_vllm.direct.streaming) -----------------------
