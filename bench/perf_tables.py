@@ -54,7 +54,7 @@ COMMITS = {
     f"{GPU_RESULTS}/run73-h100-ttft-colocated-vs-off/colocated.json": "8627347",
     f"{GPU_RESULTS}/run73-h100-ttft-colocated-vs-off/local-socket-off.json": "8627347",
     f"{VM_RESULTS}/datapath_2026-12-05/memory.json": "159889a",
-    f"{VM_RESULTS}/fleet_2026-12-06/fleet.json": "e8338cf",
+    f"{VM_RESULTS}/fleet_2026-12-06_late/fleet.json": "b6c12e9",
     f"{GPU_RESULTS}/run82-h200-datapath-fleet/dp8.json": "b6c12e9",
     f"{GPU_RESULTS}/run82-h200-datapath-fleet/dp1.json": "b6c12e9",
     f"{GPU_RESULTS}/run82-h200-datapath-fleet/fleet.json": "b6c12e9",
@@ -217,7 +217,7 @@ def vm_memory() -> list[str]:
     ]
 
 
-FLEET = f"{VM_RESULTS}/fleet_2026-12-06/fleet.json"
+FLEET = f"{VM_RESULTS}/fleet_2026-12-06_late/fleet.json"
 TOPOLOGIES = {"remote": "remote (TCP)", "colocated": "co-located"}
 TOPOLOGY_NOTES = {
     "remote": "remote = every node in a network namespace of its own behind a veth pair (TCP, as from another "
