@@ -17,6 +17,16 @@ engine process per (mode, role), so the restarted engine is a real new process:
                 CPU pool are emptied; direct mode has nothing to empty but its staging)
   role restart  a new engine process, same nodes: each prompt once (every hit from MemKV)
 
+Process layout: vLLM's default, the engine core in its own process as `vllm serve` runs it;
+the plugin is loaded there through its entry point (ttft.write_entry_point). The engine's
+objects are out of reach there, so a run's MemKV bytes come from the nodes' own counters
+(memkv_node_sent_bytes_total over the nodes' admin /v1/metrics: "chunks loaded" is the bytes
+served / a chunk's bytes), a cold run ends when the nodes stopped receiving its stores (bounded),
+direct mode's --timing records come from the engine core through a file (tier_probe.py's
+DIRECT_TIMING_FILE), and pinned memory from the engine's child processes' VmLck. --inproc runs
+the engine core in the benchmark's process instead (VLLM_ENABLE_V1_MULTIPROCESSING=0): the
+managers' own counters, and the dry run below.
+
 Each mode stores into its own key namespace (the two value layouts differ), so the tier's
 revisit never reads direct-mode values or the reverse. Greedy output (max_tokens=1, top-5
 logprobs) must agree across every run of a prompt, across modes too; a mismatch is reported
@@ -36,7 +46,7 @@ is flagged unless staged mode's region is smaller than the prompt.
 Dry run without a GPU (flow check; real nodes, vLLM's real connector on CPU tensors for direct
 mode, bench/gpu/dryrun's stand-in for the tier; timings mean nothing):
   TTFT_FAKE_LLM=1 PYTHONPATH=bench/gpu/dryrun_direct:src:. .nox/conformance-0-25-0/bin/python \
-    bench/gpu/direct.py --shape toy --tokens 1024,2048 --staging-mb 64 --cpu-gib 0.1 \
+    bench/gpu/direct.py --inproc --shape toy --tokens 1024,2048 --staging-mb 64 --cpu-gib 0.1 \
     --node-capacity 1GiB --out-dir /tmp/direct-dry
 
 Usage (GPU host, repository root):
@@ -93,13 +103,34 @@ def kv_transfer_config(spec: dict) -> dict | None:
     return {"kv_connector": "OffloadingConnector", "kv_role": "kv_both", "kv_connector_extra_config": extra}
 
 
-def proc_status() -> dict:
+def proc_status(pid: int | str = "self") -> dict:
     out = {}
-    with open("/proc/self/status") as f:
+    with open(f"/proc/{pid}/status") as f:
         for line in f:
             if line.startswith(("VmRSS", "VmLck", "VmPin")):
                 k, v = line.split(":", 1)
                 out[k] = int(v.split()[0]) * 1024
+    return out
+
+
+def engine_status() -> dict:
+    """VmRSS / VmLck / VmPin of this process and its children (the engine core), summed."""
+    pids: list[int | str] = ["self"]
+    for stat in glob.glob("/proc/[0-9]*/stat"):
+        try:
+            with open(stat) as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == os.getpid():
+            pids.append(int(stat.split("/")[2]))
+    out: dict = {}
+    for pid in pids:
+        try:
+            for k, v in proc_status(pid).items():
+                out[k] = out.get(k, 0) + v
+        except OSError:
+            pass
     return out
 
 
@@ -133,12 +164,33 @@ class StageLog(logging.Handler):
     thread-seconds over the fetch threads: the mean thread's busy time), copy_s (staging -> GPU),
     overlap_s (fetch_s + copy_s - load_s: how long both ran at once) and store_s (store jobs)."""
 
-    def __init__(self) -> None:
+    def __init__(self, path: str | None = None) -> None:
         super().__init__(logging.DEBUG)
         self.records: list[tuple[str, tuple]] = []
+        self.path = path  # the engine core's records (tier_probe.JsonLinesHandler), when out of process
+        self._read = 0
 
     def emit(self, record: logging.LogRecord) -> None:
         self.records.append((str(record.msg), tuple(record.args or ())))
+
+    def catch_up(self) -> list[str]:
+        """The engine core's records written since the last call, added; returned as text."""
+        if not self.path or not os.path.exists(self.path):
+            return []
+        with open(self.path, "rb") as f:
+            f.seek(self._read)
+            data = f.read()
+        data = data[: data.rfind(b"\n") + 1]  # whole lines only
+        self._read += len(data)
+        text = []
+        for line in data.decode().splitlines():
+            msg, args = json.loads(line)
+            self.records.append((msg, tuple(args)))
+            try:
+                text.append(msg % tuple(args))
+            except (TypeError, ValueError):
+                text.append(f"{msg} {args}")
+        return text
 
     def summary(self, first: int) -> dict[str, float]:
         out: dict[str, float] = {}
@@ -169,8 +221,9 @@ def engine_child(spec: dict) -> int:
             json.dump(result, f, indent=1)
         os.replace(spec["out"] + ".tmp", spec["out"])
 
-    stage_log = StageLog()
-    if spec.get("timing"):  # direct mode's per-job stage times (DEBUG, its own logger)
+    inproc = spec["inproc"]
+    stage_log = StageLog(None if inproc else spec.get("timing_file"))
+    if spec.get("timing") and inproc:  # direct mode's per-job stage times (DEBUG, its own logger)
         handler = logging.StreamHandler(sys.stdout)
         handler.setFormatter(logging.Formatter("[timing %(asctime)s] %(message)s"))
         timing = logging.getLogger("memkv_vllm.direct.timing")
@@ -204,8 +257,11 @@ def engine_child(spec: dict) -> int:
     t = time.perf_counter()
     llm = LLM(**kw)
     result["engine_init_s"] = time.perf_counter() - t
-    obj = memkv_object(llm, spec["mode"])
-    if spec["mode"] == "direct":
+    obj = memkv_object(llm, spec["mode"]) if inproc else None
+    if spec["mode"] == "direct" and not inproc:
+        result["pinned_bytes"] = spec["staging_mb"] * spec["tp"] << 20
+        result["chunk_bytes"] = ttft_chunk_bytes(spec)
+    elif spec["mode"] == "direct":
         result["pinned_bytes"] = obj.layout.region_bytes
         result["staging"] = {"slots": obj.layout.num_slots, "slot_bytes": obj.layout.slot_bytes}
         result["chunk_bytes"] = obj.layout.value_bytes * obj.layout.world_size
@@ -219,7 +275,22 @@ def engine_child(spec: dict) -> int:
     )
     sp = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False, logprobs=5)
 
-    def settle() -> None:
+    admin = spec["admin_ports"]
+
+    def settle(phase: str, tokens: int, before_nodes: dict) -> dict:
+        """Until the run's stores are done (in process: the connector's pending work; out of
+        process: the nodes stopped receiving, bounded); the nodes' counters since before it."""
+        if inproc:
+            settle_in_process()
+        elif spec["mode"] != "none":
+            prompt_bytes = tokens // BLOCK_TOKENS * ttft_chunk_bytes(spec)
+            if phase == "recompute":
+                ttft.wait_nodes(admin, before_nodes, "received", prompt_bytes, 120.0, quiet_s=2.0)
+            else:
+                ttft.wait_nodes(admin, before_nodes, "sent", prompt_bytes, 10.0, quiet_s=0.5)
+        return ttft.node_delta(ttft.node_counters(admin), before_nodes) if spec["mode"] != "none" else {}
+
+    def settle_in_process() -> None:
         conn = llm.llm_engine.engine_core.engine_core.scheduler.connector
         if conn is None:
             return
@@ -231,6 +302,8 @@ def engine_child(spec: dict) -> int:
 
     def run(phase: str, tokens: int, ids: list[int]) -> None:
         before = totals(obj)
+        before_nodes = ttft.node_counters(admin) if spec["mode"] != "none" else {}
+        stage_log.catch_up()
         first_record = len(stage_log.records)
         t0 = time.perf_counter()
         out = llm.generate([TokensPrompt(prompt_token_ids=ids)], sp, use_tqdm=False)[0]
@@ -245,10 +318,18 @@ def engine_child(spec: dict) -> int:
             "top5": [[int(k), float(v.logprob)] for k, v in sorted(lp.items(), key=lambda kv: -kv[1].logprob)],
             "counters": ttft.diff(totals(obj), before),
         }
-        settle()
+        nodes = settle(phase, tokens, before_nodes)
         rec["counters_after_settle"] = ttft.diff(totals(obj), before)
+        rec["node_sent_bytes"] = nodes.get("sent", 0.0)
+        rec["node_received_bytes"] = nodes.get("received", 0.0)
+        caught = stage_log.catch_up()
+        for line in caught if spec.get("timing") else []:
+            print(f"[timing] {line}", flush=True)
         rec["stages"] = stage_log.summary(first_record)
-        loaded = sum(v for k, v in rec["counters_after_settle"].items() if "load_bytes" in k)
+        if inproc:
+            loaded = sum(v for k, v in rec["counters_after_settle"].items() if "load_bytes" in k)
+        else:  # what the nodes served (the recompute's lookups are a few bytes)
+            loaded = rec["node_sent_bytes"] if phase != "recompute" else 0.0
         chunk_bytes = result.get("chunk_bytes") or ttft_chunk_bytes(spec)
         rec["chunks_loaded"] = int(loaded // chunk_bytes)
         rec["prompt_chunks"] = tokens // BLOCK_TOKENS
@@ -276,7 +357,7 @@ def engine_child(spec: dict) -> int:
                     run("pool", tokens, ids)
             else:
                 run("restart", tokens, ids)
-        result["proc_status"] = proc_status()
+        result["proc_status"] = proc_status() if inproc else engine_status()
     except Exception as exc:  # recorded, the parent reports it
         import traceback
 
@@ -327,6 +408,12 @@ def main() -> int:
         action="store_true",
         help="print direct mode's per-job stage times (lookups, network, copies, slot waits)",
     )
+    ap.add_argument(
+        "--inproc",
+        action="store_true",
+        help="the engine core in the benchmark's process (VLLM_ENABLE_V1_MULTIPROCESSING=0): the managers' "
+        "counters are read directly. Default: vLLM's own layout, the engine core in its own process",
+    )
     ap.add_argument("--child-timeout-s", type=float, default=1500)
     ap.add_argument(
         "--state-dir",
@@ -355,9 +442,12 @@ def main() -> int:
         **os.environ,
         "MEMKV_SERVERS": ",".join(n["address"] for n in state["nodes"]),
         "MEMKV_AUTH_KEY": state["key"],
-        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-        "PYTHONHASHSEED": "0",
-    }  # block hashes equal across engine processes (restart reuse)
+        "VLLM_ENABLE_V1_MULTIPROCESSING": "0" if args.inproc else "1",
+        "PYTHONHASHSEED": "0",  # block hashes equal across engine processes (restart reuse)
+    }
+    if not args.inproc:  # the plugin (and the timing sink) loaded in the engine core through the entry point
+        ep_dir = ttft.write_entry_point(os.path.join(args.state_dir, "entry-point"))
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [ep_dir, HERE, os.environ.get("PYTHONPATH")]))
     tokens = [int(t) for t in args.tokens.split(",")]
     engines = []
     try:
@@ -378,8 +468,16 @@ def main() -> int:
                     "gpu_util": args.gpu_util,
                     "eager": args.eager,
                     "timing": args.timing,
+                    "inproc": args.inproc,
+                    "admin_ports": [n["admin"] for n in state["nodes"]],
+                    "timing_file": os.path.join(args.state_dir, f"timing-{mode}-{role}.jsonl"),
                     "out": os.path.join(args.out_dir, f"{mode}-{role}.json"),
                 }
+                if os.path.exists(spec["timing_file"]):
+                    os.unlink(spec["timing_file"])
+                child_env = dict(env)
+                if args.timing and not args.inproc:
+                    child_env["DIRECT_TIMING_FILE"] = spec["timing_file"]
                 with open(spec["out"] + ".spec", "w") as f:
                     json.dump(spec, f)
                 t = time.perf_counter()
@@ -387,7 +485,7 @@ def main() -> int:
                 try:
                     rc = subprocess.run(
                         [sys.executable, os.path.abspath(__file__), "--engine-child", spec["out"] + ".spec"],
-                        env=env,
+                        env=child_env,
                         timeout=args.child_timeout_s,
                     ).returncode
                 except subprocess.TimeoutExpired:
@@ -413,7 +511,10 @@ def main() -> int:
     )
     for e in engines:
         for r in e.get("runs", []):
-            loaded = sum(v for k, v in r.get("counters_after_settle", r["counters"]).items() if "load_bytes" in k)
+            if e.get("spec", {}).get("inproc", True):
+                loaded = sum(v for k, v in r.get("counters_after_settle", r["counters"]).items() if "load_bytes" in k)
+            else:
+                loaded = r["node_sent_bytes"] if r["phase"] != "recompute" else 0.0
             chunks = f"{r.get('chunks_loaded', '?')}/{r.get('prompt_chunks', '?')}"
             print(
                 f"{e['mode']:<7} {e['role']:<8} {r['tokens']:>6} {r['phase']:<9} {r['seconds']:>8.3f} "

@@ -15,12 +15,16 @@ Benchmark instrumentation only: nothing in src/ knows about it.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import threading
 import time
 from typing import ClassVar
 
 ENV_FILE = "TTFT_PROBE_FILE"
+# bench/gpu/direct.py, engine core in its own process: direct mode's stage times (the
+# memkv_vllm.direct.timing logger, DEBUG) go to this file, one JSON line [msg, args] per record.
+ENV_DIRECT_TIMING = "DIRECT_TIMING_FILE"
 ENV_PHASES = "TTFT_PROBE_PHASES"  # "1": also time the client's load-path calls (LoaderPhases)
 # "1": before a load task receives into its rows, populate their page tables for writing
 # (madvise MADV_POPULATE_WRITE; the bytes are not touched). A diagnostic of whether the rows'
@@ -323,8 +327,31 @@ def stages(tl: dict) -> dict:
     return {"lookup_s": lookup, "memkv_to_pool_s": memkv, "pool_to_gpu_token_s": rest}
 
 
+class JsonLinesHandler(logging.Handler):
+    """Writes [msg, args] per record, one JSON line each, with one write to a file opened for
+    appending (the records of several processes interleave whole lines)."""
+
+    def __init__(self, path: str) -> None:
+        super().__init__(logging.DEBUG)
+        self.fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+
+    def emit(self, record: logging.LogRecord) -> None:
+        os.write(self.fd, (json.dumps([str(record.msg), list(record.args or ())], default=str) + "\n").encode())
+
+
+def install_direct_timing(path: str) -> None:
+    """Direct mode's timing records (DEBUG) of this process to `path` (once per process)."""
+    timing = logging.getLogger("memkv_vllm.direct.timing")
+    if not any(isinstance(h, JsonLinesHandler) for h in timing.handlers):
+        timing.addHandler(JsonLinesHandler(path))
+        timing.setLevel(logging.DEBUG)
+
+
 def install_plugin() -> None:
-    """vLLM general plugin (every vLLM process): wrap each MemKV tier built in this process."""
+    """vLLM general plugin (every vLLM process): wrap each MemKV tier built in this process;
+    with DIRECT_TIMING_FILE set, write direct mode's timing records there."""
+    if os.environ.get(ENV_DIRECT_TIMING):
+        install_direct_timing(os.environ[ENV_DIRECT_TIMING])
     path = os.environ.get(ENV_FILE)
     if not path:
         return

@@ -18,6 +18,9 @@ runs each engine in its own child process (so the "restart" engine is a real new
            under --fs-root), same prompts, same three phases: recompute, cpu_hit, fs.
   notier   the same engine shape with TieringOffloadingSpec and no secondary tier (the CPU
            pool alone): cold runs only, to compare a cold run's TTFT with and without the tier.
+  raw      no engine: each prompt's KV bytes fetched over loopback TCP from --nodes raw server
+           processes (bench/datapath.py's raw design) by the tier's read threads, --reps times:
+           the breakdown prints the MemKV -> pool stage's GB/s against it ("x raw TCP").
 
 Defaults are what a user gets: the tier config README.md shows, {"type": "memkv",
 "n_read_threads": 8, "n_write_threads": 8} (no tuned keys; --tier-json or the tuning flags add
@@ -1025,6 +1028,64 @@ def run_child(spec: dict, env: dict, timeout_s: float) -> dict | None:
     return res
 
 
+def raw_tcp_baseline(
+    tokens: list[int], reps: int, servers: int, threads: int, block_bytes: int, deadline: float
+) -> list[dict]:
+    """The remote promotion's yardstick: bench/datapath.py's raw design (a blocking Python socket
+    per thread, one request header, `recv_into` a pre-faulted pool; no framing, MAC, checksum or
+    store) over loopback TCP, `servers` server processes (one per MemKV node) holding the
+    prompt's blocks round-robin, fetched by `threads` threads of this process (the tier's
+    n_read_threads) into one pre-faulted buffer: the same bytes a promotion moves, the same
+    fan-out, in the same call. One warm-up fetch of the longest prompt first (connections made,
+    target faulted in)."""
+    sys.path.insert(0, os.path.dirname(HERE))  # bench/
+    from concurrent.futures import ThreadPoolExecutor
+
+    from datapath import RawClient, start_raw
+
+    from memkv.benchmark import prefaulted_pool
+
+    most = max(tokens) // BLOCK_TOKENS
+    procs = [start_raw(block_bytes, -(-most // servers)) for _ in range(servers)]
+    clients = [RawClient(port) for _, port, _ in procs]
+    target = memoryview(prefaulted_pool(most * block_bytes))
+    rows: list[dict] = []
+
+    def fetch(blocks: int, part: int) -> None:
+        for b in range(part, blocks, threads):
+            clients[b % servers].get(b // servers, target[b * block_bytes : (b + 1) * block_bytes])
+
+    try:
+        with ThreadPoolExecutor(threads) as pool:
+
+            def timed(blocks: int) -> float:
+                t0 = time.perf_counter()
+                for f in [pool.submit(fetch, blocks, part) for part in range(threads)]:
+                    f.result()
+                return time.perf_counter() - t0
+
+            timed(most)
+            for length in tokens:
+                blocks = length // BLOCK_TOKENS
+                for rep in range(reps):
+                    if time.time() > deadline:
+                        log(f"raw TCP baseline: out of time at {length} tokens")
+                        return rows
+                    dt = timed(blocks)
+                    rows.append(
+                        {"tokens": length, "rep": rep, "bytes": blocks * block_bytes, "seconds": dt,
+                         "gb_s": blocks * block_bytes / dt / 1e9}
+                    )  # fmt: skip
+                    log(f"raw TCP baseline: {length} tokens rep {rep}: {dt:.3f} s, {rows[-1]['gb_s']:.1f} GB/s")
+    finally:
+        for c in clients:
+            c.close()
+        for proc, _, _ in procs:
+            proc.kill()
+            proc.wait()
+    return rows
+
+
 def summarize(engines: dict) -> tuple[list, list]:
     """Rows per prompt length and the output-consistency problems."""
     by = {}
@@ -1064,10 +1125,14 @@ def fmt_times(v) -> str:
     return " / ".join(f"{x:.2f}" for x in v)
 
 
-def breakdown_rows(engines: dict) -> list[dict]:
-    """Per promotion run: the stages (tier_probe.stages) and the ratio to the median CPU-pool hit
+def breakdown_rows(engines: dict, raw_tcp: list[dict] | None = None) -> list[dict]:
+    """Per promotion run: the stages (tier_probe.stages), the ratio to the median CPU-pool hit
     of the same prompt length in the same engine (the main engine's for a restarted engine,
-    which has no CPU-pool hit of its own; marked)."""
+    which has no CPU-pool hit of its own; marked), and the MemKV -> pool stage's GB/s against
+    the median raw TCP fetch of the same bytes in the same call (`raw_tcp_baseline`)."""
+    raw_gb_s: dict[int, list[float]] = {}
+    for r in raw_tcp or []:
+        raw_gb_s.setdefault(r["tokens"], []).append(r["gb_s"])
     cpu = {}
     for role, res in engines.items():
         for r in res.get("runs", []):
@@ -1084,6 +1149,9 @@ def breakdown_rows(engines: dict) -> list[dict]:
             st = r.get("stages") or {}
             if (r.get("timeline") or {}).get("loader_phases"):
                 st = {**st, "loader_phases": r["timeline"]["loader_phases"]}
+            moved = r.get("prompt_kv_bytes")
+            gb_s = moved / st["memkv_to_pool_s"] / 1e9 if moved and st.get("memkv_to_pool_s") else None
+            raw = statistics.median(raw_gb_s[r["tokens"]]) if r["tokens"] in raw_gb_s else None
             out.append(
                 {
                     "engine": role,
@@ -1092,6 +1160,9 @@ def breakdown_rows(engines: dict) -> list[dict]:
                     "rep": r["rep"],
                     "total_s": r["seconds"],
                     **st,
+                    "memkv_to_pool_gb_s": gb_s,
+                    "raw_tcp_gb_s": raw,
+                    "ratio_to_raw_tcp": gb_s / raw if gb_s and raw else None,
                     "cpu_hit_s": statistics.median(hit) if hit else None,
                     "cpu_hit_same_engine": same,
                     "ratio_to_cpu_hit": r["seconds"] / statistics.median(hit) if hit else None,
@@ -1104,10 +1175,12 @@ def print_breakdown(rows: list[dict]) -> None:
     if not rows:
         return
     f = lambda v: "-" if v is None else f"{v:.3f}"  # noqa: E731
+    g = lambda v: "-" if v is None else f"{v:.1f}"  # noqa: E731
     print(
-        "\n| engine | phase | tokens | rep | total s | lookup s | MemKV -> pool s | pool -> GPU + token s | CPU-pool hit s | x CPU-pool hit |"
+        "\n| engine | phase | tokens | rep | total s | lookup s | MemKV -> pool s | pool -> GPU + token s | CPU-pool hit s "
+        "| x CPU-pool hit | MemKV -> pool GB/s | raw TCP GB/s | x raw TCP |"
     )
-    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         ratio = (
             "-"
@@ -1116,7 +1189,8 @@ def print_breakdown(rows: list[dict]) -> None:
         )
         print(
             f"| {r['engine']} | {r['phase']} | {r['tokens']:,} | {r['rep']} | {f(r['total_s'])} | {f(r.get('lookup_s'))} | "
-            f"{f(r.get('memkv_to_pool_s'))} | {f(r.get('pool_to_gpu_token_s'))} | {f(r['cpu_hit_s'])} | {ratio} |"
+            f"{f(r.get('memkv_to_pool_s'))} | {f(r.get('pool_to_gpu_token_s'))} | {f(r['cpu_hit_s'])} | {ratio} | "
+            f"{g(r.get('memkv_to_pool_gb_s'))} | {g(r.get('raw_tcp_gb_s'))} | {f(r.get('ratio_to_raw_tcp'))} |"
         )
     for r in rows:
         if r.get("loader_phases"):
@@ -1163,7 +1237,8 @@ def main() -> int:
         "--phases",
         default="main,restart",
         help="engines to run, in order, from main,restart,fs,notier (notier: TieringOffloadingSpec with "
-        "no secondary tier, cold runs only)",
+        "no secondary tier, cold runs only), and raw: no engine, the raw TCP fetch of each prompt's bytes "
+        "from --nodes server processes with the tier's read threads (the MemKV -> pool stage's yardstick)",
     )
     ap.add_argument("--tokens", default="8192,32768,65536")
     ap.add_argument("--reps", type=int, default=2)
@@ -1333,6 +1408,7 @@ def main() -> int:
         admin_ports=[n["admin"] for n in state["nodes"]] if state else [],
     )
     engines: dict = {}
+    raw_tcp: list[dict] = []
     out_json = os.path.join(args.out_dir, f"ttft-{tag}.json")
 
     def save():
@@ -1344,7 +1420,8 @@ def main() -> int:
             "output_mismatches": problems,
             "origin_errors": [e for res in engines.values() for e in res.get("origin_errors", [])],
             "top5_agreement": top5,
-            "breakdown": breakdown_rows(engines),
+            "raw_tcp": raw_tcp,
+            "breakdown": breakdown_rows(engines, raw_tcp),
             "elapsed_s": time.time() - t_start,
         }
         with open(out_json, "w") as f:
@@ -1352,7 +1429,7 @@ def main() -> int:
         return rows, problems
 
     # Each engine leaves time for the ones after it (engine start included).
-    need = {"main": 250.0, "restart": 100.0, "fs": 170.0, "notier": 90.0}
+    need = {"main": 250.0, "restart": 100.0, "fs": 170.0, "notier": 90.0, "raw": 30.0}
     reserve = {role: sum(need.get(r, 0.0) for r in phases[i + 1 :]) for i, role in enumerate(phases)}
     try:
         for role in phases:
@@ -1360,6 +1437,14 @@ def main() -> int:
             if left < 60:
                 log(f"skipping engine {role}: {left:.0f} s left")
                 engines[role] = {"role": role, "runs": [], "errors": ["skipped: out of time"]}
+                continue
+            if role == "raw":
+                block_bytes = kv_per_token * BLOCK_TOKENS
+                threads = int(memkv_tier.get("n_read_threads", README_TIER["n_read_threads"]))
+                raw_tcp[:] = raw_tcp_baseline(
+                    tokens, args.reps, args.nodes, threads, block_bytes, deadline - reserve[role]
+                )
+                save()
                 continue
             if role == "main":
                 spec = dict(
@@ -1438,7 +1523,7 @@ def main() -> int:
         rows, problems = save()
     print()
     print_table(rows)
-    print_breakdown(breakdown_rows(engines))
+    print_breakdown(breakdown_rows(engines, raw_tcp))
     for role, res in engines.items():
         if res.get("sweep"):
             print(f"\nsweep ({role}, {args.sweep_tokens} tokens, MemKV promotion seconds):")
@@ -1475,6 +1560,8 @@ def main() -> int:
     elif origin:
         print("every promotion run was served whole by MemKV")
     no_run = [role for role, res in engines.items() if not res.get("runs")]
+    if "raw" in phases and not raw_tcp:
+        no_run.append("raw")
     if no_run:
         print(f"\nENGINES WITHOUT RUNS: {no_run}")
     print(f"wrote {out_json}")
