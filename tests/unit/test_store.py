@@ -23,6 +23,7 @@ Behaviour under test:
 
 from __future__ import annotations
 
+import gc
 import mmap
 import os
 import sys
@@ -478,9 +479,20 @@ def test_in_flight_puts_count_against_capacity() -> None:
 
 def test_list_keys_returns_the_first_keys_under_a_prefix_in_byte_order_with_lengths() -> None:
     store = Store(1 << 20)
-    for key, n in [(b"ns/b", 2), (b"ns/a", 1), (b"other", 5), (b"ns/\xff", 3), (b"ns/", 4), (b"ns/a\x00", 6), (b"n", 7)]:
+    for key, n in [
+        (b"ns/b", 2),
+        (b"ns/a", 1),
+        (b"other", 5),
+        (b"ns/\xff", 3),
+        (b"ns/", 4),
+        (b"ns/a\x00", 6),
+        (b"n", 7),
+    ]:
         put(store, key, b"v" * n)
-    assert store.list_keys(b"ns/", 10) == ([(b"ns/", 4), (b"ns/a", 1), (b"ns/a\x00", 6), (b"ns/b", 2), (b"ns/\xff", 3)], False)
+    assert store.list_keys(b"ns/", 10) == (
+        [(b"ns/", 4), (b"ns/a", 1), (b"ns/a\x00", 6), (b"ns/b", 2), (b"ns/\xff", 3)],
+        False,
+    )
     assert store.list_keys(b"ns/", 5) == (store.list_keys(b"ns/", 10)[0], False)  # exactly all: not truncated
     assert store.list_keys(b"ns/", 2) == ([(b"ns/", 4), (b"ns/a", 1)], True)
     assert store.list_keys(b"", 3) == ([(b"n", 7), (b"ns/", 4), (b"ns/a", 1)], True)
@@ -562,6 +574,7 @@ def test_making_a_new_buffer_and_filling_it_never_stalls_other_threads():
 
     saved = sys.getswitchinterval()
     sys.setswitchinterval(0.0005)  # a thread waiting for the GIL gets it within ~1 ms
+    gc.disable()  # a full collection of this test process's heap would be a stall of its own
     spinner = threading.Thread(target=other_connection_thread)
     try:
         spinner.start()
@@ -578,6 +591,7 @@ def test_making_a_new_buffer_and_filling_it_never_stalls_other_threads():
         stop.set()
         spinner.join(10)
         sys.setswitchinterval(saved)
+        gc.enable()
     store.commit(ticket)
     assert stalled < max(0.25 * took, 0.02), (
         f"another thread was stalled {stalled * 1000:.0f} ms while the buffer was made ({took * 1000:.0f} ms)"
@@ -617,6 +631,7 @@ def test_freeing_a_value_never_holds_up_other_threads_on_the_store(kind: str):
 
     saved = sys.getswitchinterval()
     sys.setswitchinterval(0.0005)  # a thread waiting for the GIL gets it within ~1 ms
+    gc.disable()  # a full collection of this test process's heap would be a stall of its own
     looker = threading.Thread(target=lookups)
     try:
         looker.start()
@@ -629,6 +644,7 @@ def test_freeing_a_value_never_holds_up_other_threads_on_the_store(kind: str):
         stop.set()
         looker.join(10)  # its lookup under way ends, and counts
         sys.setswitchinterval(saved)
+        gc.enable()
     stalled = worst[0]
     assert store.stats()["allocated_bytes"] == 0
     assert stalled < max(0.25 * took, 0.02), (
