@@ -23,12 +23,14 @@ Behaviour under test:
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import mmap
 import os
 import sys
 import threading
 import time
+from collections.abc import Callable, Iterator
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -553,6 +555,38 @@ def test_a_waiting_reservation_gets_in_when_another_one_ends() -> None:
     assert read(store, b"a") is not None and read(store, b"b") is not None
 
 
+@contextlib.contextmanager
+def longest_pause_of(work: Callable[[], None]) -> Iterator[list[float]]:
+    """Another thread does `work` over and over while the body runs; yields a list whose one
+    item is, after the block, the longest time between two of its rounds. A thread waiting for
+    the GIL gets it within ~1 ms (switch interval 0.5 ms), and the test process's garbage
+    collector is off (a full collection of its heap would be a stall of its own)."""
+    worst = [0.0]
+    stop = threading.Event()
+
+    def rounds() -> None:
+        last = time.perf_counter()
+        while not stop.is_set():
+            work()
+            now = time.perf_counter()
+            worst[0], last = max(worst[0], now - last), now
+
+    saved = sys.getswitchinterval()
+    sys.setswitchinterval(0.0005)
+    gc.disable()
+    other = threading.Thread(target=rounds)
+    try:
+        other.start()
+        time.sleep(0.05)
+        worst[0] = 0.0
+        yield worst
+    finally:
+        stop.set()
+        other.join(10)  # its round under way ends, and counts
+        sys.setswitchinterval(saved)
+        gc.enable()
+
+
 def test_making_a_new_buffer_and_filling_it_never_stalls_other_threads():
     """Python's mmap with MAP_POPULATE holds the GIL while the kernel makes every page (0.4 s a
     GiB on the 2-vCPU VM), and a populating madvise holds the process's mmap lock as long: a
@@ -561,37 +595,19 @@ def test_making_a_new_buffer_and_filling_it_never_stalls_other_threads():
     512 MiB buffer is made and filled by the kernel, as a socket's recv_into fills it."""
     size = 512 * MiB
     store = Store(2 * size)
-    worst = [0.0]
-    stop = threading.Event()
 
-    def other_connection_thread() -> None:
-        last = time.perf_counter()
-        while not stop.is_set():
-            other = mmap.mmap(-1, MiB, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)  # the mmap lock
-            other.close()
-            now = time.perf_counter()
-            worst[0], last = max(worst[0], now - last), now
+    def map_and_unmap() -> None:  # takes the process's mmap lock
+        mmap.mmap(-1, MiB, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS).close()
 
-    saved = sys.getswitchinterval()
-    sys.setswitchinterval(0.0005)  # a thread waiting for the GIL gets it within ~1 ms
-    gc.disable()  # a full collection of this test process's heap would be a stall of its own
-    spinner = threading.Thread(target=other_connection_thread)
-    try:
-        spinner.start()
-        time.sleep(0.05)
-        worst[0], start = 0.0, time.perf_counter()
+    with longest_pause_of(map_and_unmap) as worst:
+        start = time.perf_counter()
         ticket = store.begin_put(b"fresh", size, 1, SUM)
         with open("/dev/zero", "rb", buffering=0) as zero:  # a kernel copy without the GIL
             filled = 0
             while filled < size:
                 filled += zero.readinto(ticket.target[filled : filled + 16 * MiB]) or 0
         took = time.perf_counter() - start
-        stalled = worst[0]
-    finally:
-        stop.set()
-        spinner.join(10)
-        sys.setswitchinterval(saved)
-        gc.enable()
+    stalled = worst[0]
     store.commit(ticket)
     assert stalled < max(0.25 * took, 0.02), (
         f"another thread was stalled {stalled * 1000:.0f} ms while the buffer was made ({took * 1000:.0f} ms)"
@@ -619,32 +635,11 @@ def test_freeing_a_value_never_holds_up_other_threads_on_the_store(kind: str):
         ticket.target[:] = b"\x01" * size
     assert store.commit(ticket)
     del ticket  # the store's reference is then the buffer's last
-    worst = [0.0]
-    stop = threading.Event()
-
-    def lookups() -> None:
-        last = time.perf_counter()
-        while not stop.is_set():
-            store.exists([b"big", b"other"])
-            now = time.perf_counter()
-            worst[0], last = max(worst[0], now - last), now
-
-    saved = sys.getswitchinterval()
-    sys.setswitchinterval(0.0005)  # a thread waiting for the GIL gets it within ~1 ms
-    gc.disable()  # a full collection of this test process's heap would be a stall of its own
-    looker = threading.Thread(target=lookups)
-    try:
-        looker.start()
-        time.sleep(0.05)
-        worst[0], start = 0.0, time.perf_counter()
+    with longest_pause_of(lambda: store.exists([b"big", b"other"])) as worst:
+        start = time.perf_counter()
         bigger = store.begin_put(b"next", size + size // 2, 1, SUM)  # evicts the value
         took = time.perf_counter() - start
-        store.abort(bigger)
-    finally:
-        stop.set()
-        looker.join(10)  # its lookup under way ends, and counts
-        sys.setswitchinterval(saved)
-        gc.enable()
+    store.abort(bigger)
     stalled = worst[0]
     assert store.stats()["allocated_bytes"] == 0
     assert stalled < max(0.25 * took, 0.02), (
