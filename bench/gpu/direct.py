@@ -330,6 +330,7 @@ def engine_child(spec: dict) -> int:
             loaded = sum(v for k, v in rec["counters_after_settle"].items() if "load_bytes" in k)
         else:  # what the nodes served (the recompute's lookups are a few bytes)
             loaded = rec["node_sent_bytes"] if phase != "recompute" else 0.0
+        rec["memkv_load_bytes"] = loaded
         chunk_bytes = result.get("chunk_bytes") or ttft_chunk_bytes(spec)
         rec["chunks_loaded"] = int(loaded // chunk_bytes)
         rec["prompt_chunks"] = tokens // BLOCK_TOKENS
@@ -511,10 +512,7 @@ def main() -> int:
     )
     for e in engines:
         for r in e.get("runs", []):
-            if e.get("spec", {}).get("inproc", True):
-                loaded = sum(v for k, v in r.get("counters_after_settle", r["counters"]).items() if "load_bytes" in k)
-            else:
-                loaded = r["node_sent_bytes"] if r["phase"] != "recompute" else 0.0
+            loaded = r["memkv_load_bytes"]
             chunks = f"{r.get('chunks_loaded', '?')}/{r.get('prompt_chunks', '?')}"
             print(
                 f"{e['mode']:<7} {e['role']:<8} {r['tokens']:>6} {r['phase']:<9} {r['seconds']:>8.3f} "

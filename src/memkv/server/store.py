@@ -6,8 +6,8 @@ or, for a value a same-host client stored through shared memory (SHM_PUT), a sea
 own (memkv/server/shm.py). Buffers are sized to the value rounded up to a page. When a value is
 evicted or deleted its private buffer is reused for the next value of the same size class
 (KV-cache values of one model are all one size), so the hot path neither allocates nor
-page-faults; a bounded pool keeps freed buffers for reuse and beyond that they are unmapped. A memfd is never reused (its value is sealed
-immutable): freed, it is closed. `allocated_bytes` (every buffer in existence: live,
+page-faults; a bounded pool keeps freed buffers for reuse and beyond that they are unmapped. A
+memfd is never reused (its value is sealed immutable): freed, it is closed. `allocated_bytes` (every buffer in existence: live,
 pinned-but-dead, pooled, reserved for a PUT in flight, memfds included) never exceeds
 `capacity_bytes`.
 
