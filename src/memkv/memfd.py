@@ -24,7 +24,8 @@ MADV_POPULATE_WRITE = 23  # Linux 5.14: fault a range in for writing with one ca
 # (/sys/kernel/mm/transparent_hugepage/shmem_enabled "advise", "within_size" or "always"): a
 # fresh memfd per value needs its pages made and its page tables filled for every store, about
 # 1 us per 4 KiB page on a VM; 2 MiB pages make that 512 times fewer. Ignored where the host says
-# "never" (docs/operations.md, "Same-host clients").
+# "never" (docs/operations.md, "Same-host clients"). The node's private value buffers ask for them
+# too (memkv/server/store.py, ValueBuffer), where /sys/kernel/mm/transparent_hugepage/enabled allows.
 MADV_HUGEPAGE = 14
 
 

