@@ -1,7 +1,7 @@
 """The node's value store: byte capacity, lanes, LRU eviction, buffers faulted once and reused.
 
 Memory. A value lives in a buffer the store owns: for values >= 1 MiB an anonymous private
-mmap, its pages made by the first PUT's receive as it fills them; a bytearray for smaller ones;
+mmap, its pages (2 MiB ones where the host gives them on request) made by the first PUT's receive as it fills them; a bytearray for smaller ones;
 or, for a value a same-host client stored through shared memory (SHM_PUT), a sealed memfd of its
 own (memkv/server/shm.py). Buffers are sized to the value rounded up to a page. When a value is
 evicted or deleted its private buffer is reused for the next value of the same size class
