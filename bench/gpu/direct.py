@@ -267,6 +267,8 @@ def engine_child(spec: dict) -> int:
         result["chunk_bytes"] = obj.layout.value_bytes * obj.layout.world_size
     elif spec["mode"] == "tier":
         result["pinned_bytes"] = int(spec["cpu_gib"] * 2**30)
+        # bench/gpu/dryrun's stand-in tier moves rows of its own size (ttft.py reads it the same way)
+        result["chunk_bytes"] = int(getattr(llm, "ttft_block_bytes", 0) or ttft_chunk_bytes(spec))
     else:
         result["pinned_bytes"] = 0
     log(
