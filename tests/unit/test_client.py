@@ -16,6 +16,7 @@ Behaviour under test, with the whole client stack running unchanged above the so
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Callable, Iterator
 
@@ -171,6 +172,21 @@ def test_a_refused_node_answers_miss_for_its_keys_only_and_is_marked_down(networ
     health = {h["server"]: h for h in client.health()}
     assert not health[dead.address.name]["up"] and health[dead.address.name]["failures"] >= 1
     assert all(health[n.address.name]["up"] for n in nodes if n is not dead)
+
+
+def test_marking_a_node_down_logs_why_and_for_how_long(network, make_client, caplog) -> None:
+    nodes = three_nodes(network)
+    client = make_client(down_for_s=7.0)
+    ks = keys(30)
+    client.batch_put_views([(k, k) for k in ks])
+    dead = nodes[2]
+    dead.reset_on = {"get"}
+    with caplog.at_level(logging.WARNING, logger="memkv"):
+        client.batch_get_into([(k, bytearray(len(k))) for k in ks])
+    (line,) = [r.getMessage() for r in caplog.records if "marked down" in r.getMessage()]
+    assert dead.address.name in line and "for 7.0s" in line
+    reason = line.split("for 7.0s: ", 1)[1]
+    assert reason and reason == client.health()[2]["last_error"]
 
 
 def test_a_node_marked_down_is_not_contacted_until_down_for_s_then_tried_again(network, make_client) -> None:

@@ -279,10 +279,11 @@ class Client:
             for n in self._nodes
         ]
 
-    def _on_health(self, server: str, up: bool) -> None:
-        m.SERVER_UP.labels(server).set(1 if up else 0)
-        if not up:
-            log.warning("memkv server %s marked down", server)
+    def _on_health(self, server: str, failure: str | None) -> None:
+        """`failure`: why the node was marked down, None when it is usable again."""
+        m.SERVER_UP.labels(server).set(0 if failure else 1)
+        if failure:
+            log.warning("memkv server %s marked down for %.1fs: %s", server, self.config.down_for_s, failure)
 
     # -- single-key convenience -------------------------------------------------------------------
 

@@ -381,14 +381,16 @@ class NodeClient:
         down_for_s: float,
         checksummer: Checksummer,
         open_way: OpenWay,
-        on_health: Callable[[str, bool], None] | None = None,
+        on_health: Callable[[str, str | None], None] | None = None,
         connect: Connect = tcp_connect,
         local_socket: bool = True,
         shared_memory: bool = False,
     ) -> None:
         """`local_socket`: use the node's same-host socket when it names one that works.
         `shared_memory`: there, copy values from the node's memory when it offers it.
-        `open_way`: makes each new connection's way for values (memkv.transport.open_way)."""
+        `open_way`: makes each new connection's way for values (memkv.transport.open_way).
+        `on_health(name, failure)`: called with why the node was marked down, and with None when
+        it is usable again."""
         self.address = address
         self.name = address.name
         self._auth_key = auth_key
@@ -426,18 +428,18 @@ class NodeClient:
         with self._lock:
             self._down_until = time.monotonic() + self._down_for_s
             self.failures += 1
-            self.last_error = str(error)
+            self.last_error = str(error) or type(error).__name__
             idle, self._idle = self._idle, []
         for conn in idle:  # the node failed: its other pooled sockets are suspect too
             conn.close()
         if self._on_health:
-            self._on_health(self.name, False)
+            self._on_health(self.name, self.last_error)
 
     def _mark_up(self) -> None:
         if self._down_until:
             self._down_until = 0.0
             if self._on_health:
-                self._on_health(self.name, True)
+                self._on_health(self.name, None)
 
     # -- connections ----------------------------------------------------------------------------
 
