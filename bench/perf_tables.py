@@ -54,7 +54,7 @@ COMMITS = {
     f"{GPU_RESULTS}/run73-h100-ttft-colocated-vs-off/colocated.json": "8627347",
     f"{GPU_RESULTS}/run73-h100-ttft-colocated-vs-off/local-socket-off.json": "8627347",
     f"{VM_RESULTS}/datapath_2026-12-05/memory.json": "159889a",
-    f"{VM_RESULTS}/fleet_2026-12-06_late/fleet.json": "b6c12e9",
+    f"{VM_RESULTS}/fleet_2026-12-07/fleet.json": "3cee6e4",
     f"{GPU_RESULTS}/run82-h200-datapath-fleet/dp8.json": "b6c12e9",
     f"{GPU_RESULTS}/run82-h200-datapath-fleet/dp1.json": "b6c12e9",
     f"{GPU_RESULTS}/run82-h200-datapath-fleet/fleet.json": "b6c12e9",
@@ -217,7 +217,7 @@ def vm_memory() -> list[str]:
     ]
 
 
-FLEET = f"{VM_RESULTS}/fleet_2026-12-06_late/fleet.json"
+FLEET = f"{VM_RESULTS}/fleet_2026-12-07/fleet.json"
 TOPOLOGIES = {"remote": "remote (TCP)", "colocated": "co-located"}
 TOPOLOGY_NOTES = {
     "remote": "remote = every node in a network namespace of its own behind a veth pair (TCP, as from another "
@@ -283,7 +283,7 @@ def fleet_table(path: str, where: str = "") -> list[str]:
                 "p99 batch s PUT / GET",
                 "server CPU-s per GB PUT: node / raw",
                 "lookup p99 ms: alone / under the stores",
-                "values refused",
+                "values not stored",
             ],
             rows,
             right=11,
