@@ -51,8 +51,9 @@ def shm_files(b: int, invocations: tuple[int, ...]) -> list[str]:
 COMMITS = {
     **{path: MEMFD_COMMIT for b in (1, 8) for path in shm_files(b, (1, 2))},
     **{path: commit for _, path, commit in H100_DATAPATH},
-    f"{GPU_RESULTS}/run73-h100-ttft-colocated-vs-off/colocated.json": "8627347",
-    f"{GPU_RESULTS}/run73-h100-ttft-colocated-vs-off/local-socket-off.json": "8627347",
+    f"{GPU_RESULTS}/run84-h100-ttft-colocated-vs-off-raw/colocated.json": "3cee6e4",
+    f"{GPU_RESULTS}/run84-h100-ttft-colocated-vs-off-raw/local-socket-off.json": "3cee6e4",
+    f"{GPU_RESULTS}/run86-h100-ttft-colocated-32k/ttft-main-restart.json": "3cee6e4",
     f"{VM_RESULTS}/datapath_2026-12-05/memory.json": "159889a",
     f"{VM_RESULTS}/fleet_2026-12-07/fleet.json": "3cee6e4",
     f"{GPU_RESULTS}/run82-h200-datapath-fleet/dp8.json": "b6c12e9",
@@ -297,14 +298,19 @@ def fleet_table(path: str, where: str = "") -> list[str]:
 
 H100_RUNS = [
     (
-        f"{GPU_RESULTS}/run73-h100-ttft-colocated-vs-off/colocated.json",
-        "73, co-located",
+        f"{GPU_RESULTS}/run84-h100-ttft-colocated-vs-off-raw/colocated.json",
+        "84, co-located",
         "co-located: the defaults (4 nodes on the engine's host)",
     ),
     (
-        f"{GPU_RESULTS}/run73-h100-ttft-colocated-vs-off/local-socket-off.json",
-        "73, TCP",
+        f"{GPU_RESULTS}/run84-h100-ttft-colocated-vs-off-raw/local-socket-off.json",
+        "84, TCP",
         "TCP on loopback (`MEMKV_LOCAL_SOCKET=off`: the path to a node on another host)",
+    ),
+    (
+        f"{GPU_RESULTS}/run86-h100-ttft-colocated-32k/ttft-main-restart.json",
+        "86, co-located",
+        "co-located again, 32k only (the next call on the same machine)",
     ),
 ]
 H100_TOKENS = (8192, 32768)
@@ -336,10 +342,11 @@ def paired_ttft(runs: list[tuple[str, str, str]], tokens: tuple[int, ...]) -> li
     ref = load(runs[0][0])
     host, a = ref["meta"]["host"], ref["meta"]["args"]
     what = (
-        f"`python3 bench/gpu/ttft.py --phases main,restart --tokens {','.join(map(str, tokens))} "
+        f"`python3 bench/gpu/ttft.py --phases {a['phases']} --tokens {','.join(map(str, tokens))} "
         f"--gpu-util {a['gpu_util']}` then the same with `MEMKV_LOCAL_SOCKET=off`, both in one call on one "
         "machine, each with its own baselines: time to first token of a revisited "
-        f"prompt, the two repetitions, seconds; {host['cpus']} vCPUs, vLLM "
+        "prompt, the two repetitions (a promotion the nodes did not serve whole left out), seconds; "
+        f"{host['cpus']} vCPUs, vLLM "
         f"{ref['engines']['main']['versions']['vllm']}, {a['nodes']} nodes on the same host"
     )
     sizes = [
@@ -378,8 +385,12 @@ COLD_RUN = f"{GPU_RESULTS}/run54-defaults-main-restart-notier.json"
 
 
 def seconds(doc: dict, engine: str, phase: str, tokens: int) -> list[float]:
+    """A phase's times; a promotion the nodes did not serve whole (`origin_ok` false: for example
+    a prompt its engine never stored, its run skipped at the budget) is not a MemKV figure."""
     runs = doc["engines"].get(engine, {}).get("runs", [])
-    return [r["seconds"] for r in runs if r["phase"] == phase and r["tokens"] == tokens]
+    return [
+        r["seconds"] for r in runs if r["phase"] == phase and r["tokens"] == tokens and r.get("origin_ok") is not False
+    ]
 
 
 def pair(xs: list[float]) -> str:
