@@ -174,13 +174,19 @@ def test_a_refused_node_answers_miss_for_its_keys_only_and_is_marked_down(networ
     assert all(health[n.address.name]["up"] for n in nodes if n is not dead)
 
 
-def test_marking_a_node_down_logs_why_and_for_how_long(network, make_client, caplog) -> None:
+def thirty_stored_then_one_node_resets_gets(network, make_client, down_for_s: float, dead_at: int):
+    """Three nodes hold 30 keys; then node `dead_at` resets every GET. (nodes, client, keys, dead)."""
     nodes = three_nodes(network)
-    client = make_client(down_for_s=7.0)
+    client = make_client(down_for_s=down_for_s)
     ks = keys(30)
     client.batch_put_views([(k, k) for k in ks])
-    dead = nodes[2]
+    dead = nodes[dead_at]
     dead.reset_on = {"get"}
+    return nodes, client, ks, dead
+
+
+def test_marking_a_node_down_logs_why_and_for_how_long(network, make_client, caplog) -> None:
+    _, client, ks, dead = thirty_stored_then_one_node_resets_gets(network, make_client, 7.0, dead_at=2)
     with caplog.at_level(logging.WARNING, logger="memkv"):
         client.batch_get_into([(k, bytearray(len(k))) for k in ks])
     (line,) = [r.getMessage() for r in caplog.records if "marked down" in r.getMessage()]
@@ -190,12 +196,7 @@ def test_marking_a_node_down_logs_why_and_for_how_long(network, make_client, cap
 
 
 def test_a_node_marked_down_is_not_contacted_until_down_for_s_then_tried_again(network, make_client) -> None:
-    nodes = three_nodes(network)
-    client = make_client(down_for_s=60.0)
-    ks = keys(30)
-    client.batch_put_views([(k, k) for k in ks])
-    dead = nodes[0]
-    dead.reset_on = {"get"}
+    nodes, client, ks, dead = thirty_stored_then_one_node_resets_gets(network, make_client, 60.0, dead_at=0)
     alive = [o is not dead for o in owners(nodes, ks)]
     assert client.batch_get_into([(k, bytearray(len(k))) for k in ks]) == alive
     seen = (dead.connects, len(dead.requests))
