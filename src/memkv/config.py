@@ -350,10 +350,11 @@ class ClientConfig:
     # Same-host nodes over the abstract Unix socket they name in HELLO_OK (memkv/client/node.py);
     # never with TLS (TLS was asked for). MEMKV_LOCAL_SOCKET=off keeps every connection on TCP.
     local_socket: bool = True
-    # On the same-host socket, copy values straight from the node's shared memory when it offers
-    # it (memkv/client/shared.py): one copy per byte instead of two. Only values this client
-    # stored itself (their page tables are filled right after the PUT); the rest come over the
-    # socket, so a cold promotion pays no page faults (docs/archive/performance-log.md, run 53).
+    # On the same-host socket, store values of 1 MiB and more into memfds the node passes and load
+    # them from those memfds when it offers it (memkv/client/shared.py): one copy per byte instead
+    # of two. Loads read the memfd (no mapping, so no page-table fill); the values this process
+    # stored are copied from the read-only mappings it kept. Values stored over the socket come
+    # over the socket.
     shared_memory: bool = True
 
     def __post_init__(self) -> None:
