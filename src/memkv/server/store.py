@@ -1,15 +1,15 @@
 """The node's value store: byte capacity, lanes, LRU eviction, buffers faulted once and reused.
 
-Memory. A value lives in a buffer the store owns: for values >= 1 MiB an anonymous private
-mmap, its pages (2 MiB ones where the host gives them on request) made by the first PUT's receive as it fills them; a bytearray for smaller ones;
-or, for a value a same-host client stored through shared memory (SHM_PUT), a sealed memfd of its
-own (memkv/server/shm.py). Buffers are sized to the value rounded up to a page. When a value is
-evicted or deleted its private buffer is reused for the next value of the same size class
-(KV-cache values of one model are all one size), so the hot path neither allocates nor
-page-faults; a bounded pool keeps freed buffers for reuse and beyond that they are unmapped. A
-memfd is never reused (its value is sealed immutable): freed, it is closed. `allocated_bytes` (every buffer in existence: live,
-pinned-but-dead, pooled, reserved for a PUT in flight, memfds included) never exceeds
-`capacity_bytes`.
+Memory. A value lives in a buffer the store owns: for values >= 1 MiB an anonymous private mmap,
+its pages (2 MiB ones where the host gives them on request) made by the first PUT's receive as
+it fills them; a bytearray for smaller ones; or, for a value a same-host client stored through
+shared memory (SHM_PUT), a sealed memfd of its own (memkv/server/shm.py). Buffers are sized to
+the value rounded up to a page. When a value is evicted or deleted its private buffer is reused
+for the next value of the same size class (KV-cache values of one model are all one size), so
+the hot path neither allocates nor page-faults; a bounded pool keeps freed buffers for reuse and
+beyond that they are unmapped. A memfd is never reused (its value is sealed immutable): freed,
+it is closed. `allocated_bytes` (every buffer in existence: live, pinned-but-dead, pooled,
+reserved for a PUT in flight, memfds included) never exceeds `capacity_bytes`.
 
 Lanes. Every key belongs to one lane, chosen by the longest matching key prefix (the `default`
 lane takes the rest). A lane's share is its fair part of the capacity; lanes may grow past it
