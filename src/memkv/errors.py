@@ -10,7 +10,7 @@
     │   ├── MemKVTimeout           (abstract base of the timeouts)
     │   │   ├── ConnectTimeout
     │   │   ├── ReadTimeout
-    │   │   ├── WriteTimeout
+    │   │   ├── WriteTimeout       (no down mark when the node was still taking the bytes)
     │   │   └── PoolTimeout
     │   ├── ConnectError
     │   ├── ReadError          the peer closed or reset mid-frame
@@ -39,6 +39,8 @@ from __future__ import annotations
 import errno
 import socket
 import ssl
+
+from memkv.sockio import SendTimeout
 
 
 class MemKVError(Exception):
@@ -97,7 +99,11 @@ class ReadTimeout(MemKVTimeout):
 
 
 class WriteTimeout(MemKVTimeout):
-    pass
+    """A request not sent within its timeout. `node_idle_s`: how long before the timeout the node
+    last took bytes of it, where the send knows (None: unknown). A node still taking them is
+    busy, not gone (memkv.client.node.node_is_busy)."""
+
+    node_idle_s: float | None = None
 
 
 class PoolTimeout(MemKVTimeout):
@@ -161,6 +167,15 @@ def map_os_error(exc: OSError, op: str, server: str | None = None) -> TransportE
         return TlsError(explain_tls(exc), server)
     # BlockingIOError: a kernel timeout (SO_RCVTIMEO/SO_SNDTIMEO) expired on a blocking socket.
     if isinstance(exc, (socket.timeout, TimeoutError, BlockingIOError)):
+        if isinstance(exc, SendTimeout):
+            mib = 1 << 20
+            err = WriteTimeout(
+                f"write timed out after {exc.sent / mib:.1f} of {exc.total / mib:.1f} MiB, "
+                f"the last taken {exc.idle_s:.2f}s before",
+                server,
+            )
+            err.node_idle_s = exc.idle_s
+            return err
         timeout: type[MemKVTimeout] = {"connect": ConnectTimeout, "read": ReadTimeout, "write": WriteTimeout}[op]
         return timeout(f"{op} timed out", server)
     if op == "connect":

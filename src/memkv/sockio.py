@@ -65,6 +65,10 @@ _IOV_MAX = 512
 _REARM_S = 0.05
 # TLS transfers from this size on run blocking, bounded by the watchdog (module docstring).
 _TLS_BLOCKING_BYTES = 1 << 20
+# A send with a deadline blocks at most this long per syscall, so it knows when the peer last
+# took bytes: at the deadline, a peer still taking them is told from one that stopped
+# (SendTimeout.idle_s). One more syscall per slice of a blocked send costs nothing.
+_SEND_SLICE_S = 0.1
 
 
 def set_timeouts(sock: socket.socket, recv_s: float, send_s: float | None = None) -> None:
@@ -103,6 +107,17 @@ class PeerClosed(ConnectionError):
         super().__init__(f"peer closed the connection after {got} of {total} bytes")
         self.got = got
         self.total = total
+
+
+class SendTimeout(TimeoutError):
+    """A send still unfinished at its deadline: the peer took `sent` of the `total` bytes, the
+    last of them `idle_s` before the deadline (the whole send's time if it took none)."""
+
+    def __init__(self, sent: int, total: int, idle_s: float) -> None:
+        super().__init__(f"deadline passed after {sent} of {total} bytes, the last taken {idle_s:.2f}s before")
+        self.sent = sent
+        self.total = total
+        self.idle_s = idle_s
 
 
 def _arm(sock: socket.socket, option: int, deadline: float, got: int, total: int) -> None:
@@ -331,11 +346,7 @@ def _send_one(sock: socket.socket, buf: bytes | bytearray | memoryview, deadline
     if deadline is None:
         sock.sendall(buf)  # loops in C
         return
-    view = memoryview(buf).cast("B")
-    sent, total = 0, len(view)
-    while sent < total:  # a blocking send queues all of it unless the (cut) timeout expires
-        _arm(sock, socket.SO_SNDTIMEO, deadline, sent, total)
-        sent += sock.send(view[sent:])
+    _sendmsg_all(sock, [memoryview(buf).cast("B")], deadline)
 
 
 def _tls_send(sock: ssl.SSLSocket, buf: bytes | bytearray | memoryview, deadline: float | None) -> None:
@@ -382,13 +393,29 @@ def send_all(
 
 def _sendmsg_all(sock: socket.socket, views: list[memoryview], deadline: float | None) -> None:
     """All of `views` through sendmsg, at most _IOV_MAX buffers per call. A blocking sendmsg
-    queues everything unless the (cut) kernel timeout expires, so this is one call per frame."""
+    queues everything unless its kernel timeout expires, so without a deadline this is one call
+    per frame. With one, each call blocks at most _SEND_SLICE_S (then returns what the peer took
+    meanwhile), and a send unfinished at the deadline raises SendTimeout saying how long before
+    it the peer last took bytes: a busy peer from a stalled one."""
     sent_total, total = 0, sum(map(len, views))
     first = 0  # views[first:] are still (partly) unsent
+    took_at = time.monotonic()  # when the peer last took bytes (or the send began)
     while first < len(views):
         if deadline is not None:
-            _arm(sock, socket.SO_SNDTIMEO, deadline, sent_total, total)
-        sent = sock.sendmsg(views[first : first + _IOV_MAX])
+            now = time.monotonic()
+            if now >= deadline:
+                raise SendTimeout(sent_total, total, now - took_at)
+            sock.setsockopt(
+                socket.SOL_SOCKET, socket.SO_SNDTIMEO, _timeval(max(min(deadline - now, _SEND_SLICE_S), 0.001))
+            )
+            try:
+                sent = sock.sendmsg(views[first : first + _IOV_MAX])
+            except BlockingIOError:  # the slice passed and the peer took nothing
+                continue
+            if sent:
+                took_at = time.monotonic()
+        else:
+            sent = sock.sendmsg(views[first : first + _IOV_MAX])
         sent_total += sent
         while first < len(views) and sent >= len(views[first]):
             sent -= len(views[first])

@@ -4,7 +4,9 @@ Behaviour under test: `io_timeout_s` bounds each whole reply (and each whole req
 `max(connect_timeout_s, io_timeout_s, 1 s)` the whole handshake, not each socket read: a node (here a fake one
 speaking the real handshake) that trickles a GET reply, an EXISTS reply or its ServerHello, or
 reads a PUT's value a few KiB at a time, costs the caller at most that timeout plus slack; the
-key answers miss / not stored, and the node is marked down like any other transport failure.
+key answers miss / not stored, and the node is marked down like any other transport failure,
+except where it was still taking the PUT's bytes when the time ran out: that node is busy, its
+next requests are served. One that stops taking them (a stalled node) is marked down.
 A node that is only slow to answer a new connection (its ServerHello later than
 connect_timeout_s, within io_timeout_s) is not: the handshake gets the time any reply gets.
 
@@ -111,6 +113,65 @@ def test_node_reading_a_put_slowly_fails_it_within_io_timeout(auth_key_hex, figu
             client.close()
     assert took < IO_TIMEOUT_S + SLACK_S, f"a slowly read 8 MiB PUT held the caller {took:.2f}s"
     figures(slow_read_put_returned_after_s=round(took, 3))
+
+
+def test_a_node_still_taking_a_put_when_it_times_out_is_busy_not_marked_down(auth_key_hex, figures):
+    """An overloaded node takes a big batch of stores too slowly for io_timeout_s: that store
+    fails, but the node is not marked down, so its lookups (and loads) go on being served."""
+    value = bytes(8 << 20)  # 8 MiB: ~25 s at the fake's 320 KiB/s
+    opened = []
+
+    def handler(conn: FakeConnection) -> None:
+        opened.append(conn)
+        if len(opened) > 1:  # later connections: a node that answers lookups
+            msg, _ = conn.read_request()
+            conn.reply(p.StatusReply(p.Opcode.EXISTS, bytes([p.ItemStatus.OK]) * len(msg.keys)))
+            conn.pause(5.0)
+            return
+        conn.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 16 << 10)
+        conn.sock.settimeout(5.0)
+        for _ in range(2000):  # bounded: 2000 x 16 KiB covers the request
+            if not conn.sock.recv(16 << 10) or conn.pause(0.05):
+                return
+
+    with FakeNode(auth_key_hex, handler) as fake:
+        client = client_for(fake, auth_key_hex)
+        try:
+            started = time.monotonic()
+            stored = client.batch_put_views([("k", value)])
+            took = time.monotonic() - started
+            health = client.health()[0]
+            found = client.exists(["a", "b"])
+        finally:
+            client.close()
+    assert stored == [False]
+    assert took < IO_TIMEOUT_S + SLACK_S, f"a slowly taken 8 MiB PUT held the caller {took:.2f}s"
+    assert (health["up"], health["failures"], health["busy_timeouts"]) == (True, 0, 1), health
+    assert found == [True, True], "the busy node's next request was not served"
+    figures(busy_put_failed_after_s=round(took, 3))
+
+
+def test_a_node_that_stops_taking_a_put_is_marked_down(auth_key_hex, figures):
+    """A stalled node (its process stopped, say) takes what its socket buffers hold, then
+    nothing: the store fails at io_timeout_s and the node is marked down."""
+    def handler(conn: FakeConnection) -> None:
+        conn.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 16 << 10)
+        conn.pause(5.0)
+
+    with FakeNode(auth_key_hex, handler) as fake:
+        client = client_for(fake, auth_key_hex)
+        try:
+            started = time.monotonic()
+            stored = client.batch_put_views([("k", bytes(8 << 20))])
+            took = time.monotonic() - started
+            health = client.health()[0]
+        finally:
+            client.close()
+    assert stored == [False]
+    assert took < IO_TIMEOUT_S + SLACK_S, f"a stalled node held the caller {took:.2f}s"
+    assert (health["up"], health["busy_timeouts"]) == (False, 0), health
+    assert "write timed out after" in health["last_error"], health["last_error"]
+    figures(stalled_put_failed_after_s=round(took, 3))
 
 
 def test_trickled_server_hello_fails_the_connect_within_the_handshake_timeout(auth_key_hex, figures):

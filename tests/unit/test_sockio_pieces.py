@@ -9,7 +9,9 @@ Behaviour under test:
   deadline plus slack: "did not hang"), and a peer that closes mid-value raises PeerClosed
   naming how many bytes had come;
 * `send_all` of a header and many values (more buffers than one sendmsg takes) delivers them
-  in order, byte-exact; with a deadline and a peer that does not read, it raises socket.timeout;
+  in order, byte-exact; with a deadline and a peer that does not read, it raises socket.timeout
+  (SendTimeout) saying the peer took nothing for nearly all that time, and with a peer that
+  reads slowly, that the peer took bytes just before;
 * the client picks small receive pieces only while at most two threads receive.
 """
 
@@ -23,7 +25,7 @@ import time
 import pytest
 import xxhash
 
-from memkv.sockio import COMPILED_RECEIVE, PeerClosed, recv_exactly_into, recv_xxh3_into, send_all
+from memkv.sockio import COMPILED_RECEIVE, PeerClosed, SendTimeout, recv_exactly_into, recv_xxh3_into, send_all
 from memkv.transport import stream
 from tests.unit.loopback import in_thread
 
@@ -111,9 +113,36 @@ def test_send_all_with_a_deadline_gives_up_while_the_peer_does_not_read(pair) ->
     a, b = pair
     a.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 16 * KiB)
     started = time.monotonic()
-    with pytest.raises(socket.timeout):
+    with pytest.raises(SendTimeout) as raised:
         send_all(a, [b"header", memoryview(bytearray(64 * MiB))], time.monotonic() + 1.0)
     assert time.monotonic() - started < 1.0 + SLACK_S
+    assert isinstance(raised.value, socket.timeout)
+    # The peer took what the socket buffers hold at once, then nothing: idle nearly all along.
+    assert 0 < raised.value.sent < raised.value.total
+    assert raised.value.idle_s > 0.5, raised.value
+
+
+def test_send_all_that_times_out_while_the_peer_reads_slowly_says_the_peer_took_bytes_lately(pair) -> None:
+    a, b = pair
+    a.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 16 * KiB)
+    stop = threading.Event()
+
+    def read_slowly() -> None:
+        for _ in range(400):  # bounded: 400 x 16 KiB every 10 ms, 4 s at most
+            if stop.is_set() or not b.recv(16 * KiB):
+                return
+            time.sleep(0.01)
+
+    reader = in_thread(read_slowly)
+    try:
+        with pytest.raises(SendTimeout) as raised:
+            send_all(a, [b"header", memoryview(bytearray(64 * MiB))], time.monotonic() + 1.0)
+    finally:
+        stop.set()
+        a.close()
+        reader.join(10)
+    assert 0 < raised.value.sent < raised.value.total
+    assert raised.value.idle_s < 0.25, raised.value
 
 
 def test_small_receive_pieces_only_while_at_most_two_threads_receive() -> None:

@@ -274,6 +274,7 @@ class Client:
                 "up": not n.is_down,
                 "failures": n.failures,
                 "last_error": n.last_error,
+                "busy_timeouts": n.busy_timeouts,
                 "node_id": n.node_id,
             }
             for n in self._nodes

@@ -5,7 +5,11 @@ LIFO pool of them, bounded by `pool_size`, and a small health state: after a tra
 protocol failure the node is marked down for `down_for_s`; while down, calls fail fast with
 NodeUnavailable (the cluster turns that into a miss for reads). After that time the next call
 tries again. A connection that failed in any way is closed, never returned to the pool
-(the stream position after an error is unknown).
+(the stream position after an error is unknown). One failure does not mark the node down: a
+request that ran out of io_timeout_s while the node was still taking its bytes
+(`node_is_busy`). An overloaded node takes a large batch of stores slowly; marking it down
+would turn every lookup and load of its keys into a miss too, while a stalled or unreachable
+node stops taking bytes and is marked down as before.
 
 Same-host nodes (docs/protocol.md section 2.6): a node names its abstract Unix socket in
 HELLO_OK; once a TCP connection has learnt the name, NodeClient opens its connections there
@@ -53,6 +57,7 @@ from memkv.errors import (
     ServerError,
     TlsError,
     TransportError,
+    WriteTimeout,
     map_os_error,
 )
 from memkv.integrity import Checksummer
@@ -122,6 +127,14 @@ class Way(Protocol):
 OpenWay = Callable[["NodeConnection", MappedValues | None], Way]
 
 
+def node_is_busy(error: BaseException, io_timeout_s: float) -> bool:
+    """Whether `error` is a request that timed out while the node was still taking its bytes:
+    the last taken within a quarter of io_timeout_s (at least 0.25 s, at most 1 s) before the
+    timeout. Such a node is busy, not gone (the module docstring)."""
+    idle_s = error.node_idle_s if isinstance(error, WriteTimeout) else None
+    return idle_s is not None and idle_s < min(1.0, max(0.25, io_timeout_s / 4))
+
+
 def handshake_timeout_s(connect_timeout_s: float, io_timeout_s: float) -> float:
     """The bound of a whole handshake, once the TCP connection is up."""
     return max(connect_timeout_s, io_timeout_s, 1.0)
@@ -132,6 +145,10 @@ def handshake_timeout_s(connect_timeout_s: float, io_timeout_s: float) -> float:
 # permissions); one that accepts and stays silent must cost a caller this much once, not an
 # io timeout per call. A live but busy node that misses it only sends that connection to TCP.
 LOCAL_HANDSHAKE_S = 1.0
+
+
+# A busy node (`node_is_busy`) is named in the log at most this often.
+BUSY_LOG_S = 10.0
 
 
 def local_handshake_s(connect_timeout_s: float, io_timeout_s: float) -> float:
@@ -405,6 +422,8 @@ class NodeClient:
         self._down_until = 0.0
         self.last_error: str | None = None
         self.failures = 0
+        self.busy_timeouts = 0  # requests that timed out on a busy node (not marked down)
+        self._busy_logged = -BUSY_LOG_S
         self.limits: p.Limits | None = None
         self.node_id: str | None = None
         self._on_health = on_health
@@ -434,6 +453,21 @@ class NodeClient:
             conn.close()
         if self._on_health:
             self._on_health(self.name, self.last_error)
+
+    def _busy(self, error: BaseException) -> None:
+        """A request to a busy node failed (`node_is_busy`): said at most once per BUSY_LOG_S."""
+        self.busy_timeouts += 1
+        now = time.monotonic()
+        if now - self._busy_logged < BUSY_LOG_S:
+            return
+        self._busy_logged = now
+        log.warning(
+            "memkv server %s busy: a request timed out while the node was still taking its bytes (%s); "
+            "not marked down (%d such timeouts so far)",
+            self.name,
+            error,
+            self.busy_timeouts,
+        )
 
     def _mark_up(self) -> None:
         if self._down_until:
@@ -604,12 +638,15 @@ class NodeClient:
 
     def give_back(self, conn: NodeConnection, error: BaseException | None = None) -> None:
         """Return a borrowed connection. After an error it is destroyed (its stream position is
-        unknown); a transport or remote protocol error also marks the node down. A
-        LocalProtocolError is the caller's usage error, raised before anything was sent: it
-        says nothing about the node."""
+        unknown); a transport or remote protocol error also marks the node down, unless the node
+        was busy (`node_is_busy`). A LocalProtocolError is the caller's usage error, raised
+        before anything was sent: it says nothing about the node."""
         try:
             if error is not None:
                 conn.close()
+                if node_is_busy(error, self._io_timeout_s):
+                    self._busy(error)
+                    return
                 if isinstance(error, (TransportError, RemoteProtocolError, AuthError)):
                     if conn.local_name is not None:  # the node may be another process now: ask TCP
                         self._forget_local(conn.local_name)
