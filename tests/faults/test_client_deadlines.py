@@ -48,6 +48,15 @@ def trickle(conn: FakeConnection, data: bytes, piece: int, every_s: float) -> No
             return
 
 
+def take_slowly(conn: FakeConnection) -> None:
+    """A node taking a request 16 KiB every 50 ms (320 KiB/s), until the client gives up."""
+    conn.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 16 << 10)
+    conn.sock.settimeout(5.0)
+    for _ in range(2000):  # bounded: 2000 x 16 KiB covers the request
+        if not conn.sock.recv(16 << 10) or conn.pause(0.05):
+            return
+
+
 def test_trickled_get_reply_is_a_miss_within_io_timeout(auth_key_hex, figures):
     value = bytes(range(256)) * 256  # 64 KiB: 6.4 s at the trickle's 10 KiB/s
 
@@ -96,14 +105,7 @@ def test_trickled_exists_reply_answers_false_within_io_timeout(auth_key_hex, fig
 def test_node_reading_a_put_slowly_fails_it_within_io_timeout(auth_key_hex, figures):
     value = bytes(8 << 20)  # 8 MiB: ~25 s at the fake's 320 KiB/s
 
-    def handler(conn: FakeConnection) -> None:
-        conn.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 16 << 10)
-        conn.sock.settimeout(5.0)
-        for _ in range(2000):  # bounded: 2000 x 16 KiB covers the request
-            if not conn.sock.recv(16 << 10) or conn.pause(0.05):
-                return
-
-    with FakeNode(auth_key_hex, handler) as fake:
+    with FakeNode(auth_key_hex, take_slowly) as fake:
         client = client_for(fake, auth_key_hex)
         try:
             started = time.monotonic()
@@ -128,11 +130,7 @@ def test_a_node_still_taking_a_put_when_it_times_out_is_busy_not_marked_down(aut
             conn.reply(p.StatusReply(p.Opcode.EXISTS, bytes([p.ItemStatus.OK]) * len(msg.keys)))
             conn.pause(5.0)
             return
-        conn.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 16 << 10)
-        conn.sock.settimeout(5.0)
-        for _ in range(2000):  # bounded: 2000 x 16 KiB covers the request
-            if not conn.sock.recv(16 << 10) or conn.pause(0.05):
-                return
+        take_slowly(conn)
 
     with FakeNode(auth_key_hex, handler) as fake:
         client = client_for(fake, auth_key_hex)
