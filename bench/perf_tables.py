@@ -54,6 +54,8 @@ COMMITS = {
     f"{GPU_RESULTS}/run84-h100-ttft-colocated-vs-off-raw/colocated.json": "3cee6e4",
     f"{GPU_RESULTS}/run84-h100-ttft-colocated-vs-off-raw/local-socket-off.json": "3cee6e4",
     f"{GPU_RESULTS}/run86-h100-ttft-colocated-32k/ttft-main-restart.json": "3cee6e4",
+    f"{GPU_RESULTS}/run90-h100-ttft-colocated-vs-off-raw-32k/colocated.json": "a191328",
+    f"{GPU_RESULTS}/run90-h100-ttft-colocated-vs-off-raw-32k/local-socket-off.json": "a191328",
     f"{VM_RESULTS}/datapath_2026-12-05/memory.json": "159889a",
     f"{VM_RESULTS}/fleet_2026-12-07/fleet.json": "3cee6e4",
     f"{GPU_RESULTS}/run82-h200-datapath-fleet/dp8.json": "b6c12e9",
@@ -311,6 +313,16 @@ H100_RUNS = [
         f"{GPU_RESULTS}/run86-h100-ttft-colocated-32k/ttft-main-restart.json",
         "86, co-located",
         "co-located again, 32k only (the next call on the same machine)",
+    ),
+    (
+        f"{GPU_RESULTS}/run90-h100-ttft-colocated-vs-off-raw-32k/colocated.json",
+        "90, co-located",
+        "co-located, 32k only (another machine, later)",
+    ),
+    (
+        f"{GPU_RESULTS}/run90-h100-ttft-colocated-vs-off-raw-32k/local-socket-off.json",
+        "90, TCP",
+        "TCP on loopback, 32k only (the same call as run 90, co-located)",
     ),
 ]
 H100_TOKENS = (8192, 32768)
