@@ -456,17 +456,19 @@ class NodeClient:
 
     def _busy(self, error: BaseException) -> None:
         """A request to a busy node failed (`node_is_busy`): said at most once per BUSY_LOG_S."""
-        self.busy_timeouts += 1
         now = time.monotonic()
-        if now - self._busy_logged < BUSY_LOG_S:
-            return
-        self._busy_logged = now
+        with self._lock:  # any borrowing thread may get here
+            self.busy_timeouts += 1
+            count = self.busy_timeouts
+            if now - self._busy_logged < BUSY_LOG_S:
+                return
+            self._busy_logged = now
         log.warning(
             "memkv server %s busy: a request timed out while the node was still taking its bytes (%s); "
             "not marked down (%d such timeouts so far)",
             self.name,
             error,
-            self.busy_timeouts,
+            count,
         )
 
     def _mark_up(self) -> None:
