@@ -356,10 +356,14 @@ def plot(rows: list[dict], path: Path) -> None:
                 ks = [r["clients"] for r in cells]
                 (line,) = ax.plot(ks, [r[op]["memkv_gbps"] for r in cells], marker="o", label=f"memkv, {m} nodes")
                 ax.plot(ks, [r[op]["raw_gbps"] for r in cells], ls="--", color=line.get_color(), label=f"raw, {m}")
+                if op == "put" and all("first_put" in r for r in cells):
+                    first = [r["first_put"]["memkv_gbps"] for r in cells]
+                    ax.plot(ks, first, ls=":", marker="x", color=line.get_color(), label=f"memkv first round, {m}")
             ax.set_title(f"{topology}: {op}")
             ax.set_xlabel("client processes")
             ax.set_ylabel("aggregate GB/s")
             ax.set_xticks(sorted({r["clients"] for r in rows}))
+            ax.set_ylim(bottom=0)
             ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)

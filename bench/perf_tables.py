@@ -58,6 +58,7 @@ COMMITS = {
     f"{GPU_RESULTS}/run90-h100-ttft-colocated-vs-off-raw-32k/local-socket-off.json": "a191328",
     f"{VM_RESULTS}/datapath_2026-12-05/memory.json": "159889a",
     f"{VM_RESULTS}/fleet_2026-12-07/fleet.json": "3cee6e4",
+    f"{VM_RESULTS}/fleet_2026-12-07-steady/fleet.json": "fc51a79",
     f"{GPU_RESULTS}/run82-h200-datapath-fleet/dp8.json": "b6c12e9",
     f"{GPU_RESULTS}/run82-h200-datapath-fleet/dp1.json": "b6c12e9",
     f"{GPU_RESULTS}/run82-h200-datapath-fleet/fleet.json": "b6c12e9",
@@ -220,7 +221,7 @@ def vm_memory() -> list[str]:
     ]
 
 
-FLEET = f"{VM_RESULTS}/fleet_2026-12-07/fleet.json"
+FLEET = f"{VM_RESULTS}/fleet_2026-12-07-steady/fleet.json"
 TOPOLOGIES = {"remote": "remote (TCP)", "colocated": "co-located"}
 TOPOLOGY_NOTES = {
     "remote": "remote = every node in a network namespace of its own behind a veth pair (TCP, as from another "
