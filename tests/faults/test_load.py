@@ -15,8 +15,11 @@ the node's capacity (each lane's distinct values are 1.5 times its share or more
 * no load returns a value that was not written: every hit is checked byte for byte against the
   value some writer stored under that key (values are slices of a tagged blob, so the bytes name
   their origin);
-* no operation waits past the client's timeout: the slowest put or get of the run is under
-  io_timeout_s.
+* no operation waits past the client's bounds: the slowest put or get of the run is under what
+  the client documents for one operation (a connection opened for it: connect, handshake and
+  same-host socket; then each exchange's request and reply within io_timeout_s each, two
+  exchanges for a store through shared memory). io_timeout_s alone bounds each piece, not the
+  operation: on a 2-core VM whose host made fresh pages slowly one store took 16.6 s.
 
 Driven by bytes, not by time: every client stores a fixed number of bytes (scaled by
 MEMKV_FAULT_SCALE), so the traffic -- and that every lane must evict -- does not depend on how
@@ -35,6 +38,7 @@ import zlib
 
 import pytest
 
+from memkv.client.node import LOCAL_HANDSHAKE_S, handshake_timeout_s
 from tests.faults.figures import scaled
 from tests.faults.nodeops import rss_bytes, status_of
 
@@ -184,7 +188,10 @@ def test_overcommitted_node_under_32_clients_keeps_capacity_lanes_bytes_and_time
     assert allocated_peak[0] <= CAPACITY
     assert peak_rss <= baseline_rss + CAPACITY + RSS_OVERHEAD, (
         f"RSS peaked at {peak_rss // MiB} MiB: baseline {baseline_rss // MiB} MiB + capacity {CAPACITY // MiB} MiB")
-    assert max(worst.values()) < IO_TIMEOUT_S, f"an operation waited {max(worst.values()):.2f}s (io_timeout_s {IO_TIMEOUT_S})"
+    connect_s = clients[0].config.connect_timeout_s
+    op_bound_s = connect_s + handshake_timeout_s(connect_s, IO_TIMEOUT_S) + LOCAL_HANDSHAKE_S + 2 * 2 * IO_TIMEOUT_S
+    assert max(worst.values()) < op_bound_s, (
+        f"an operation waited {max(worst.values()):.2f}s (the client's bound {op_bound_s:.0f}s, io_timeout_s {IO_TIMEOUT_S})")
     lanes = {lane["name"]: lane for lane in final["lanes"]}
     assert final["evictions"] > 0
     for name, lane in lanes.items():
@@ -220,6 +227,7 @@ def test_overcommitted_node_under_32_clients_keeps_capacity_lanes_bytes_and_time
             puts=stats["puts"], puts_stored=stats["puts_ok"], gets=stats["gets"], hits_checked_byte_exact=stats["hits"],
             bad_hits=stats["bad"], gib_moved=round(stats["bytes"] / (1 << 30), 1),
             worst_put_s=round(worst["put"], 3), worst_get_s=round(worst["get"], 3), client_io_timeout_s=IO_TIMEOUT_S,
+            client_operation_bound_s=op_bound_s,
             status_samples=len(lane_samples), under_load_worst_lane_deviation_mib=max(
                 (abs(lane["used_bytes"] - lane["share_bytes"]) // MiB for st in lane_samples
                  if st["allocated_bytes"] >= 0.9 * CAPACITY for lane in st["lanes"]), default=None),
