@@ -57,7 +57,6 @@ COMMITS = {
     f"{GPU_RESULTS}/run90-h100-ttft-colocated-vs-off-raw-32k/colocated.json": "a191328",
     f"{GPU_RESULTS}/run90-h100-ttft-colocated-vs-off-raw-32k/local-socket-off.json": "a191328",
     f"{VM_RESULTS}/datapath_2026-12-05/memory.json": "159889a",
-    f"{VM_RESULTS}/fleet_2026-12-07/fleet.json": "3cee6e4",
     f"{VM_RESULTS}/fleet_2026-12-07-steady/fleet.json": "fc51a79",
     f"{GPU_RESULTS}/run82-h200-datapath-fleet/dp8.json": "b6c12e9",
     f"{GPU_RESULTS}/run82-h200-datapath-fleet/dp1.json": "b6c12e9",
