@@ -93,8 +93,9 @@ class NodeFactory:
             self.hosts.append(host)
             node = host.start_node(key, capacity=capacity, extra_args=args, env=env, preexec_fn=preexec_fn)
         else:
-            node = LocalNode(key, capacity=capacity, extra_args=args, ready_timeout_s=30.0, env=env,
-                             preexec_fn=preexec_fn)
+            node = LocalNode(
+                key, capacity=capacity, extra_args=args, ready_timeout_s=30.0, env=env, preexec_fn=preexec_fn
+            )
         node.client_tls = ClientTls(ca=pki.ca) if pki else None  # type: ignore[attr-defined]
         self.nodes.append(node)
         return node

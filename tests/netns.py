@@ -87,8 +87,17 @@ class NetnsHost:
             made = _ip("netns", "add", probe, check=False)
             if made.returncode:
                 return f"cannot create a network namespace: {made.stderr.strip()}"
-            link = _ip("link", "add", f"mkvp{os.getpid() % 100000}", "type", "veth", "peer", "name",
-                       f"mkvq{os.getpid() % 100000}", check=False)
+            link = _ip(
+                "link",
+                "add",
+                f"mkvp{os.getpid() % 100000}",
+                "type",
+                "veth",
+                "peer",
+                "name",
+                f"mkvq{os.getpid() % 100000}",
+                check=False,
+            )
             if link.returncode:
                 return f"cannot create a veth pair: {link.stderr.strip()}"
             _ip("link", "del", f"mkvp{os.getpid() % 100000}", check=False)
@@ -101,12 +110,19 @@ class NetnsHost:
         """The command prefix that runs a program on this host."""
         return ("ip", "netns", "exec", self.ns)
 
-    def start_node(self, auth_key_hex: str, capacity: str = "64MiB", extra_args: Sequence[str] = (),
-                   **kwargs) -> LocalNode:
+    def start_node(
+        self, auth_key_hex: str, capacity: str = "64MiB", extra_args: Sequence[str] = (), **kwargs
+    ) -> LocalNode:
         """A real `memkv serve` on this host, listening on its veth address (admin port too)."""
-        node = LocalNode(auth_key_hex, capacity=capacity, host=self.node_ip,
-                         extra_args=[*extra_args, "--admin-port", "0"], ready_timeout_s=30.0,
-                         launcher=self.launcher, **kwargs)
+        node = LocalNode(
+            auth_key_hex,
+            capacity=capacity,
+            host=self.node_ip,
+            extra_args=[*extra_args, "--admin-port", "0"],
+            ready_timeout_s=30.0,
+            launcher=self.launcher,
+            **kwargs,
+        )
         node.netns_host = self  # type: ignore[attr-defined]
         return node
 

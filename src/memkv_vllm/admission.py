@@ -53,7 +53,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Callable
+from collections.abc import Callable
 
 log = logging.getLogger("vllm.memkv_vllm")
 
@@ -64,8 +64,14 @@ NEW_REQUEST_SHARE = 0.5  # of the bound, the most a request's first job may brin
 class StoreAdmission:
     """Per-request, whole-job admission of store jobs against a byte budget."""
 
-    def __init__(self, limit_bytes: int, *, new_request_share: float = NEW_REQUEST_SHARE,
-                 warn_interval_s: float = WARN_INTERVAL_S, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        limit_bytes: int,
+        *,
+        new_request_share: float = NEW_REQUEST_SHARE,
+        warn_interval_s: float = WARN_INTERVAL_S,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         if limit_bytes <= 0:
             raise ValueError(f"limit_bytes must be > 0, got {limit_bytes}")
         if not 0 < new_request_share <= 1:
@@ -143,7 +149,11 @@ class StoreAdmission:
             "MemKV tier: shed %d block(s) of %d request(s) (last: %s, %d MiB: %s); a request keeps only the "
             "store jobs before its first shed one. Raise max_store_backlog_mb (now %d MiB; keep it below half of "
             "cpu_bytes_to_use), or add n_write_threads or nodes. vllm:kv_offload_memkv_sheds counts every block.",
-            self._unreported_blocks, len(self._unreported_requests), req_id, nbytes >> 20, reason,
+            self._unreported_blocks,
+            len(self._unreported_requests),
+            req_id,
+            nbytes >> 20,
+            reason,
             self.limit_bytes >> 20,
         )
         self._unreported_blocks = 0

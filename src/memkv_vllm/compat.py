@@ -14,7 +14,8 @@ import dataclasses
 import inspect
 import os
 import sys
-from typing import Any, Collection
+from collections.abc import Collection
+from typing import Any
 
 from vllm.v1.kv_offload import base as _offload_base
 from vllm.v1.kv_offload.base import (  # identical in every release
@@ -40,8 +41,9 @@ __all__ = [
 BASE_ACCEPTS_BACKPRESSURE = "backpressure_detector" in inspect.signature(SecondaryTierManager.__init__).parameters
 
 
-def init_base(tier: SecondaryTierManager, offloading_spec, primary_kv_view: memoryview, tier_type: str,
-              backpressure_detector: Any) -> None:
+def init_base(
+    tier: SecondaryTierManager, offloading_spec, primary_kv_view: memoryview, tier_type: str, backpressure_detector: Any
+) -> None:
     if BASE_ACCEPTS_BACKPRESSURE:
         SecondaryTierManager.__init__(tier, offloading_spec, primary_kv_view, tier_type, backpressure_detector)
     else:
@@ -89,9 +91,15 @@ _RESULT_FIELDS = {f.name for f in dataclasses.fields(JobResult)}
 HAS_DEFERRED_RELEASE = "deferred_release" in _RESULT_FIELDS
 
 
-def job_result(job_id: int, success: bool, *, successful_keys: Collection[bytes] | None = None,
-               transfer_time: float | None = None, transfer_bytes: int | None = None,
-               deferred_release: Any = None) -> JobResult:
+def job_result(
+    job_id: int,
+    success: bool,
+    *,
+    successful_keys: Collection[bytes] | None = None,
+    transfer_time: float | None = None,
+    transfer_bytes: int | None = None,
+    deferred_release: Any = None,
+) -> JobResult:
     """A JobResult with the optional fields this release has (0.28: successful_keys,
     transfer_time; 0.31: transfer_bytes; 0.34: deferred_release); the dataclass rejects
     unknown kwargs. A deferred_release on a release without the field is a caller bug."""
@@ -146,12 +154,13 @@ def block_hash_reuse_problem() -> str | None:
         default = getattr(utils, "DEFAULT_NONE_HASH_SEED", None)
         if seed is None or seed == default:
             return None
-        return ("PYTHONHASHSEED is not set and the prefix-caching hash is not cryptographic, so "
-                "block hashes are random per process")
+        return (
+            "PYTHONHASHSEED is not set and the prefix-caching hash is not cryptographic, so "
+            "block hashes are random per process"
+        )
     if utils is None:
         # Not imported: cannot tell whether this release seeds randomly; say what to do.
-        return ("PYTHONHASHSEED is not set; on vLLM releases before 0.33 block hashes are random "
-                "per process")
+        return "PYTHONHASHSEED is not set; on vLLM releases before 0.33 block hashes are random per process"
     return "PYTHONHASHSEED is not set, so this vLLM release seeds block hashes randomly per process"
 
 
@@ -190,10 +199,16 @@ def spec_geometry(spec) -> SpecGeometry:
         parallel = config.parallel
         per_group = _per_group(spec.tokens_per_block)
         model = getattr(config, "model", None)
-        return SpecGeometry(int(parallel.rank), int(parallel.world_size), int(spec.blocks_per_chunk),
-                            int(config.worker_kv_bytes_per_block), str(config.engine_id),
-                            min(per_group) * int(spec.blocks_per_chunk), len(per_group),
-                            int(getattr(model, "max_model_len", 0) or 0))  # 0.33+
+        return SpecGeometry(
+            int(parallel.rank),
+            int(parallel.world_size),
+            int(spec.blocks_per_chunk),
+            int(config.worker_kv_bytes_per_block),
+            str(config.engine_id),
+            min(per_group) * int(spec.blocks_per_chunk),
+            len(per_group),
+            int(getattr(model, "max_model_len", 0) or 0),
+        )  # 0.33+
     vllm_config, kv = spec.vllm_config, spec.kv_cache_config
     tensors = kv.kv_cache_tensors
     packed = [t for t in tensors if getattr(t, "block_stride", 0)]
@@ -201,10 +216,16 @@ def spec_geometry(spec) -> SpecGeometry:
     parallel = vllm_config.parallel_config
     model = getattr(vllm_config, "model_config", None)
     per_group = _per_group(spec.gpu_block_size)
-    return SpecGeometry(int(getattr(parallel, "rank", 0)), int(parallel.world_size), int(spec.block_size_factor),
-                        int(total // kv.num_blocks), str(vllm_config.kv_transfer_config.engine_id),
-                        min(per_group) * int(spec.block_size_factor), len(per_group),
-                        int(getattr(model, "max_model_len", 0) or 0))
+    return SpecGeometry(
+        int(getattr(parallel, "rank", 0)),
+        int(parallel.world_size),
+        int(spec.block_size_factor),
+        int(total // kv.num_blocks),
+        str(vllm_config.kv_transfer_config.engine_id),
+        min(per_group) * int(spec.block_size_factor),
+        len(per_group),
+        int(getattr(model, "max_model_len", 0) or 0),
+    )
 
 
 def vllm_release_tag() -> str:
@@ -245,8 +266,11 @@ def gpu_blocks(gpu_arg, kv_caches) -> GpuBlocks:
     same CanonicalKVCaches the worker was given (the inverse of resolve_device_pointers); a
     pointer or size that is not one of its rows is a RuntimeError, never a copy to a wrong row."""
     if not hasattr(gpu_arg, "ptrs"):
-        return GpuBlocks([int(b) for b in gpu_arg.block_ids], [int(n) for n in gpu_arg.group_sizes],
-                         [int(i) for i in gpu_arg.block_indices])
+        return GpuBlocks(
+            [int(b) for b in gpu_arg.block_ids],
+            [int(n) for n in gpu_arg.group_sizes],
+            [int(i) for i in gpu_arg.block_indices],
+        )
     import numpy as np
 
     ptrs = np.asarray(gpu_arg.ptrs, dtype=np.uint64)
@@ -254,16 +278,19 @@ def gpu_blocks(gpu_arg, kv_caches) -> GpuBlocks:
     counts = [int(n) for n in gpu_arg.group_block_counts]
     n_refs = [int(n) for n in gpu_arg.group_data_ref_counts]
     if len(counts) != len(kv_caches.group_data_refs) or len(n_refs) != len(counts):
-        raise RuntimeError(f"MemKV direct mode: DevicePointers name {len(counts)} KV group(s), the worker has "
-                           f"{len(kv_caches.group_data_refs)}")
+        raise RuntimeError(
+            f"MemKV direct mode: DevicePointers name {len(counts)} KV group(s), the worker has "
+            f"{len(kv_caches.group_data_refs)}"
+        )
     block_ids: list[int] = []
     offset = 0
     for g, (n, refs) in enumerate(zip(counts, kv_caches.group_data_refs)):
         if n == 0:
             continue
         if n_refs[g] != len(refs):
-            raise RuntimeError(f"MemKV direct mode: DevicePointers give KV group {g} {n_refs[g]} layer(s), the "
-                               f"worker has {len(refs)}")
+            raise RuntimeError(
+                f"MemKV direct mode: DevicePointers give KV group {g} {n_refs[g]} layer(s), the worker has {len(refs)}"
+            )
         ids = None
         for ref in refs:
             tensor = kv_caches.tensors[ref.tensor_idx].tensor
@@ -271,15 +298,21 @@ def gpu_blocks(gpu_arg, kv_caches) -> GpuBlocks:
             row = ptrs[offset : offset + n]
             rel = (row - base).astype(np.int64)  # wraps negative for a pointer below the tensor
             got = rel // stride
-            if (len(row) != n or (rel < 0).any() or (rel % stride).any() or (got >= tensor.shape[0]).any()
-                    or (sizes[offset : offset + n] != ref.page_size_bytes).any()):
-                raise RuntimeError(f"MemKV direct mode: DevicePointers of KV group {g} do not address whole blocks "
-                                   f"of its tensor {ref.tensor_idx}")
+            if (
+                len(row) != n
+                or (rel < 0).any()
+                or (rel % stride).any()
+                or (got >= tensor.shape[0]).any()
+                or (sizes[offset : offset + n] != ref.page_size_bytes).any()
+            ):
+                raise RuntimeError(
+                    f"MemKV direct mode: DevicePointers of KV group {g} do not address whole blocks "
+                    f"of its tensor {ref.tensor_idx}"
+                )
             if ids is None:
                 ids = got
             elif not (ids == got).all():
-                raise RuntimeError(f"MemKV direct mode: DevicePointers of KV group {g} name different blocks per "
-                                   f"layer")
+                raise RuntimeError(f"MemKV direct mode: DevicePointers of KV group {g} name different blocks per layer")
             offset += n
         assert ids is not None
         block_ids += ids.tolist()
@@ -296,7 +329,6 @@ def load_failure_reportable() -> bool:
     from vllm.distributed.kv_transfer.kv_connector.v1.offloading.worker import OffloadingConnectorWorker
 
     return hasattr(OffloadingConnectorWorker, "take_failed_recving")
-
 
 
 def load_failure_policy() -> str | None:

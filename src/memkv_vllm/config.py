@@ -8,7 +8,8 @@ fall back to a default on a production fleet.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Mapping
+from collections.abc import Callable, Mapping
+from typing import Any
 
 from memkv.errors import ConfigError
 
@@ -20,19 +21,19 @@ class TierSettings:
     n_write_threads: int = 8  # store (cascade) priority threads
     blocks_per_op: int = 8  # blocks per batched request
     load_failure_grace_s: float = 60.0  # withhold a failed load's report while a transfer could land
-    max_store_backlog_mb: int | None = None  # store jobs queued or in flight above this are shed; None: half the CPU pool
+    max_store_backlog_mb: int | None = (
+        None  # store jobs queued or in flight above this are shed; None: half the CPU pool
+    )
     lookup_timeout_s: float = 5.0  # a lookup unresolved this long answers MISS; <= 0 disables
     step_yield_ms: float = 1.0  # switch interval (gil.py) while a lookup or promotion is in flight; 0: left alone
     locality: str | None = None
 
     @classmethod
-    def from_tier_config(cls, config: Mapping[str, Any]) -> "TierSettings":
+    def from_tier_config(cls, config: Mapping[str, Any]) -> TierSettings:
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(config) - known)
         if unknown:
-            raise ConfigError(
-                f"memkv tier: unknown key(s) {unknown}; known keys: {sorted(known - {'locality'})}"
-            )
+            raise ConfigError(f"memkv tier: unknown key(s) {unknown}; known keys: {sorted(known - {'locality'})}")
         settings = cls(**config)
         settings._validate()
         return settings
@@ -57,15 +58,23 @@ class TierSettings:
         return self.lookup_timeout_s if self.lookup_timeout_s > 0 else None
 
 
-def check_common_keys(settings: Any, fail: Callable[[str, str], None], int_ranges: tuple[tuple[str, int, int], ...] = (),
-                      optional: tuple[str, ...] = ()) -> None:
+def check_common_keys(
+    settings: Any,
+    fail: Callable[[str, str], None],
+    int_ranges: tuple[tuple[str, int, int], ...] = (),
+    optional: tuple[str, ...] = (),
+) -> None:
     """The checks the tier's keys and direct mode's keys share (prefix, threads, blocks_per_op,
     deadlines, step_yield_ms), plus `int_ranges` of the caller's own; `optional` keys may be None.
     `fail(key, want)` raises the caller's ConfigError naming the key."""
     if not isinstance(settings.prefix, str) or len(settings.prefix.encode()) > 128:
         fail("prefix", "a string of at most 128 bytes")
-    for key, lo, hi in (("n_read_threads", 1, 256), ("n_write_threads", 1, 256), ("blocks_per_op", 1, 4096),
-                        *int_ranges):
+    for key, lo, hi in (
+        ("n_read_threads", 1, 256),
+        ("n_write_threads", 1, 256),
+        ("blocks_per_op", 1, 4096),
+        *int_ranges,
+    ):
         v = getattr(settings, key)
         if key in optional and v is None:
             continue

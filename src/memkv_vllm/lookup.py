@@ -35,7 +35,8 @@ import logging
 import queue
 import threading
 import time
-from typing import Callable, Iterable, Protocol
+from collections.abc import Callable, Iterable
+from typing import Protocol
 
 log = logging.getLogger("vllm.memkv_vllm.lookup")
 
@@ -104,9 +105,14 @@ class LookupService:
     """See the module docstring. `open_prober` is called once at construction (and again only
     after a prober failed); `store_keys` maps a batch of lookup keys to the keys probed."""
 
-    def __init__(self, open_prober: Callable[[], Prober], deadline_s: float | None,
-                 on_timeout: Callable[[int], None] = lambda n: None, clock: Callable[[], float] = time.monotonic,
-                 store_keys: Callable[[list[bytes]], list[bytes]] = list) -> None:
+    def __init__(
+        self,
+        open_prober: Callable[[], Prober],
+        deadline_s: float | None,
+        on_timeout: Callable[[int], None] = lambda n: None,
+        clock: Callable[[], float] = time.monotonic,
+        store_keys: Callable[[list[bytes]], list[bytes]] = list,
+    ) -> None:
         self._open_prober = open_prober
         self._prober: Prober = open_prober()
         self._store_keys = store_keys
@@ -145,7 +151,9 @@ class LookupService:
             state.result = False
             state.timed_out = True
             self._on_timeout(1)
-            log.warning("memkv lookup unanswered after %.1fs: answering MISS (lookup_timeout_s)", now - state.first_seen)
+            log.warning(
+                "memkv lookup unanswered after %.1fs: answering MISS (lookup_timeout_s)", now - state.first_seen
+            )
         return state.result
 
     def was_timeout(self, key: bytes) -> bool:

@@ -38,10 +38,13 @@ def metric_definitions(mode: bool = False) -> dict[str, Any]:
         STORE_BYTES: OffloadingCounterMetadata("Bytes the memkv tier stored to MemKV (cascades)"),
         LOAD_BYTES: OffloadingCounterMetadata("Bytes the memkv tier loaded from MemKV into the CPU pool (promotions)"),
         JOB_SECONDS: OffloadingHistogramMetadata(
-            "Wall time of memkv tier jobs from submission to completion, by op", labelnames=("op",),
+            "Wall time of memkv tier jobs from submission to completion, by op",
+            labelnames=("op",),
             buckets=JOB_SECONDS_BUCKETS,
         ),
-        JOBS_FAILED: OffloadingCounterMetadata("memkv tier jobs that failed (wholly or partly), by op", labelnames=("op",)),
+        JOBS_FAILED: OffloadingCounterMetadata(
+            "memkv tier jobs that failed (wholly or partly), by op", labelnames=("op",)
+        ),
         SHEDS: OffloadingCounterMetadata(
             "Blocks not stored to MemKV: store jobs shed whole because the store backlog was over max_store_backlog_mb, "
             "or because an earlier job of the same request was shed"
@@ -65,19 +68,26 @@ def direct_metric_definitions() -> dict[str, Any]:
     from vllm.v1.kv_offload.base import OffloadingCounterMetadata, OffloadingGaugeMetadata
 
     definitions = metric_definitions(mode=True)
-    definitions[STAGING_BYTES] = _with_mode(OffloadingGaugeMetadata(
-        "Bytes of the direct-mode staging region in use, by use: load (prefetched for a lookup or pinned by a "
-        "load), store (written by workers or being put), quarantine (released, but a transfer may still touch it)",
-        labelnames=("use",),
-    ))
-    definitions[STAGING_FULL] = _with_mode(OffloadingCounterMetadata(
-        "Chunks the direct mode could not stage, by op: a lookup answered MISS (load) or a store job waited a step "
-        "(store) because the staging region was full; raise staging_mb", labelnames=("op",),
-    ))
-    definitions[LEASED_BYTES] = _with_mode(OffloadingGaugeMetadata(
-        "Bytes of MemKV values this engine holds leases on (load_guarantee leased: HITs not loaded yet and loads "
-        "in flight)",
-    ))
+    definitions[STAGING_BYTES] = _with_mode(
+        OffloadingGaugeMetadata(
+            "Bytes of the direct-mode staging region in use, by use: load (prefetched for a lookup or pinned by a "
+            "load), store (written by workers or being put), quarantine (released, but a transfer may still touch it)",
+            labelnames=("use",),
+        )
+    )
+    definitions[STAGING_FULL] = _with_mode(
+        OffloadingCounterMetadata(
+            "Chunks the direct mode could not stage, by op: a lookup answered MISS (load) or a store job waited a step "
+            "(store) because the staging region was full; raise staging_mb",
+            labelnames=("op",),
+        )
+    )
+    definitions[LEASED_BYTES] = _with_mode(
+        OffloadingGaugeMetadata(
+            "Bytes of MemKV values this engine holds leases on (load_guarantee leased: HITs not loaded yet and loads "
+            "in flight)",
+        )
+    )
     return definitions
 
 

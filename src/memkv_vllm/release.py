@@ -52,7 +52,13 @@ def warn_if_unqualified() -> bool:
         if _warned:
             return False
         _warned = True
-    log.warning("MemKV: vLLM %s is not one of the qualified releases (%s-%s); MemKV adapts to vLLM's API "
-                "by feature and starts anyway. Run `scripts/compat_matrix.py %s` to qualify it "
-                "(docs/compatibility.md).", release, QUALIFIED_RELEASES[0], QUALIFIED_RELEASES[-1], release)
+    log.warning(
+        "MemKV: vLLM %s is not one of the qualified releases (%s-%s); MemKV adapts to vLLM's API "
+        "by feature and starts anyway. Run `scripts/compat_matrix.py %s` to qualify it "
+        "(docs/compatibility.md).",
+        release,
+        QUALIFIED_RELEASES[0],
+        QUALIFIED_RELEASES[-1],
+        release,
+    )
     return True

@@ -59,7 +59,8 @@ class Startup:
                 node.ping()
             except MemKVError as exc:
                 raise StartupError(
-                    f"{self.label} cannot start: server {node.name}: {explain_probe_failure(exc)}") from exc
+                    f"{self.label} cannot start: server {node.name}: {explain_probe_failure(exc)}"
+                ) from exc
             limit = node.limits.max_value_bytes if node.limits else 0
             if limit < value_bytes:
                 raise StartupError(
@@ -85,16 +86,31 @@ class Startup:
         %-format with `args`), then the receive loop and the releases; and the startup warnings."""
         servers = client.servers()
         n = len(servers)
-        self.log.info("%s ready (servers=%s, rdma=%s, same_host=%d/%d, shared_memory=%d/%d, " + details
-                      + ", receive=%s, memkv=%s, %s)",
-                      self.label, [a.name for a in servers], client.has_rdma(), len(client.local_servers()), n,
-                      len(client.shared_memory_servers()), n, *args,
-                      "compiled" if COMPILED_RECEIVE else "python", memkv_version, release.vllm_field())
+        self.log.info(
+            "%s ready (servers=%s, rdma=%s, same_host=%d/%d, shared_memory=%d/%d, "
+            + details
+            + ", receive=%s, memkv=%s, %s)",
+            self.label,
+            [a.name for a in servers],
+            client.has_rdma(),
+            len(client.local_servers()),
+            n,
+            len(client.shared_memory_servers()),
+            n,
+            *args,
+            "compiled" if COMPILED_RECEIVE else "python",
+            memkv_version,
+            release.vllm_field(),
+        )
         release.warn_if_unqualified()
 
     def warn_block_hashes(self, what: str) -> None:
         problem = compat.block_hash_reuse_problem()
         if problem:
-            self.log.warning("%s: %s: %s stored by this engine cannot be reused by a restarted or another engine. "
-                             "Set PYTHONHASHSEED (e.g. 0) on every instance that should share KV.",
-                             self.label, problem, what)
+            self.log.warning(
+                "%s: %s: %s stored by this engine cannot be reused by a restarted or another engine. "
+                "Set PYTHONHASHSEED (e.g. 0) on every instance that should share KV.",
+                self.label,
+                problem,
+                what,
+            )

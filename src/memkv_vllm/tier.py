@@ -60,8 +60,14 @@ class MemKVSecondaryTierManager(compat.SecondaryTierManager):
     if compat.TIER_CACHE_HIT_SOURCE is not None:
         cache_hit_source = compat.TIER_CACHE_HIT_SOURCE
 
-    def __init__(self, offloading_spec, primary_kv_view: memoryview, tier_type: str,
-                 backpressure_detector: Any = None, **tier_config: Any) -> None:
+    def __init__(
+        self,
+        offloading_spec,
+        primary_kv_view: memoryview,
+        tier_type: str,
+        backpressure_detector: Any = None,
+        **tier_config: Any,
+    ) -> None:
         # Validate everything cheap before touching the network or allocating anything.
         self.settings = TierSettings.from_tier_config(tier_config)
         compat.init_base(self, offloading_spec, primary_kv_view, tier_type, backpressure_detector)
@@ -88,26 +94,44 @@ class MemKVSecondaryTierManager(compat.SecondaryTierManager):
         self._admission = StoreAdmission(self.settings.store_backlog_bytes(pool_bytes))
         backlog_mb = self._admission.limit_bytes >> 20
         if self.settings.max_store_backlog_mb is not None and self._admission.limit_bytes > pool_bytes // 2:
-            log.warning("MemKV tier: max_store_backlog_mb=%d is more than half of the CPU pool (%d MiB): stores in "
-                        "flight may pin most of the pool's rows; keep it below half of cpu_bytes_to_use",
-                        backlog_mb, pool_bytes >> 20)
+            log.warning(
+                "MemKV tier: max_store_backlog_mb=%d is more than half of the CPU pool (%d MiB): stores in "
+                "flight may pin most of the pool's rows; keep it below half of cpu_bytes_to_use",
+                backlog_mb,
+                pool_bytes >> 20,
+            )
         # 0.34+: a failed or overdue promotion is reported at once and its rows held back through
         # JobResult.deferred_release; before, its report is withheld (transfers.py).
-        self._pool = TransferPool(self.settings.n_read_threads, self.settings.n_write_threads,
-                                  self.settings.load_failure_grace_s, defer_release=compat.HAS_DEFERRED_RELEASE,
-                                  load_deadline_s=self.settings.lookup_deadline_s)
-        self._lookup = LookupService(self.client.exists_stream, self.settings.lookup_deadline_s,
-                                     on_timeout=lambda n: self.stats.count(tm.LOOKUPS, n, ("timeout",)),
-                                     store_keys=self.namespace.keys)
+        self._pool = TransferPool(
+            self.settings.n_read_threads,
+            self.settings.n_write_threads,
+            self.settings.load_failure_grace_s,
+            defer_release=compat.HAS_DEFERRED_RELEASE,
+            load_deadline_s=self.settings.lookup_deadline_s,
+        )
+        self._lookup = LookupService(
+            self.client.exists_stream,
+            self.settings.lookup_deadline_s,
+            on_timeout=lambda n: self.stats.count(tm.LOOKUPS, n, ("timeout",)),
+            store_keys=self.namespace.keys,
+        )
         self._gil = SwitchInterval(self.settings.step_yield_ms / 1000.0)
         self._closed = False
         startup.warn_block_hashes("blocks")
         s = self.settings
-        startup.ready(self.client, "block_bytes=%d, namespace=%s, n_read_threads=%d, n_write_threads=%d, "
-                      "blocks_per_op=%d, lookup_timeout_s=%s, max_store_backlog_mb=%d%s",
-                      self.row_bytes, self.namespace.namespace, s.n_read_threads, s.n_write_threads, s.blocks_per_op,
-                      s.lookup_timeout_s, backlog_mb,
-                      "" if s.max_store_backlog_mb is not None else " (half the CPU pool)")
+        startup.ready(
+            self.client,
+            "block_bytes=%d, namespace=%s, n_read_threads=%d, n_write_threads=%d, "
+            "blocks_per_op=%d, lookup_timeout_s=%s, max_store_backlog_mb=%d%s",
+            self.row_bytes,
+            self.namespace.namespace,
+            s.n_read_threads,
+            s.n_write_threads,
+            s.blocks_per_op,
+            s.lookup_timeout_s,
+            backlog_mb,
+            "" if s.max_store_backlog_mb is not None else " (half the CPU pool)",
+        )
 
     # ---------------------------------------------------------------------------------------------
     # Lookups
@@ -150,8 +174,10 @@ class MemKVSecondaryTierManager(compat.SecondaryTierManager):
     def _tasks(self, keys: list[bytes], slots: list[int], run) -> list:
         """Cut a job into tasks of `blocks_per_op` blocks."""
         step = self.settings.blocks_per_op
-        return [(lo, len(keys[lo : lo + step]), lambda k=keys[lo : lo + step], s=slots[lo : lo + step]: run(k, s))
-                for lo in range(0, len(keys), step)]
+        return [
+            (lo, len(keys[lo : lo + step]), lambda k=keys[lo : lo + step], s=slots[lo : lo + step]: run(k, s))
+            for lo in range(0, len(keys), step)
+        ]
 
     def submit_store(self, job_metadata) -> None:
         keys = list(job_metadata.keys)
@@ -209,17 +235,26 @@ class MemKVSecondaryTierManager(compat.SecondaryTierManager):
             if f.kind == LOAD and not success:
                 self._lookup.mark_miss([k for k, good in zip(f.keys, f.ok) if not good])
                 loaded = [k for k, good in zip(f.keys, f.ok) if good]
-                results.append(compat.job_result(f.job_id, False, successful_keys=loaded or None,
-                                                 transfer_time=f.seconds,
-                                                 transfer_bytes=len(loaded) * self.row_bytes,
-                                                 deferred_release=f.release))
+                results.append(
+                    compat.job_result(
+                        f.job_id,
+                        False,
+                        successful_keys=loaded or None,
+                        transfer_time=f.seconds,
+                        transfer_bytes=len(loaded) * self.row_bytes,
+                        deferred_release=f.release,
+                    )
+                )
             else:
                 if f.kind == STORE:
                     # Stored now: a MISS remembered from before (a failed load, a lookup before the
                     # store) must not hide these keys from the requests still asking for them.
                     self._lookup.forget([k for k, good in zip(f.keys, f.ok) if good], only_misses=True)
-                results.append(compat.job_result(f.job_id, success, transfer_time=f.seconds,
-                                                 transfer_bytes=sum(f.ok) * self.row_bytes))
+                results.append(
+                    compat.job_result(
+                        f.job_id, success, transfer_time=f.seconds, transfer_bytes=sum(f.ok) * self.row_bytes
+                    )
+                )
         return results
 
     def has_pending_work(self) -> bool:

@@ -33,7 +33,7 @@ import dataclasses
 import logging
 import threading
 import time
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 log = logging.getLogger("vllm.memkv_vllm.transfers")
 
@@ -58,11 +58,8 @@ class Finished:
     release: threading.Event | None = None  # set once no byte can reach the failed blocks' rows
 
 
-
-
 class _Job:
-    __slots__ = ("job_id", "kind", "keys", "ok", "remaining", "started", "may_land_late", "shed", "release",
-                 "running")
+    __slots__ = ("job_id", "kind", "keys", "ok", "remaining", "started", "may_land_late", "shed", "release", "running")
 
     def __init__(self, job_id: int, kind: str, keys: list[bytes], n_tasks: int, shed: int) -> None:
         self.job_id = job_id
@@ -78,8 +75,15 @@ class _Job:
 
 
 class TransferPool:
-    def __init__(self, n_read_threads: int, n_write_threads: int, grace_s: float, *,
-                 defer_release: bool = False, load_deadline_s: float | None = None) -> None:
+    def __init__(
+        self,
+        n_read_threads: int,
+        n_write_threads: int,
+        grace_s: float,
+        *,
+        defer_release: bool = False,
+        load_deadline_s: float | None = None,
+    ) -> None:
         self._grace_s = grace_s
         self._defer_release = defer_release
         self._load_deadline_s = load_deadline_s if defer_release else None
@@ -90,17 +94,25 @@ class TransferPool:
         self._finished: list[Finished] = []
         self._stopping = False
         self._threads = [
-            threading.Thread(target=self._run, args=(LOAD,), name=f"memkv-load-{i}", daemon=True) for i in range(n_read_threads)
+            threading.Thread(target=self._run, args=(LOAD,), name=f"memkv-load-{i}", daemon=True)
+            for i in range(n_read_threads)
         ] + [
-            threading.Thread(target=self._run, args=(STORE,), name=f"memkv-store-{i}", daemon=True) for i in range(n_write_threads)
+            threading.Thread(target=self._run, args=(STORE,), name=f"memkv-store-{i}", daemon=True)
+            for i in range(n_write_threads)
         ]
         for t in self._threads:
             t.start()
 
     # -- scheduler side ----------------------------------------------------------------------------
 
-    def submit(self, job_id: int, kind: str, keys: list[bytes],
-               tasks: Sequence[tuple[int, int, Callable[[], TaskResult]]], shed: int = 0) -> None:
+    def submit(
+        self,
+        job_id: int,
+        kind: str,
+        keys: list[bytes],
+        tasks: Sequence[tuple[int, int, Callable[[], TaskResult]]],
+        shed: int = 0,
+    ) -> None:
         """`tasks`: (first block index, block count, callable). Blocks no task covers were
         shed by the caller (`shed` of them) and report failure."""
         with self._cond:
@@ -208,11 +220,21 @@ class TransferPool:
             elif late and self._defer_release:
                 release = threading.Event()
                 self._hold_release(release, now + self._grace_s)
-                self._finished.append(Finished(job_id, job.kind, job.keys, job.ok, now - job.started, 0.0,
-                                               job.shed, release))
+                self._finished.append(
+                    Finished(job_id, job.kind, job.keys, job.ok, now - job.started, 0.0, job.shed, release)
+                )
             else:
-                self._finished.append(Finished(job_id, job.kind, job.keys, job.ok, now - job.started,
-                                               now + self._grace_s if late else 0.0, job.shed))
+                self._finished.append(
+                    Finished(
+                        job_id,
+                        job.kind,
+                        job.keys,
+                        job.ok,
+                        now - job.started,
+                        now + self._grace_s if late else 0.0,
+                        job.shed,
+                    )
+                )
             self._cond.notify_all()
 
     # -- deferred releases (under _cond) -------------------------------------------------------------
@@ -226,11 +248,15 @@ class TransferPool:
                 continue
             if now - min(job.running.values()) >= self._load_deadline_s:
                 job.release = threading.Event()
-                log.warning("MemKV tier: promotion job %d has a transfer unanswered after %.1f s (lookup_timeout_s): "
-                            "its keys miss now; its rows return to the pool when its transfers have ended",
-                            job.job_id, now - min(job.running.values()))
-                self._finished.append(Finished(job.job_id, LOAD, job.keys, list(job.ok), now - job.started,
-                                               0.0, job.shed, job.release))
+                log.warning(
+                    "MemKV tier: promotion job %d has a transfer unanswered after %.1f s (lookup_timeout_s): "
+                    "its keys miss now; its rows return to the pool when its transfers have ended",
+                    job.job_id,
+                    now - min(job.running.values()),
+                )
+                self._finished.append(
+                    Finished(job.job_id, LOAD, job.keys, list(job.ok), now - job.started, 0.0, job.shed, job.release)
+                )
 
     def _hold_release(self, event: threading.Event, at: float) -> None:
         if at <= time.monotonic():

@@ -137,8 +137,12 @@ class WaitingCalls:
     conditions, joins, queue gets, select/poll and socket receives. A profile hook of the thread
     itself (sys.setprofile) sees every call, so the record is exact, not a timing."""
 
-    _PY: ClassVar[dict] = {threading.Event.wait.__code__: "Event.wait", threading.Condition.wait.__code__: "Condition.wait",
-           threading.Thread.join.__code__: "Thread.join", queue.Queue.get.__code__: "Queue.get"}
+    _PY: ClassVar[dict] = {
+        threading.Event.wait.__code__: "Event.wait",
+        threading.Condition.wait.__code__: "Condition.wait",
+        threading.Thread.join.__code__: "Thread.join",
+        queue.Queue.get.__code__: "Queue.get",
+    }
     _C_OWNERS = (select.epoll, type(select.poll()), socket.socket)
 
     def __init__(self) -> None:
@@ -150,8 +154,11 @@ class WaitingCalls:
         elif event == "c_call":
             name = getattr(arg, "__name__", "")
             owner = getattr(arg, "__self__", None)
-            if arg is time.sleep or getattr(arg, "__module__", None) == "select" or (
-                    isinstance(owner, self._C_OWNERS) and name in ("poll", "recv", "recv_into", "recvfrom", "accept")):
+            if (
+                arg is time.sleep
+                or getattr(arg, "__module__", None) == "select"
+                or (isinstance(owner, self._C_OWNERS) and name in ("poll", "recv", "recv_into", "recvfrom", "accept"))
+            ):
                 where = getattr(arg, "__module__", None) if owner is None or isinstance(owner, type(sys)) else None
                 self.calls.append(f"{where or type(owner).__name__}.{name}")
             elif isinstance(owner, queue.SimpleQueue) and name == "get":

@@ -46,8 +46,7 @@ COPIES = {
 @pytest.mark.parametrize("copies", COPIES)
 @pytest.mark.parametrize("guarantee", ["leased", "staged"])
 @pytest.mark.parametrize("world_size", [1, 2])
-def test_prompt_stored_in_several_steps_is_loaded_byte_exact_on_every_rank(direct_env, world_size, guarantee,
-                                                                           copies):
+def test_prompt_stored_in_several_steps_is_loaded_byte_exact_on_every_rank(direct_env, world_size, guarantee, copies):
     g = dh.Geometry(world_size=world_size)
     tag = uuid.uuid4().hex
     n_chunks = 8

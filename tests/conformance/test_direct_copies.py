@@ -18,8 +18,15 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from memkv_vllm import _copy_pieces
-from memkv_vllm.direct.copies import (CudaRuntime, PieceCopier, PiecesUnavailable, SectionCopier, chunk_runs,
-                                      copy_runs, run_bytes)
+from memkv_vllm.direct.copies import (
+    CudaRuntime,
+    PieceCopier,
+    PiecesUnavailable,
+    SectionCopier,
+    chunk_runs,
+    copy_runs,
+    run_bytes,
+)
 
 pytestmark = pytest.mark.conformance
 
@@ -140,7 +147,8 @@ def test_pieces_take_run_arrays_and_leave_them_as_they_are():
 
 COPIERS = {
     "scratch": lambda tensors, staging, value_bytes, scratch_chunks, pages: SectionCopier(
-        tensors, staging, value_bytes, scratch_chunks, pages),
+        tensors, staging, value_bytes, scratch_chunks, pages
+    ),
     "pieces": lambda tensors, staging, value_bytes, scratch_chunks, pages: PieceCopier(tensors, staging),
 }
 
@@ -187,8 +195,9 @@ def test_a_batch_larger_than_the_scratch_goes_through_it_in_parts():
     page, bpc, n_chunks = 64, 2, 7
     value_bytes = bpc * page * 2
     tensors = [torch.zeros(n_chunks * bpc, page, dtype=torch.int8) for _ in range(2)]
-    staging = torch.randint(-128, 127, (n_chunks * value_bytes,), dtype=torch.int8,
-                            generator=torch.Generator().manual_seed(3))
+    staging = torch.randint(
+        -128, 127, (n_chunks * value_bytes,), dtype=torch.int8, generator=torch.Generator().manual_seed(3)
+    )
     sections = [(c * value_bytes, [(t, c * bpc, bpc, page, t * bpc * page) for t in range(2)]) for c in range(n_chunks)]
     copier = SectionCopier(tensors, staging, value_bytes, scratch_chunks=3, pages=[page])
     copier.copy(sections, False, False)
@@ -220,16 +229,24 @@ def test_pieces_of_several_rows_match_the_per_run_copy_both_ways(width):
         assert torch.equal(w, g)
 
 
-@pytest.mark.parametrize("bad_run", [(0, 9, 2, 64, 0), (0, -1, 1, 64, 0), (0, 0, 1, 80, 0), (2, 0, 1, 64, 0),
-                                     (0, 0, 1, 64, 1000), (1, 0, 2, 64, -64)],
-                         ids=["past-the-last-block", "negative-block", "page-wider-than-the-row", "no-such-tensor",
-                              "past-the-staging-buffer", "before-the-staging-buffer"])
+@pytest.mark.parametrize(
+    "bad_run",
+    [(0, 9, 2, 64, 0), (0, -1, 1, 64, 0), (0, 0, 1, 80, 0), (2, 0, 1, 64, 0), (0, 0, 1, 64, 1000), (1, 0, 2, 64, -64)],
+    ids=[
+        "past-the-last-block",
+        "negative-block",
+        "page-wider-than-the-row",
+        "no-such-tensor",
+        "past-the-staging-buffer",
+        "before-the-staging-buffer",
+    ],
+)
 def test_a_run_outside_its_tensor_or_the_staging_buffer_is_refused_before_any_byte_moves(bad_run):
     kv = [torch.zeros(10, 64, dtype=torch.int8) for _ in range(2)]
     staging = torch.arange(1024, dtype=torch.int32).to(torch.int8)
     before = staging.clone()
     good = (1, 3, 1, 64, 128)
-    with pytest.raises(ValueError, match="outside|does not exist"):
+    with pytest.raises(ValueError, match=r"outside|does not exist"):
         PieceCopier(kv, staging).copy([(0, [good, bad_run])], True, False)
     assert torch.equal(staging, before)
 
@@ -249,15 +266,38 @@ class _MemLocation(ctypes.Structure):
 
 
 class _MemcpyAttributes(ctypes.Structure):
-    _fields_ = [("src_access_order", ctypes.c_int), ("src_hint", _MemLocation), ("dst_hint", _MemLocation),
-                ("flags", ctypes.c_uint)]
+    _fields_ = [
+        ("src_access_order", ctypes.c_int),
+        ("src_hint", _MemLocation),
+        ("dst_hint", _MemLocation),
+        ("flags", ctypes.c_uint),
+    ]
 
 
 _U64P, _SIZEP = ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_size_t)
-_BATCH_13 = ctypes.CFUNCTYPE(ctypes.c_int, _U64P, _U64P, _U64P, ctypes.c_size_t, ctypes.POINTER(_MemcpyAttributes),
-                             _SIZEP, ctypes.c_size_t, ctypes.c_void_p)
-_BATCH_12 = ctypes.CFUNCTYPE(ctypes.c_int, _U64P, _U64P, _U64P, ctypes.c_size_t, ctypes.POINTER(_MemcpyAttributes),
-                             _SIZEP, ctypes.c_size_t, _SIZEP, ctypes.c_void_p)
+_BATCH_13 = ctypes.CFUNCTYPE(
+    ctypes.c_int,
+    _U64P,
+    _U64P,
+    _U64P,
+    ctypes.c_size_t,
+    ctypes.POINTER(_MemcpyAttributes),
+    _SIZEP,
+    ctypes.c_size_t,
+    ctypes.c_void_p,
+)
+_BATCH_12 = ctypes.CFUNCTYPE(
+    ctypes.c_int,
+    _U64P,
+    _U64P,
+    _U64P,
+    ctypes.c_size_t,
+    ctypes.POINTER(_MemcpyAttributes),
+    _SIZEP,
+    ctypes.c_size_t,
+    _SIZEP,
+    ctypes.c_void_p,
+)
 
 
 class FakeBatchCopy:
@@ -275,8 +315,13 @@ class FakeBatchCopy:
     def _copy(self, dsts, srcs, sizes, count, attrs, idxs, num_attrs, stream) -> int:
         a = attrs[0]
         assert num_attrs == 1 and idxs[0] == 0  # one set of attributes, for every piece
-        self.calls.append((count, (a.src_access_order, a.src_hint.type, a.src_hint.id, a.dst_hint.type,
-                                   a.dst_hint.id, a.flags), stream))
+        self.calls.append(
+            (
+                count,
+                (a.src_access_order, a.src_hint.type, a.src_hint.id, a.dst_hint.type, a.dst_hint.id, a.flags),
+                stream,
+            )
+        )
         if self.error:
             return self.error
         for k in range(count):
@@ -285,8 +330,9 @@ class FakeBatchCopy:
 
 
 def _pieces(n: int, size: int, gen):
-    src = np.frombuffer(torch.randint(0, 255, (n * size,), dtype=torch.uint8, generator=gen).numpy().tobytes(),
-                        dtype=np.uint8).copy()
+    src = np.frombuffer(
+        torch.randint(0, 255, (n * size,), dtype=torch.uint8, generator=gen).numpy().tobytes(), dtype=np.uint8
+    ).copy()
     dst = np.zeros(n * size, dtype=np.uint8)
     order = np.array(torch.randperm(n, generator=gen).tolist(), dtype=np.uint64)  # scattered destinations
     srcs = src.ctypes.data + np.arange(n, dtype=np.uint64) * np.uint64(size)
@@ -303,7 +349,7 @@ def test_a_batch_is_one_batched_call_of_every_piece_in_stream_order(version, kin
     the runtime's version, the caller's stream, sources read in stream order, the host/device
     hints of the direction; the bytes land where the per-piece copy would put them."""
     gen = torch.Generator().manual_seed(version + kind)
-    src, dst, srcs, dsts, want = _pieces(300, 96, gen)
+    _src, dst, srcs, dsts, want = _pieces(300, 96, gen)
     batch = FakeBatchCopy(version)
     sizes = np.full(300, 96, dtype=np.uint64)
     assert _copy_pieces.copy_pieces(0, kind, 0xABC0, dsts, srcs, sizes, batch.address, version, 3) == 0
@@ -315,7 +361,7 @@ def test_a_batch_is_one_batched_call_of_every_piece_in_stream_order(version, kin
 
 def test_a_failed_batch_is_copied_piece_by_piece_and_its_error_returned():
     gen = torch.Generator().manual_seed(11)
-    src, dst, srcs, dsts, want = _pieces(50, 40, gen)
+    _src, dst, srcs, dsts, want = _pieces(50, 40, gen)
     batch = FakeBatchCopy(13000, error=1)  # cudaErrorInvalidValue
     sizes = np.full(50, 40, dtype=np.uint64)
     assert _copy_pieces.copy_pieces(0, 1, 7, dsts, srcs, sizes, batch.address, 13000, 0) == 1
@@ -340,7 +386,8 @@ def test_the_copier_warns_once_and_stops_batching_after_a_failed_batch(caplog):
     assert len(batch.calls) == 1 and not copier.batched
     assert [r.getMessage() for r in caplog.records if "cudaMemcpyBatchAsync" in r.getMessage()] == [
         "MemKV direct mode: cudaMemcpyBatchAsync failed with CUDA error 801 (runtime 13000); this batch and the next "
-        "are copied one cudaMemcpyAsync per piece"]
+        "are copied one cudaMemcpyAsync per piece"
+    ]
     want = [torch.zeros_like(t) for t in kv]
     copy_runs(want, staging, runs, to_staging=False, non_blocking=False)
     assert all(torch.equal(w, g) for w, g in zip(want, kv))

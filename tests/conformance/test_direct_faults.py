@@ -41,8 +41,7 @@ def _tokens(g: dh.Geometry, n_chunks: int = N_CHUNKS) -> int:
 def _owner_of_chunks(engine: dh.DirectEngine, tag: str, n_chunks: int) -> list[set[str]]:
     """The servers holding each chunk's values (one per rank)."""
     m = engine.manager
-    return [{m.client.owner(vk).name for vk in m.keys.value_keys(k)}
-            for k in dh.prompt_keys(tag, n_chunks, engine.g)]
+    return [{m.client.owner(vk).name for vk in m.keys.value_keys(k)} for k in dh.prompt_keys(tag, n_chunks, engine.g)]
 
 
 def _tag_with_prefix_on(engine: dh.DirectEngine, healthy: str, n_chunks: int = N_CHUNKS) -> tuple[str, int]:
@@ -67,8 +66,9 @@ def _wait_probes_answered(engine: dh.DirectEngine, timeout_s: float = 10.0) -> N
 
 
 @pytest.mark.parametrize("world_size", [1, 2])
-def test_killed_node_chunks_miss_and_the_prefix_before_them_loads(monkeypatch, private_cluster, auth_key_hex,
-                                                                   world_size):
+def test_killed_node_chunks_miss_and_the_prefix_before_them_loads(
+    monkeypatch, private_cluster, auth_key_hex, world_size
+):
     point_at(monkeypatch, private_cluster, auth_key_hex)
     healthy, doomed = private_cluster
     g = dh.Geometry(world_size=world_size)
@@ -82,8 +82,9 @@ def test_killed_node_chunks_miss_and_the_prefix_before_them_loads(monkeypatch, p
         assert engine.manager.slots.free == engine.manager.slots.num_slots
 
 
-def test_stalled_node_resolves_miss_within_deadline_and_quarantines_a_stuck_prefetch(monkeypatch, private_cluster,
-                                                                                    auth_key_hex, tmp_path):
+def test_stalled_node_resolves_miss_within_deadline_and_quarantines_a_stuck_prefetch(
+    monkeypatch, private_cluster, auth_key_hex, tmp_path
+):
     point_at(monkeypatch, private_cluster, auth_key_hex)
     config = tmp_path / "memkv.yaml"
     config.write_text("io_timeout_s: 120\n")  # the stuck prefetch outlives the lookup deadline by far

@@ -109,13 +109,16 @@ def _tag_with_chunk_on(engine: dh.DirectEngine, node: str, n: int = N_CHUNKS) ->
 
 
 @pytest.mark.parametrize("world_size", [1, 2])
-def test_prompt_8x_the_staging_region_is_stored_and_loaded_whole_byte_exact(monkeypatch, cluster, auth_key_hex,
-                                                                              world_size):
+def test_prompt_8x_the_staging_region_is_stored_and_loaded_whole_byte_exact(
+    monkeypatch, cluster, auth_key_hex, world_size
+):
     point_at(monkeypatch, cluster, auth_key_hex)
     g = dh.Geometry(world_size=world_size, block_size=BIG, num_gpu_blocks=1100)
     n_chunks = 64  # 64 x 128 KiB per rank: 8 MiB (TP=1) / 16 MiB (TP=2) through a 1 MiB region
     tokens = n_chunks * BIG + 7
-    config = dh.direct_config(staging_mb=1, block_size=BIG, load_guarantee="leased")  # only the region shrunk (and the ratio kept)
+    config = dh.direct_config(
+        staging_mb=1, block_size=BIG, load_guarantee="leased"
+    )  # only the region shrunk (and the ratio kept)
     with dh.DirectEngine(g, config, token_budget=4096) as engine:  # store jobs of 16 chunks > the region
         assert engine.manager.layout.num_slots * engine.manager.layout.slot_bytes <= 1 << 20
         engine.run(tag := uuid.uuid4().hex, tokens, timeout_s=120)
@@ -159,8 +162,9 @@ def test_leased_value_survives_memory_pressure_that_evicts_everything_else(monke
         assert not any(m.client.exists(unleased)), "the pressure should have evicted the unleased prompt"
 
 
-def test_node_killed_between_lookup_and_load_fails_the_load_not_the_engine_on_034(monkeypatch, private_cluster,
-                                                                              auth_key_hex):
+def test_node_killed_between_lookup_and_load_fails_the_load_not_the_engine_on_034(
+    monkeypatch, private_cluster, auth_key_hex
+):
     point_at(monkeypatch, private_cluster, auth_key_hex)
     g = dh.Geometry()
     _healthy, doomed = private_cluster
@@ -187,11 +191,14 @@ def test_node_killed_between_lookup_and_load_fails_the_load_not_the_engine_on_03
             assert again.loaded_blocks == first * g.blocks_per_chunk and engine.failed_loads == [req.request_id]
 
 
-@pytest.mark.skipif(not REPORTS_FAILED_LOADS, reason="vLLM < 0.34 cannot take a failed load (the node-killed "
-                    "test covers its loud failure)")
+@pytest.mark.skipif(
+    not REPORTS_FAILED_LOADS,
+    reason="vLLM < 0.34 cannot take a failed load (the node-killed test covers its loud failure)",
+)
 @pytest.mark.parametrize(("policy", "world_size"), [("recompute", 1), ("fail", 1), ("recompute", 2)])
 def test_value_lost_between_lookup_and_load_recomputes_or_fails_only_that_request(
-        monkeypatch, private_cluster, auth_key_hex, policy, world_size):
+    monkeypatch, private_cluster, auth_key_hex, policy, world_size
+):
     """The node restarts empty on its port after the HIT: the lease and the value are gone, every
     fetch answers MISS. 0.34: "recompute" recomputes the request; "fail" (vLLM's default) ends
     it with FINISHED_ERROR. Either way no byte of the lost chunk reaches the GPU and the engine
@@ -222,7 +229,9 @@ def test_value_lost_between_lookup_and_load_recomputes_or_fails_only_that_reques
             assert req.matched_tokens == N_CHUNKS * g.block_size
             owners = _owned_by_rank(engine, tag, first)
             lost_ranks = [r for r, o in enumerate(owners) if o == lossy.address]
-            assert _zero_blocks(engine, req, range(first, first + 1), lost_ranks), "bytes of a lost value reached the GPU"
+            assert _zero_blocks(engine, req, range(first, first + 1), lost_ranks), (
+                "bytes of a lost value reached the GPU"
+            )
             if policy == "recompute":
                 assert req.status == RequestStatus.FINISHED_LENGTH_CAPPED and req.num_output_tokens == 1
             else:
@@ -237,8 +246,9 @@ def test_value_lost_between_lookup_and_load_recomputes_or_fails_only_that_reques
             node.stop()
 
 
-def test_stalled_node_back_within_the_retry_window_loads_byte_exact(monkeypatch, private_cluster, auth_key_hex,
-                                                                    tmp_path):
+def test_stalled_node_back_within_the_retry_window_loads_byte_exact(
+    monkeypatch, private_cluster, auth_key_hex, tmp_path
+):
     point_at(monkeypatch, private_cluster, auth_key_hex)
     cfg = tmp_path / "memkv.yaml"
     cfg.write_text("io_timeout_s: 0.5\ndown_for_s: 0.2\n")
@@ -301,7 +311,8 @@ def test_corrupt_value_never_reaches_the_gpu_fails_the_load_and_is_purged(monkey
 
 
 def test_reset_cache_with_a_leased_load_in_flight_loads_byte_exact_and_releases_every_lease(
-        monkeypatch, private_cluster, auth_key_hex, tmp_path):
+    monkeypatch, private_cluster, auth_key_hex, tmp_path
+):
     """vLLM's reset_prefix_cache(reset_connector=True) while a load streams: the connector flushes
     the job to the workers (wait(): the load is waited for, vllm-spec-api.md 4.3) and ignores its
     report, so the manager fences the job's leases instead of releasing them under the stream
@@ -359,8 +370,9 @@ def test_reset_cache_with_a_leased_load_in_flight_loads_byte_exact_and_releases_
             ours = sum(m.client.owner(vk).name == healthy.address for vk in value_keys)
             assert metric_value(metrics_of(healthy), "memkv_node_leases") == ours, "a lease ended under the load"
             timer[0].start()  # the node comes back within load_retry_s: the flushed load completes
-            engine.run_until(lambda: req.status.name == "WAITING", timeout_s=60,
-                             what="the flushed load")  # its bytes are checked on every rank by the harness
+            engine.run_until(
+                lambda: req.status.name == "WAITING", timeout_s=60, what="the flushed load"
+            )  # its bytes are checked on every rank by the harness
         finally:
             for t in timer:
                 t.cancel() if not t.is_alive() else t.join(10)

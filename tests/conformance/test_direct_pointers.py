@@ -66,12 +66,17 @@ def _kv_caches(packed: bool, seed: int) -> CanonicalKVCaches:
             offset += p
     else:
         tensors = [torch.randint(-128, 127, (NUM_BLOCKS, p), dtype=torch.int8, generator=gen) for p in pages]
-    canonical = [hc.fill_dataclass(CanonicalKVCacheTensor, {"tensor": t, "page_size_bytes": t.shape[1]})
-                 for t in tensors]
+    canonical = [
+        hc.fill_dataclass(CanonicalKVCacheTensor, {"tensor": t, "page_size_bytes": t.shape[1]}) for t in tensors
+    ]
     refs, idx = [], 0
     for group in GROUP_PAGES:
-        refs.append([hc.fill_dataclass(CanonicalKVCacheRef, {"tensor_idx": idx + i, "page_size_bytes": p})
-                     for i, p in enumerate(group)])
+        refs.append(
+            [
+                hc.fill_dataclass(CanonicalKVCacheRef, {"tensor_idx": idx + i, "page_size_bytes": p})
+                for i, p in enumerate(group)
+            ]
+        )
         idx += len(group)
     return CanonicalKVCaches(tensors=canonical, group_data_refs=refs)
 
@@ -106,16 +111,19 @@ def _rows(kv: CanonicalKVCaches, job: GPULoadStoreSpec) -> list[bytes]:
 @pytest.mark.parametrize("copy_method", ["scratch", "pieces"])
 @pytest.mark.parametrize("packed", [False, True], ids=["layer-outermost", "packed"])
 @pytest.mark.parametrize("world_size", [1, 2])
-def test_store_then_load_into_other_scattered_blocks_is_byte_exact_in_every_group_and_rank(packed, world_size,
-                                                                                           copy_method):
+def test_store_then_load_into_other_scattered_blocks_is_byte_exact_in_every_group_and_rank(
+    packed, world_size, copy_method
+):
     rng = random.Random(f"{packed}/{world_size}")
     sizes, indices = [7, 5], [2, 0]  # group 0 starts mid-chunk: its first chunk skips 2 sub-blocks
     n_chunks = _n_chunks(sizes, indices)
     path = os.path.join("/dev/shm", f"memkv_test_pointers_{uuid.uuid4().hex}.staging")
     settings = DirectSettings(load_guarantee="staged", copy_method=copy_method)
     caches = [_kv_caches(packed, seed=10 * rank + 1) for rank in range(world_size)]
-    workers = [MemKVDirectWorker(caches[rank], _layout(rank, world_size, n_chunks, path), settings)
-               for rank in range(world_size)]
+    workers = [
+        MemKVDirectWorker(caches[rank], _layout(rank, world_size, n_chunks, path), settings)
+        for rank in range(world_size)
+    ]
     try:
         assert all((w._pieces is not None) == (copy_method == "pieces") for w in workers), "the copier asked for"
         store, load = _job(rng, sizes, indices), _job(rng, sizes, indices)
@@ -166,8 +174,13 @@ def test_pointers_that_do_not_address_whole_rows_are_refused(damage):
         sizes[0] -= np.uint64(1)
     else:
         ptrs[2] = np.uint64(t0.data_ptr() + NUM_BLOCKS * t0.stride(0))
-    bad = type(arg)(ptrs=ptrs, sizes=sizes, group_block_counts=arg.group_block_counts,
-                    group_data_ref_counts=arg.group_data_ref_counts, block_indices=arg.block_indices)
+    bad = type(arg)(
+        ptrs=ptrs,
+        sizes=sizes,
+        group_block_counts=arg.group_block_counts,
+        group_data_ref_counts=arg.group_data_ref_counts,
+        block_indices=arg.block_indices,
+    )
     with pytest.raises(RuntimeError, match="DevicePointers"):
         compat.gpu_blocks(bad, kv)
 
@@ -184,8 +197,9 @@ def test_the_worker_warns_once_when_a_failed_load_would_end_the_request(monkeypa
     monkeypatch.setattr(vllm.config, "get_current_vllm_config_or_none", lambda: current)
     path = os.path.join("/dev/shm", f"memkv_test_policy_{uuid.uuid4().hex}.staging")
     with caplog.at_level(logging.WARNING, logger="vllm.memkv_vllm"):
-        worker = MemKVDirectWorker(_kv_caches(packed=False, seed=5), _layout(0, 1, 2, path),
-                                   DirectSettings(load_guarantee="staged"))
+        worker = MemKVDirectWorker(
+            _kv_caches(packed=False, seed=5), _layout(0, 1, 2, path), DirectSettings(load_guarantee="staged")
+        )
     try:
         warned = [r.getMessage() for r in caplog.records if "kv_load_failure_policy" in r.getMessage()]
         if policy == "fail":

@@ -47,14 +47,17 @@ def test_take_is_all_or_nothing():
     assert len(t.take(3)) == 3
 
 
-@pytest.mark.parametrize("raw, name", [
-    ({"memkv": {"stagingmb": 1}}, "stagingmb"),
-    ({"memkv": {"staging_mb": -1}}, "staging_mb"),
-    ({"memkv": {"step_yield_ms": 100}}, "step_yield_ms"),
-    ({"memkv": {"copy_scratch_mb": -1}}, "copy_scratch_mb"),
-    ({"memkv": {"copy_scratch_mb": 1.5}}, "copy_scratch_mb"),
-    ({"memkv": []}, "'memkv'"),
-])
+@pytest.mark.parametrize(
+    "raw, name",
+    [
+        ({"memkv": {"stagingmb": 1}}, "stagingmb"),
+        ({"memkv": {"staging_mb": -1}}, "staging_mb"),
+        ({"memkv": {"step_yield_ms": 100}}, "step_yield_ms"),
+        ({"memkv": {"copy_scratch_mb": -1}}, "copy_scratch_mb"),
+        ({"memkv": {"copy_scratch_mb": 1.5}}, "copy_scratch_mb"),
+        ({"memkv": []}, "'memkv'"),
+    ],
+)
 def test_bad_settings_name_the_key(raw, name):
     with pytest.raises(ConfigError) as info:
         DirectSettings.from_extra_config(raw)
@@ -116,8 +119,9 @@ def test_a_failed_fetch_is_retried_into_a_fresh_slot_and_the_failed_one_stays_qu
     def copy(items, to_staging):
         filled.extend(slot for _, _, slot in items)
 
-    t = StreamingTransfers(Client(), 0, section, 4, copy, blocks_per_op=1, load_retry_s=5.0,
-                           load_failure_grace_s=60.0, clock=clock)
+    t = StreamingTransfers(
+        Client(), 0, section, 4, copy, blocks_per_op=1, load_retry_s=5.0, load_failure_grace_s=60.0, clock=clock
+    )
     try:
         job = Job(1, True, [Chunk(b"k/r0", [])], None, 8)
         t.submit(job)
@@ -133,8 +137,9 @@ class _SlotClient:
     """A client whose fetches fill a slot with its chunk's key byte and record which slot they wrote
     (found from the view's address) while `busy` names the slots whose GPU copy is in flight."""
 
-    def __init__(self, region: bytearray, slot_bytes: int, busy: set[int],
-                 before_fetch: Callable[[], None] = lambda: None) -> None:
+    def __init__(
+        self, region: bytearray, slot_bytes: int, busy: set[int], before_fetch: Callable[[], None] = lambda: None
+    ) -> None:
         import numpy as np
 
         self._np = np
@@ -163,8 +168,17 @@ def _transfers(client, region: bytearray, slot_bytes: int, copy, num_slots: int)
     def section(slot: int) -> memoryview:
         return memoryview(region)[slot * slot_bytes : (slot + 1) * slot_bytes]
 
-    return StreamingTransfers(client, 0, section, num_slots, copy, blocks_per_op=1, load_retry_s=5.0,
-                              load_failure_grace_s=60.0, fetch_threads=2)
+    return StreamingTransfers(
+        client,
+        0,
+        section,
+        num_slots,
+        copy,
+        blocks_per_op=1,
+        load_retry_s=5.0,
+        load_failure_grace_s=60.0,
+        fetch_threads=2,
+    )
 
 
 def test_the_next_load_batch_is_queued_while_one_is_copied_and_no_slot_is_refilled_before_its_copy_ends():
@@ -226,8 +240,12 @@ def test_the_next_load_batch_is_queued_while_one_is_copied_and_no_slot_is_refill
         done = 0
         while not stop.is_set():
             with queued:
-                queued.wait_for(lambda: stop.is_set() or len(gates) > done + 1 or
-                                (done < len(gates) and len(copied) == n_chunks), timeout=10)
+                queued.wait_for(
+                    lambda done=done: (
+                        stop.is_set() or len(gates) > done + 1 or (done < len(gates) and len(copied) == n_chunks)
+                    ),
+                    timeout=10,
+                )
                 gate = gates[done] if done < len(gates) else None
             if gate is None:
                 continue

@@ -40,7 +40,9 @@ def direct_env(monkeypatch, cluster, auth_key_hex):
 def test_store_job_larger_than_staging_keeps_its_leading_chunks_and_sheds_the_rest(direct_env):
     g, tag = BIG, uuid.uuid4().hex
     tokens = 12 * g.block_size + 3
-    with dh.DirectEngine(g, dh.direct_config(staging_mb=1, block_size=g.block_size, load_guarantee="staged"), token_budget=4096) as engine:
+    with dh.DirectEngine(
+        g, dh.direct_config(staging_mb=1, block_size=g.block_size, load_guarantee="staged"), token_budget=4096
+    ) as engine:
         assert engine.manager.slots.num_slots == 8
         with PluginLog() as log:
             engine.run(tag, tokens)  # one store job of 12 chunks
@@ -56,9 +58,13 @@ def test_store_job_larger_than_staging_keeps_its_leading_chunks_and_sheds_the_re
 def test_lookup_with_no_free_slot_is_a_miss_from_that_chunk(direct_env):
     g, tag = BIG, uuid.uuid4().hex
     tokens = 12 * g.block_size + 3
-    with dh.DirectEngine(g, dh.direct_config(staging_mb=2, block_size=g.block_size, load_guarantee="staged"), token_budget=4096) as big:
+    with dh.DirectEngine(
+        g, dh.direct_config(staging_mb=2, block_size=g.block_size, load_guarantee="staged"), token_budget=4096
+    ) as big:
         big.run(tag, tokens)  # all 12 stored
-    with dh.DirectEngine(g, dh.direct_config(staging_mb=1, block_size=g.block_size, load_guarantee="staged"), token_budget=4096) as small:
+    with dh.DirectEngine(
+        g, dh.direct_config(staging_mb=1, block_size=g.block_size, load_guarantee="staged"), token_budget=4096
+    ) as small:
         again = small.run(tag, tokens)
         assert again.matched_tokens == 8 * g.block_size
         assert again.loaded_blocks == 8 * g.blocks_per_chunk
@@ -69,7 +75,9 @@ def test_store_job_that_fits_the_region_but_not_its_free_slots_waits_a_step_and_
     g = BIG
     a, b = uuid.uuid4().hex, uuid.uuid4().hex
     tokens = 6 * g.block_size + 3  # 6 chunks each; 8 slots: the second job cannot have its 6 at once
-    with dh.DirectEngine(g, dh.direct_config(staging_mb=1, block_size=g.block_size, load_guarantee="staged"), token_budget=8192) as engine:
+    with dh.DirectEngine(
+        g, dh.direct_config(staging_mb=1, block_size=g.block_size, load_guarantee="staged"), token_budget=8192
+    ) as engine:
         ra = engine.add_request(a, tokens, max_tokens=20)
         rb = engine.add_request(b, tokens, max_tokens=20)  # still running while its chunks are re-offered
         engine.run_until(lambda: ra.is_finished() and rb.is_finished(), what="requests")
@@ -103,15 +111,18 @@ def test_every_emitted_metric_is_declared_with_its_label_arity(direct_env):
     assert engine.stat(tm.LOAD_BYTES, ("direct",)) == 4 * 2 * engine.g.value_bytes
 
 
-@pytest.mark.parametrize("memkv, name", [
-    ({"staging_mbb": 8}, "staging_mbb"),
-    ({"staging_mb": 0}, "staging_mb"),
-    ({"lookup_timeout_s": "5"}, "lookup_timeout_s"),
-    ({"blocks_per_op": True}, "blocks_per_op"),
-    ({"load_guarantee": "pinned"}, "load_guarantee"),
-    ({"lease_ttl_s": 0}, "lease_ttl_s"),
-    ({"load_retry_s": "30"}, "load_retry_s"),
-])
+@pytest.mark.parametrize(
+    "memkv, name",
+    [
+        ({"staging_mbb": 8}, "staging_mbb"),
+        ({"staging_mb": 0}, "staging_mb"),
+        ({"lookup_timeout_s": "5"}, "lookup_timeout_s"),
+        ({"blocks_per_op": True}, "blocks_per_op"),
+        ({"load_guarantee": "pinned"}, "load_guarantee"),
+        ({"lease_ttl_s": 0}, "lease_ttl_s"),
+        ({"load_retry_s": "30"}, "load_retry_s"),
+    ],
+)
 def test_bad_key_fails_construction_naming_it(direct_env, memkv, name):
     config = dh.direct_config()
     config["memkv"] = memkv
@@ -161,8 +172,10 @@ def test_plugin_registers_the_spec_name_lazily_and_module_path_needs_no_registra
     """)
     assert "registered True" in out
     assert "imported False" in out
-    for extra in ({"spec_name": "MemKVOffloadingSpec"},
-                  {"spec_name": "MemKVOffloadingSpec", "spec_module_path": "memkv_vllm.direct"}):
+    for extra in (
+        {"spec_name": "MemKVOffloadingSpec"},
+        {"spec_name": "MemKVOffloadingSpec", "spec_module_path": "memkv_vllm.direct"},
+    ):
         out = run_python(f"""
             import inspect, sys
             from types import SimpleNamespace

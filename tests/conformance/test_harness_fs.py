@@ -99,9 +99,7 @@ def test_lookup_of_an_evicted_chunk_retries_then_hits(engine):
 
 
 def test_lookup_of_a_never_stored_key_retries_then_misses(engine):
-    trace = engine.lookup_until_resolved(
-        [make_key("never stored")], engine.new_request()
-    )
+    trace = engine.lookup_until_resolved([make_key("never stored")], engine.new_request())
     assert trace.resolved
     assert trace.per_key(0)[0] is LookupResult.RETRY
     assert trace.final == (LookupResult.MISS,)
@@ -119,9 +117,7 @@ def test_promoted_rows_hold_the_original_bytes_after_every_row_was_overwritten(e
     loaded = engine.promote_and_read(keys)
 
     for key in keys:
-        assert loaded.data[key] == engine.payloads[key], (
-            f"row {stored_rows[key]} -> {loaded.rows[key]}: bytes differ"
-        )
+        assert loaded.data[key] == engine.payloads[key], f"row {stored_rows[key]} -> {loaded.rows[key]}: bytes differ"
 
 
 def test_restarted_engine_over_the_same_root_dir_hits_the_first_engines_chunks(
@@ -147,19 +143,13 @@ def test_rows_hold_every_ranks_slice_padded_to_a_page(tmp_path, world_size):
     with HeadlessEngine([fs_tier(tmp_path / "fs")], geometry) as engine:
         view = engine.view
         assert row_bytes(engine.manager) == row_bytes(engine.spec) == expected_row
-        assert (
-            view.shape
-            == (engine.num_rows, expected_row)
-            == (geometry.num_rows, expected_row)
-        )
+        assert view.shape == (engine.num_rows, expected_row) == (geometry.num_rows, expected_row)
         assert view.strides == (expected_row, 1)
         assert view.format == "b" and view.c_contiguous
 
         keys = make_keys(2)
         cascade(engine, keys)
-        assert {f.stat().st_size for f in stored_files(tmp_path / "fs")} == {
-            expected_row
-        }
+        assert {f.stat().st_size for f in stored_files(tmp_path / "fs")} == {expected_row}
         engine.fill_pool_to_evict(keys)
         loaded = engine.promote_and_read(keys)
         assert all(loaded.data[k] == engine.payloads[k] for k in keys)

@@ -107,12 +107,8 @@ def run_scenario(root_dir: str, lookup_timeout_s: float | None) -> dict:
 
         stalled_keys.add(stuck_key)
         bounds = {"max_steps": 100_000, "timeout_s": OBSERVE_S, "poll_s": 0.01}
-        stuck = engine.lookup_until_resolved(
-            [stuck_key], engine.new_request(), **bounds
-        )
-        later = engine.lookup_until_resolved(
-            [later_key], engine.new_request(), **bounds
-        )
+        stuck = engine.lookup_until_resolved([stuck_key], engine.new_request(), **bounds)
+        later = engine.lookup_until_resolved([later_key], engine.new_request(), **bounds)
         probe_still_stalled = not release_stall.is_set()
     finally:
         if not lookup_timeout_s or lookup_timeout_s <= 0:
@@ -122,9 +118,7 @@ def run_scenario(root_dir: str, lookup_timeout_s: float | None) -> dict:
         shutdown_s = time.monotonic() - start
         release_stall.set()
 
-    param = inspect.signature(AsyncLookupManager.__init__).parameters.get(
-        "lookup_timeout_s"
-    )
+    param = inspect.signature(AsyncLookupManager.__init__).parameters.get("lookup_timeout_s")
     return {
         "vllm_file": vllm.__file__,
         "default_lookup_timeout_s": None if param is None else param.default,
@@ -157,14 +151,10 @@ def installed_vllm_dir() -> Path:
 def patched_paths(patch_file: Path) -> list[str]:
     """Paths (relative to site-packages) the patch modifies, from its +++ lines."""
     lines = patch_file.read_text().splitlines()
-    return [
-        line.split()[1].split("/", 1)[1] for line in lines if line.startswith("+++ ")
-    ]
+    return [line.split()[1].split("/", 1)[1] for line in lines if line.startswith("+++ ")]
 
 
-def apply_patch(
-    patch_file: Path, tree: Path, dry_run: bool = False
-) -> subprocess.CompletedProcess:
+def apply_patch(patch_file: Path, tree: Path, dry_run: bool = False) -> subprocess.CompletedProcess:
     args = [
         "patch",
         "-p1",
@@ -203,19 +193,13 @@ def build_overlay(patch_file: Path, dest: Path) -> Path:
     )
     copy_patched_files(patch_file, dest)
     result = apply_patch(patch_file, dest)
-    assert result.returncode == 0, (
-        f"{patch_file.name} failed:\n{result.stdout}{result.stderr}"
-    )
+    assert result.returncode == 0, f"{patch_file.name} failed:\n{result.stdout}{result.stderr}"
     return dest
 
 
-def run_in_subprocess(
-    root_dir: Path, overlay: Path | None, lookup_timeout_s: float | None
-):
+def run_in_subprocess(root_dir: Path, overlay: Path | None, lookup_timeout_s: float | None):
     env = dict(os.environ, PYTHONHASHSEED="0")
-    env["PYTHONPATH"] = os.pathsep.join(
-        [str(p) for p in (overlay, REPO_ROOT) if p] + [env.get("PYTHONPATH", "")]
-    )
+    env["PYTHONPATH"] = os.pathsep.join([str(p) for p in (overlay, REPO_ROOT) if p] + [env.get("PYTHONPATH", "")])
     args = [
         sys.executable,
         "-m",
@@ -234,9 +218,7 @@ def run_in_subprocess(
         timeout=SUBPROCESS_TIMEOUT_S,
         check=False,
     )
-    assert proc.returncode == 0, (
-        f"scenario failed:\n{proc.stdout[-4000:]}{proc.stderr[-8000:]}"
-    )
+    assert proc.returncode == 0, f"scenario failed:\n{proc.stdout[-4000:]}{proc.stderr[-8000:]}"
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
@@ -247,8 +229,7 @@ def release_patch() -> Path:
     if name is None:
         covered = ", ".join(PATCH_FOR_RELEASE)
         pytest.skip(
-            f"no shipped lookup-deadline patch covers vLLM {release} "
-            f"(covered: {covered}; see patches/README.md)"
+            f"no shipped lookup-deadline patch covers vLLM {release} (covered: {covered}; see patches/README.md)"
         )
     return PATCH_DIR / name
 
@@ -256,9 +237,7 @@ def release_patch() -> Path:
 # -- tests ------------------------------------------------------------------------------
 
 
-def test_exactly_the_listed_patch_applies_to_the_installed_release(
-    release_patch, tmp_path
-):
+def test_exactly_the_listed_patch_applies_to_the_installed_release(release_patch, tmp_path):
     applies = []
     for patch_file in sorted(PATCH_DIR.glob("*.patch")):
         tree = tmp_path / patch_file.stem
@@ -268,30 +247,22 @@ def test_exactly_the_listed_patch_applies_to_the_installed_release(
     assert applies == [release_patch.name]
 
 
-def test_patched_stalled_lookup_resolves_miss_at_the_deadline_and_later_lookups_still_hit(
-    release_patch, tmp_path
-):
+def test_patched_stalled_lookup_resolves_miss_at_the_deadline_and_later_lookups_still_hit(release_patch, tmp_path):
     overlay = build_overlay(release_patch, tmp_path / "overlay")
     out = run_in_subprocess(tmp_path / "fs", overlay, LOOKUP_TIMEOUT_S)
 
-    assert out["vllm_file"].startswith(str(overlay)), (
-        "subprocess did not import the overlay"
-    )
+    assert out["vllm_file"].startswith(str(overlay)), "subprocess did not import the overlay"
     assert out["default_lookup_timeout_s"] == 5.0
     stuck, later = out["stuck"], out["later"]
     assert (stuck["first"], stuck["final"]) == ("RETRY", "MISS"), stuck
-    assert (
-        LOOKUP_TIMEOUT_S <= stuck["elapsed_s"] <= LOOKUP_TIMEOUT_S + ONE_STEP_SLACK_S
-    ), stuck
+    assert LOOKUP_TIMEOUT_S <= stuck["elapsed_s"] <= LOOKUP_TIMEOUT_S + ONE_STEP_SLACK_S, stuck
     # Served while the first probe is still blocked: the worker gave up on it.
     assert out["probe_still_stalled"]
     assert later["final"] == "HIT" and later["elapsed_s"] < LOOKUP_TIMEOUT_S, later
     assert out["shutdown_s"] < LOOKUP_TIMEOUT_S + ONE_STEP_SLACK_S, out
 
 
-def test_unpatched_stalled_lookup_is_still_retry_after_the_same_time(
-    release_patch, tmp_path
-):
+def test_unpatched_stalled_lookup_is_still_retry_after_the_same_time(release_patch, tmp_path):
     out = run_in_subprocess(tmp_path / "fs", None, None)
 
     assert out["default_lookup_timeout_s"] is None, "the venv's vLLM looks patched"
@@ -302,9 +273,7 @@ def test_unpatched_stalled_lookup_is_still_retry_after_the_same_time(
     assert not later["resolved"] and later["final"] == "RETRY", later
 
 
-def test_patched_with_the_deadline_disabled_stalled_lookup_stays_retry(
-    release_patch, tmp_path
-):
+def test_patched_with_the_deadline_disabled_stalled_lookup_stays_retry(release_patch, tmp_path):
     overlay = build_overlay(release_patch, tmp_path / "overlay")
     out = run_in_subprocess(tmp_path / "fs", overlay, 0.0)
 
@@ -314,9 +283,7 @@ def test_patched_with_the_deadline_disabled_stalled_lookup_stays_retry(
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description="lookup-deadline scenario (subprocess)"
-    )
+    parser = argparse.ArgumentParser(description="lookup-deadline scenario (subprocess)")
     parser.add_argument("--root-dir", required=True)
     parser.add_argument("--lookup-timeout-s", type=float, default=None)
     args = parser.parse_args()

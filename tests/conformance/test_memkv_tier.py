@@ -239,7 +239,9 @@ def test_stalled_node_lookups_resolve_miss_within_lookup_timeout(monkeypatch, pr
         _sigstop(stalled)
         try:
             started = time.monotonic()
-            trace = engine.lookup_until_resolved(owners[stalled.address], engine.new_request(), max_steps=5000, timeout_s=10)
+            trace = engine.lookup_until_resolved(
+                owners[stalled.address], engine.new_request(), max_steps=5000, timeout_s=10
+            )
             took = time.monotonic() - started
             assert trace.resolved, f"lookups still pending after {took:.1f}s: {trace.summary(0)}"
             assert trace.final == (LookupResult.MISS,) * len(owners[stalled.address])
@@ -262,14 +264,17 @@ def test_stalled_node_without_deadline_keeps_answering_retry(monkeypatch, privat
         stalled = private_cluster[0]
         _sigstop(stalled)
         try:
-            trace = engine.lookup_until_resolved(owners[stalled.address], engine.new_request(), max_steps=5000, timeout_s=1.5)
+            trace = engine.lookup_until_resolved(
+                owners[stalled.address], engine.new_request(), max_steps=5000, timeout_s=1.5
+            )
             assert not trace.resolved and set(trace.final) == {LookupResult.RETRY}
         finally:
             stalled.signal(signal.SIGCONT)
 
 
 def test_step_end_never_waits_while_a_lookup_is_pending_and_the_tier_threads_get_the_gil(
-        monkeypatch, private_cluster, auth_key_hex):
+    monkeypatch, private_cluster, auth_key_hex
+):
     """vLLM runs on_schedule_end on its scheduler loop and expects it not to block. With a node
     stopped (no deadline), lookups of its keys stay pending step after step, and no step end
     makes a waiting call (WaitingCalls: a profile hook of the scheduler thread, no timing).
@@ -306,7 +311,8 @@ def test_step_end_never_waits_while_a_lookup_is_pending_and_the_tier_threads_get
 
 @pytest.mark.skipif(not compat.HAS_DEFERRED_RELEASE, reason="vLLM 0.34+: JobResult.deferred_release")
 def test_promotion_stalled_on_a_stopped_node_misses_at_the_deadline_and_its_row_waits_for_the_read(
-        monkeypatch, private_cluster, auth_key_hex, tmp_path):
+    monkeypatch, private_cluster, auth_key_hex, tmp_path
+):
     """vLLM 0.34+: the node stops after the lookup said HIT, before the load is sent. The load's
     socket read then blocks (the client's io_timeout_s is a minute), yet the key turns MISS at
     lookup_timeout_s while the node is still stopped, and the row the promotion had is held out
@@ -421,8 +427,9 @@ def test_unloadable_value_is_purged_so_it_recomputes_once(memkv_env):
         assert trace.final[0] is LookupResult.MISS
 
 
-def test_store_jobs_are_admitted_whole_and_a_shed_request_keeps_only_its_prefix(monkeypatch, private_cluster,
-                                                                                 auth_key_hex):
+def test_store_jobs_are_admitted_whole_and_a_shed_request_keeps_only_its_prefix(
+    monkeypatch, private_cluster, auth_key_hex
+):
     # Rows of ~600 KB and a 1 MiB backlog. The nodes are stopped while the first jobs are
     # submitted, so request a's first job (1.8 MB, admitted whole: the backlog was empty) is
     # still in flight when b's first job comes: b is shed whole, and stays cut afterwards even
@@ -456,7 +463,8 @@ def test_store_jobs_are_admitted_whole_and_a_shed_request_keeps_only_its_prefix(
 
 
 def test_with_the_default_backlog_a_prompt_of_half_the_pool_is_stored_whole_while_nothing_drains(
-        monkeypatch, private_cluster, auth_key_hex):
+    monkeypatch, private_cluster, auth_key_hex
+):
     # No max_store_backlog_mb: the bound is half the CPU pool (16 rows -> 8). The nodes are
     # stopped, so nothing drains while the prompt's four jobs of two rows arrive.
     import memkv_vllm
@@ -520,13 +528,16 @@ def test_every_emitted_metric_is_declared_with_its_label_arity(memkv_env):
     assert emitted[(tm.LOOKUPS, ("hit", "tier"))] == 4 and emitted[(tm.LOOKUPS, ("miss", "tier"))] >= 1
 
 
-@pytest.mark.parametrize("bad, name", [
-    ({"n_read_thread": 8}, "n_read_thread"),
-    ({"blocks_per_op": 0}, "blocks_per_op"),
-    ({"lookup_timeout_s": "5"}, "lookup_timeout_s"),
-    ({"max_store_backlog_mb": True}, "max_store_backlog_mb"),
-    ({"load_failure_grace_s": -1}, "load_failure_grace_s"),
-])
+@pytest.mark.parametrize(
+    "bad, name",
+    [
+        ({"n_read_thread": 8}, "n_read_thread"),
+        ({"blocks_per_op": 0}, "blocks_per_op"),
+        ({"lookup_timeout_s": "5"}, "lookup_timeout_s"),
+        ({"max_store_backlog_mb": True}, "max_store_backlog_mb"),
+        ({"load_failure_grace_s": -1}, "load_failure_grace_s"),
+    ],
+)
 def test_bad_tier_key_fails_at_construction_naming_it(memkv_env, no_leaked_regions, bad, name):
     with pytest.raises(Exception) as info:
         h.HeadlessEngine([memkv(bad)])
@@ -572,14 +583,19 @@ def test_node_value_limit_below_row_size_fails_startup(monkeypatch, auth_key_hex
 
 
 def test_module_path_form_loads_the_tier_without_registration(monkeypatch, cluster, auth_key_hex):
-    from vllm.v1.kv_offload.tiering.factory import SecondaryTierFactory
-
     import inspect
+
+    from vllm.v1.kv_offload.tiering.factory import SecondaryTierFactory
 
     if "module_path" not in inspect.getsource(SecondaryTierFactory.get_tier_class):
         pytest.skip("module_path fallback exists from vLLM 0.28.0")
     point_at(monkeypatch, cluster, auth_key_hex)
-    tier = {"type": "MemKVSecondaryTierManager", "module_path": "memkv_vllm.tier", "n_read_threads": 2, "n_write_threads": 2}
+    tier = {
+        "type": "MemKVSecondaryTierManager",
+        "module_path": "memkv_vllm.tier",
+        "n_read_threads": 2,
+        "n_write_threads": 2,
+    }
     with h.HeadlessEngine([tier]) as engine:
         keys = h.make_keys(2)
         store_and_settle(engine, keys)
@@ -599,9 +615,16 @@ def test_ready_line_says_the_settings_in_force_and_which_receive_loop_runs(memkv
     local = 0 if REMOTE else servers
     if REMOTE:
         assert shared == 0
-    for field in ("n_read_threads=2", "n_write_threads=2", "blocks_per_op=4", f"rdma={rdma},",
-                  f"same_host={local}/{servers},", f"shared_memory={shared}/{servers},",
-                  "(half the CPU pool)", f"memkv={memkv_version}"):
+    for field in (
+        "n_read_threads=2",
+        "n_write_threads=2",
+        "blocks_per_op=4",
+        f"rdma={rdma},",
+        f"same_host={local}/{servers},",
+        f"shared_memory={shared}/{servers},",
+        "(half the CPU pool)",
+        f"memkv={memkv_version}",
+    ):
         assert field in line, f"{field!r} missing from: {line}"
     assert f"receive={'compiled' if sockio.COMPILED_RECEIVE else 'python'}," in line
 
@@ -651,8 +674,11 @@ def test_hash_seed_warning_depends_on_pythonhashseed(monkeypatch):
     monkeypatch.delenv("PYTHONHASHSEED")
     problem = compat.block_hash_reuse_problem()
     utils = sys.modules.get("vllm.v1.core.kv_cache_utils")
-    if utils is not None and hasattr(utils, "resolve_none_hash_seed") and getattr(utils, "_NONE_HASH_SEED", None) in (
-        None, getattr(utils, "DEFAULT_NONE_HASH_SEED", None)):
+    if (
+        utils is not None
+        and hasattr(utils, "resolve_none_hash_seed")
+        and getattr(utils, "_NONE_HASH_SEED", None) in (None, getattr(utils, "DEFAULT_NONE_HASH_SEED", None))
+    ):
         assert problem is None  # 0.33+: sha256 hashes use a fixed default seed
     else:
         assert problem is not None and "PYTHONHASHSEED" in problem
@@ -664,7 +690,9 @@ def test_client_for_tests_sees_what_the_tier_stored(memkv_env, auth_key_hex):
         keys = h.make_keys(1)
         store_and_settle(engine, keys)
         namespaced = tier_of(engine).namespace.key(keys[0])
-    config = ClientConfig(servers=parse_servers(",".join(n.address for n in memkv_env), "test"),
-                          auth_key=AuthKey.from_hex(auth_key_hex, "test"))
+    config = ClientConfig(
+        servers=parse_servers(",".join(n.address for n in memkv_env), "test"),
+        auth_key=AuthKey.from_hex(auth_key_hex, "test"),
+    )
     with Client(config) as client:
         assert client.exists([namespaced]) == [True]

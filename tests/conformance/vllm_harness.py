@@ -86,9 +86,7 @@ DEFAULT_MODEL_NAME = "harness/tiny-model"
 # HIT and MISS are final answers. RETRY (tier probe pending; also the answer that starts
 # a promotion on 0.25-0.27) and HIT_PENDING (promotion in flight, 0.28+) mean "ask again".
 FINAL_RESULTS = frozenset({LookupResult.HIT, LookupResult.MISS})
-_PAGE_BYTES = (
-    mmap.PAGESIZE
-)  # TieringOffloadingSpec.BLOCK_SIZE_ALIGNMENT in every release
+_PAGE_BYTES = mmap.PAGESIZE  # TieringOffloadingSpec.BLOCK_SIZE_ALIGNMENT in every release
 _LAYER_NAME = "model.layers.0.self_attn.attn"
 
 
@@ -107,17 +105,10 @@ class Geometry:
     num_rows: int = 8  # primary-pool rows (chunks)
 
     def __post_init__(self) -> None:
-        if (
-            self.world_size < 1
-            or self.num_rows < 1
-            or self.worker_kv_bytes_per_block < 1
-        ):
+        if self.world_size < 1 or self.num_rows < 1 or self.worker_kv_bytes_per_block < 1:
             raise ValueError(f"bad geometry: {self}")
         if self.block_size % self.gpu_block_size:
-            raise ValueError(
-                f"block_size {self.block_size} is not a multiple of "
-                f"gpu_block_size {self.gpu_block_size}"
-            )
+            raise ValueError(f"block_size {self.block_size} is not a multiple of gpu_block_size {self.gpu_block_size}")
 
     @property
     def blocks_per_chunk(self) -> int:
@@ -234,9 +225,7 @@ def build_spec(
     if _spec_takes_offloading_config():
         config = _build_offloading_config(extra_config, geometry, engine_id, model_name)
         return OffloadingSpecFactory.create_spec(config)
-    vllm_config, kv_cache_config = _build_vllm_and_kv_cache_config(
-        extra_config, geometry, engine_id, model_name
-    )
+    vllm_config, kv_cache_config = _build_vllm_and_kv_cache_config(extra_config, geometry, engine_id, model_name)
     return OffloadingSpecFactory.create_spec(vllm_config, kv_cache_config)
 
 
@@ -258,9 +247,7 @@ def _spec_takes_offloading_config() -> bool:
     return "kv_cache_config" not in params
 
 
-def _build_offloading_config(
-    extra_config: dict[str, Any], geometry: Geometry, engine_id: str, model_name: str
-) -> Any:
+def _build_offloading_config(extra_config: dict[str, Any], geometry: Geometry, engine_id: str, model_name: str) -> Any:
     """0.26+: the OffloadingConfig the connector's build_offloading_config would produce
     for one full-attention group of one layer."""
     from vllm.v1.kv_offload import config as cfg
@@ -330,9 +317,7 @@ def _build_vllm_and_kv_cache_config(
     vllm_config = SimpleNamespace(
         instance_id=engine_id,
         use_v2_model_runner=False,
-        kv_transfer_config=SimpleNamespace(
-            kv_connector_extra_config=extra_config, engine_id=engine_id
-        ),
+        kv_transfer_config=SimpleNamespace(kv_connector_extra_config=extra_config, engine_id=engine_id),
         kv_events_config=None,
         model_config=SimpleNamespace(model=model_name, use_mla=False),
         cache_config=SimpleNamespace(
@@ -368,10 +353,15 @@ def build_kv_cache_config(geometry: Geometry, num_gpu_blocks: int = 16) -> Any:
     size = geometry.worker_kv_bytes_per_block * num_gpu_blocks
     tensor_fields = {f.name for f in dataclasses.fields(kvi.KVCacheTensor)}
     if "layers" in tensor_fields:  # 0.30+
-        tensor = _fill_dataclass(kvi.KVCacheTensor, {
-            "size": size, "layers": [_LAYER_NAME], "layer_stride": size,
-            "block_stride": geometry.worker_kv_bytes_per_block,
-        })
+        tensor = _fill_dataclass(
+            kvi.KVCacheTensor,
+            {
+                "size": size,
+                "layers": [_LAYER_NAME],
+                "layer_stride": size,
+                "block_stride": geometry.worker_kv_bytes_per_block,
+            },
+        )
     else:
         tensor = kvi.KVCacheTensor(size=size, shared_by=[_LAYER_NAME])
     kv_cache_spec = kvi.FullAttentionSpec(
@@ -385,9 +375,7 @@ def build_kv_cache_config(geometry: Geometry, num_gpu_blocks: int = 16) -> Any:
         {
             "num_blocks": num_gpu_blocks,
             "kv_cache_tensors": [tensor],
-            "kv_cache_groups": [
-                kvi.KVCacheGroupSpec(layer_names=[_LAYER_NAME], kv_cache_spec=kv_cache_spec)
-            ],
+            "kv_cache_groups": [kvi.KVCacheGroupSpec(layer_names=[_LAYER_NAME], kv_cache_spec=kv_cache_spec)],
         },
     )
 
@@ -488,21 +476,15 @@ class HeadlessEngine:
     ) -> None:
         self.geometry = geometry
         self.engine_id = engine_id or f"harness-{uuid.uuid4().hex[:12]}"
-        self.config = tiering_config(
-            secondary_tiers, geometry, **dict(extra_config or {})
-        )
-        self.spec = build_spec(
-            self.config, geometry, engine_id=self.engine_id, model_name=model_name
-        )
+        self.config = tiering_config(secondary_tiers, geometry, **dict(extra_config or {}))
+        self.spec = build_spec(self.config, geometry, engine_id=self.engine_id, model_name=model_name)
         self.manager = self.spec.get_manager()
         self.view = primary_view(self.manager)
         self.row_bytes = self.view.strides[0]
         self.num_rows = _spec_num_rows(self.spec)
         if self.row_bytes != geometry.row_bytes:
             self.manager.shutdown()
-            raise AssertionError(
-                f"row is {self.row_bytes} B, geometry says {geometry.row_bytes}"
-            )
+            raise AssertionError(f"row is {self.row_bytes} B, geometry says {geometry.row_bytes}")
         # A flat byte view for writing/reading rows; released in shutdown() because a
         # live export keeps the /dev/shm mmap from closing (BufferError on 0.25).
         self._flat: memoryview | None = self.view.cast("B")
@@ -559,11 +541,7 @@ class HeadlessEngine:
         assert out is not None, "prepare_store returned None: no evictable primary rows"
         rows = dict(zip(out.keys_to_store, _row_ids(out.store_spec), strict=True))
         for key, row in rows.items():
-            data = (
-                payloads[key]
-                if payloads is not None
-                else payload_for(key, self.row_bytes)
-            )
+            data = payloads[key] if payloads is not None else payload_for(key, self.row_bytes)
             self._write_row(row, data)
             self.payloads[key] = data
         if rows:  # the manager counts a pending store only when something was prepared
@@ -584,9 +562,7 @@ class HeadlessEngine:
         with self.lock:
             return self.manager.has_pending_work()
 
-    def run_until_idle(
-        self, timeout_s: float = 10.0, max_steps: int = 10_000, poll_s: float = 0.002
-    ) -> int:
+    def run_until_idle(self, timeout_s: float = 10.0, max_steps: int = 10_000, poll_s: float = 0.002) -> int:
         """Step until has_pending_work() is False; returns the steps taken."""
         deadline = time.monotonic() + timeout_s
         for steps in range(max_steps):
@@ -596,9 +572,7 @@ class HeadlessEngine:
                 break
             self.step()
             time.sleep(poll_s)  # the model-execution window: tier threads run
-        raise TimeoutError(
-            f"manager still has pending work after {steps} steps / {timeout_s} s"
-        )
+        raise TimeoutError(f"manager still has pending work after {steps} steps / {timeout_s} s")
 
     def in_primary(self, key: OffloadKey) -> bool:
         """Whether the primary tier holds ``key`` (readable or being written)."""
@@ -607,17 +581,13 @@ class HeadlessEngine:
             result = self.manager.primary_tier.lookup(key, probe)
         return result in (LookupResult.HIT, LookupResult.HIT_PENDING)
 
-    def fill_pool_to_evict(
-        self, keys: Sequence[OffloadKey], timeout_s: float = 30.0
-    ) -> list[OffloadKey]:
+    def fill_pool_to_evict(self, keys: Sequence[OffloadKey], timeout_s: float = 30.0) -> list[OffloadKey]:
         """Store one pool's worth of filler chunks so LRU evicts ``keys``; returns the
         evicted keys. Waits for every cascade first (pinned rows cannot be evicted) and
         after (so promotions find evictable rows). Asserts ``keys`` left the primary."""
         self.run_until_idle(timeout_s)
         filler = self.new_request(f"filler-{next(self._req_seq)}")
-        fillers = make_keys(
-            self.num_rows, tag=f"filler/{self.engine_id}/{filler.req_id}"
-        )
+        fillers = make_keys(self.num_rows, tag=f"filler/{self.engine_id}/{filler.req_id}")
         outcome = self.store_chunks(filler, fillers)
         self.finish_request(filler)
         self.step()

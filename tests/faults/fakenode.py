@@ -28,7 +28,9 @@ _TICK_S = 0.1
 
 
 class FakeConnection:
-    def __init__(self, sock: socket.socket, codec: p.FrameCodec, checksummer: Checksummer, stop: threading.Event) -> None:
+    def __init__(
+        self, sock: socket.socket, codec: p.FrameCodec, checksummer: Checksummer, stop: threading.Event
+    ) -> None:
         self.sock = sock
         self.codec = codec
         self.checksummer = checksummer
@@ -54,7 +56,9 @@ class FakeConnection:
             if v is None:
                 items.append(p.GetReplyItem(p.ItemStatus.MISS, 0, 0, bytes(p.CHECKSUM_BYTES)))
             else:
-                items.append(p.GetReplyItem(p.ItemStatus.OK, len(v), self.checksummer.algo, self.checksummer.compute(v)))
+                items.append(
+                    p.GetReplyItem(p.ItemStatus.OK, len(v), self.checksummer.algo, self.checksummer.compute(v))
+                )
         frame = self.codec.encode(p.GetReply(tuple(items)), validate=False)
         return frame + b"".join(v for v in values if v is not None)
 
@@ -64,9 +68,16 @@ class FakeConnection:
 
 
 class FakeNode:
-    def __init__(self, key_hex: str, handler: Callable[[FakeConnection], None], *, node_id: str = "fake",
-                 limits: p.Limits | None = None, hello_delay_s: float = 0.0,
-                 local_socket: str | None = None) -> None:
+    def __init__(
+        self,
+        key_hex: str,
+        handler: Callable[[FakeConnection], None],
+        *,
+        node_id: str = "fake",
+        limits: p.Limits | None = None,
+        hello_delay_s: float = 0.0,
+        local_socket: str | None = None,
+    ) -> None:
         self.key = bytes.fromhex(key_hex)
         self.local_socket = local_socket  # the same-host socket name its HELLO_OK advertises
         self.hello_delay_s = hello_delay_s  # a busy node: its ServerHello leaves this late

@@ -82,8 +82,9 @@ def start_on_port(auth_key_hex: str, port: int, capacity: str = "256MiB", extra_
     namespace host `on` (tests/netns.py; the host stays the caller's to close)."""
     if on is not None:
         return on.start_node(auth_key_hex, capacity=capacity, extra_args=extra_args, port=port)
-    return LocalNode(auth_key_hex, capacity=capacity, port=port, extra_args=[*extra_args, "--admin-port", "0"],
-                     ready_timeout_s=30.0)
+    return LocalNode(
+        auth_key_hex, capacity=capacity, port=port, extra_args=[*extra_args, "--admin-port", "0"], ready_timeout_s=30.0
+    )
 
 
 def restart_empty(node: LocalNode, capacity: str = "256MiB", extra_args=()) -> LocalNode:
@@ -136,4 +137,6 @@ class NodeKiller:
 
 def integrity_failures() -> float:
     """Values this process's clients loaded whose checksum failed (`memkv_client_integrity_failures`), all servers."""
-    return sum(s.value for m in client_metrics.INTEGRITY_FAILURES.collect() for s in m.samples if s.name.endswith("_total"))
+    return sum(
+        s.value for m in client_metrics.INTEGRITY_FAILURES.collect() for s in m.samples if s.name.endswith("_total")
+    )

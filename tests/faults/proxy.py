@@ -210,8 +210,9 @@ class FlipNextPut:
 class FaultProxy:
     """See the module docstring. Use as a context manager or call close()."""
 
-    def __init__(self, upstream: tuple[str, int], plan: Plan | None = None, *, name: str = "proxy",
-                 tls: bool = False) -> None:
+    def __init__(
+        self, upstream: tuple[str, int], plan: Plan | None = None, *, name: str = "proxy", tls: bool = False
+    ) -> None:
         """`tls`: the node is TLS-only; the proxy speaks TLS on both sides (module docstring)."""
         self.upstream = upstream
         self._tls = _tls_contexts() if tls else None
@@ -539,8 +540,16 @@ class RandomFaults:
 
     KINDS = ("flip", "truncate", "reset", "stall", "slow")
 
-    def __init__(self, seed: int, rate: float, io_timeout_s: float, *, weights: dict[str, float] | None = None,
-                 header_rate: float = 0.0, directions: tuple[str, ...] = (C2S, S2C)) -> None:
+    def __init__(
+        self,
+        seed: int,
+        rate: float,
+        io_timeout_s: float,
+        *,
+        weights: dict[str, float] | None = None,
+        header_rate: float = 0.0,
+        directions: tuple[str, ...] = (C2S, S2C),
+    ) -> None:
         self._rng = random.Random(seed)
         self._lock = threading.Lock()
         self.rate = rate

@@ -37,8 +37,9 @@ def client_for(fake, auth_key_hex, io_timeout_s: float = IO_TIMEOUT_S):
     class _Addr:  # build_client takes LocalNode-like objects: host and port
         host, port = fake.host, fake.port
 
-    return build_client([_Addr], auth_key_hex, io_timeout_s=io_timeout_s, connect_timeout_s=CONNECT_TIMEOUT_S,
-                        down_for_s=0.2)
+    return build_client(
+        [_Addr], auth_key_hex, io_timeout_s=io_timeout_s, connect_timeout_s=CONNECT_TIMEOUT_S, down_for_s=0.2
+    )
 
 
 def trickle(conn: FakeConnection, data: bytes, piece: int, every_s: float) -> None:
@@ -77,7 +78,9 @@ def test_trickled_get_reply_is_a_miss_within_io_timeout(auth_key_hex, figures):
             up = client.health()[0]["up"]
         finally:
             client.close()
-    assert took < IO_TIMEOUT_S + SLACK_S, f"a trickled 64 KiB reply held the caller {took:.2f}s (io_timeout_s {IO_TIMEOUT_S})"
+    assert took < IO_TIMEOUT_S + SLACK_S, (
+        f"a trickled 64 KiB reply held the caller {took:.2f}s (io_timeout_s {IO_TIMEOUT_S})"
+    )
     assert loaded == [False]
     assert not up, "a node that cannot deliver in time is marked down"
     figures(trickled_get_reply_returned_after_s=round(took, 3), io_timeout_s=IO_TIMEOUT_S)
@@ -86,7 +89,9 @@ def test_trickled_get_reply_is_a_miss_within_io_timeout(auth_key_hex, figures):
 def test_trickled_exists_reply_answers_false_within_io_timeout(auth_key_hex, figures):
     def handler(conn: FakeConnection) -> None:
         msg, _ = conn.read_request()
-        frame = conn.codec.encode(p.StatusReply(p.Opcode.EXISTS, bytes([p.ItemStatus.OK]) * len(msg.keys)), validate=False)
+        frame = conn.codec.encode(
+            p.StatusReply(p.Opcode.EXISTS, bytes([p.ItemStatus.OK]) * len(msg.keys)), validate=False
+        )
         trickle(conn, frame, piece=1, every_s=0.1)  # 65 bytes: 6.5 s
 
     with FakeNode(auth_key_hex, handler) as fake:
@@ -152,6 +157,7 @@ def test_a_node_still_taking_a_put_when_it_times_out_is_busy_not_marked_down(aut
 def test_a_node_that_stops_taking_a_put_is_marked_down(auth_key_hex, figures):
     """A stalled node (its process stopped, say) takes what its socket buffers hold, then
     nothing: the store fails at io_timeout_s and the node is marked down."""
+
     def handler(conn: FakeConnection) -> None:
         conn.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 16 << 10)
         conn.pause(5.0)
@@ -216,6 +222,7 @@ def test_trickled_server_hello_fails_the_connect_within_the_handshake_timeout(au
 def test_a_node_slow_to_say_hello_within_io_timeout_is_served_not_marked_down(auth_key_hex, figures):
     """A busy node (16 concurrent 16 MiB PUTs on 2 vCPUs took 0.4-0.9 s per handshake, some past
     2 s) answers a new connection after connect_timeout_s: its answers count."""
+
     def handler(conn: FakeConnection) -> None:
         msg, _ = conn.read_request()
         conn.reply(p.StatusReply(p.Opcode.EXISTS, bytes([p.ItemStatus.OK]) * len(msg.keys)))

@@ -85,11 +85,13 @@ def test_loads_under_fault_injection_are_byte_exact_or_a_miss(start_node, auth_k
 
     tls = node.client_tls  # set by start_node: None for a plain node
     with FaultProxy((node.host, port), plan, name="integrity", tls=tls is not None) as proxy:
+
         class _Addr:
             host, port = proxy.host, proxy.port
 
-        client = build_client([_Addr], auth_key_hex, io_timeout_s=IO_TIMEOUT_S, connect_timeout_s=IO_TIMEOUT_S,
-                              down_for_s=0.05, tls=tls)
+        client = build_client(
+            [_Addr], auth_key_hex, io_timeout_s=IO_TIMEOUT_S, connect_timeout_s=IO_TIMEOUT_S, down_for_s=0.05, tls=tls
+        )
         started = time.monotonic()
         try:
             while loads < max_loads and time.monotonic() - started < budget_s:
@@ -131,7 +133,9 @@ def test_loads_under_fault_injection_are_byte_exact_or_a_miss(start_node, auth_k
             client.close()
         counts = proxy.counts()
         caught = integrity_failures() - integrity_before
-        flips_in_values = sum(1 for a in proxy.applied if a.fault.kind == "flip" and a.fault.at >= a.frame.payload_start)
+        flips_in_values = sum(
+            1 for a in proxy.applied if a.fault.kind == "flip" and a.fault.at >= a.frame.payload_start
+        )
 
     took = time.monotonic() - started
     assert mismatches == 0, f"{mismatches} loads reported success with bytes that were never written"
@@ -140,7 +144,17 @@ def test_loads_under_fault_injection_are_byte_exact_or_a_miss(start_node, auth_k
     assert sum(counts.values()) > 0
     if flips_in_values:
         assert caught > 0, "value bytes were flipped but no checksum failure was counted"
-    figures(client_loads=loads, client_loads_checked_byte_exact=checked, client_misses=misses, client_mismatches=mismatches,
-            faults=counts, node_kills=killer.kills, node_restarts=restarts, integrity_failures_caught=int(caught),
-            value_flips=flips_in_values, worst_call_s=round(worst_call_s, 3), seconds=round(took, 1),
-            directions=[C2S, S2C])
+    figures(
+        client_loads=loads,
+        client_loads_checked_byte_exact=checked,
+        client_misses=misses,
+        client_mismatches=mismatches,
+        faults=counts,
+        node_kills=killer.kills,
+        node_restarts=restarts,
+        integrity_failures_caught=int(caught),
+        value_flips=flips_in_values,
+        worst_call_s=round(worst_call_s, 3),
+        seconds=round(took, 1),
+        directions=[C2S, S2C],
+    )

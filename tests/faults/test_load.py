@@ -159,7 +159,7 @@ def test_overcommitted_node_under_32_clients_keeps_capacity_lanes_bytes_and_time
                         if not good:
                             stats["bad"] += 1
                             problems.append(f"{key}: a hit with bytes no writer stored")
-            except Exception as exc:  # noqa: BLE001 -- reported below: the run must have none
+            except Exception as exc:  # reported below: the run must have none
                 with stats_lock:
                     stats["errors"] += 1
                     problems.append(f"{key}: {type(exc).__name__}: {exc}")
@@ -194,14 +194,16 @@ def test_overcommitted_node_under_32_clients_keeps_capacity_lanes_bytes_and_time
     peak_rss = max(sampler.peak, rss_bytes(node.pid))
     assert allocated_peak[0] <= CAPACITY
     assert peak_rss <= baseline_rss + CAPACITY + RSS_OVERHEAD, (
-        f"RSS peaked at {peak_rss // MiB} MiB: baseline {baseline_rss // MiB} MiB + capacity {CAPACITY // MiB} MiB")
+        f"RSS peaked at {peak_rss // MiB} MiB: baseline {baseline_rss // MiB} MiB + capacity {CAPACITY // MiB} MiB"
+    )
     connect_s = clients[0].config.connect_timeout_s
     opening_s = connect_s + handshake_timeout_s(connect_s, IO_TIMEOUT_S) + (LOCAL_HANDSHAKE_S if local else 0.0)
     op_bound_s = opening_s + exchanges * 2 * IO_TIMEOUT_S
     for op, took_s in worst.items():
         assert took_s < op_bound_s, (
             f"a {op} waited {took_s:.2f}s: the client's bound for one on this path is {op_bound_s:.0f}s "
-            f"(same-host socket {local}, {exchanges} exchange(s), io_timeout_s {IO_TIMEOUT_S})")
+            f"(same-host socket {local}, {exchanges} exchange(s), io_timeout_s {IO_TIMEOUT_S})"
+        )
     lanes = {lane["name"]: lane for lane in final["lanes"]}
     assert final["evictions"] > 0
     for name, lane in lanes.items():
@@ -231,17 +233,48 @@ def test_overcommitted_node_under_32_clients_keeps_capacity_lanes_bytes_and_time
         assert -(room + others) <= over <= room + max(SIZES), (
             f"after settling, lane {name} holds {lane['used_bytes'] // MiB} MiB for a {lane['share_bytes'] // MiB} MiB "
             f"share ({room // MiB} MiB free): "
-            + ", ".join(f"{n} {v['used_bytes'] // MiB}/{v['share_bytes'] // MiB}" for n, v in settled.items()))
-    figures(clients=CLIENTS, seconds=round(took, 1), capacity_mib=CAPACITY // MiB, baseline_rss_mib=baseline_rss // MiB,
-            peak_rss_mib=peak_rss // MiB, peak_allocated_mib=allocated_peak[0] // MiB, rss_samples=sampler.samples,
-            puts=stats["puts"], puts_stored=stats["puts_ok"], gets=stats["gets"], hits_checked_byte_exact=stats["hits"],
-            bad_hits=stats["bad"], gib_moved=round(stats["bytes"] / (1 << 30), 1),
-            worst_put_s=round(worst["put"], 3), worst_get_s=round(worst["get"], 3), client_io_timeout_s=IO_TIMEOUT_S,
-            client_operation_bound_s=op_bound_s, same_host_socket=local, exchanges_per_operation=exchanges,
-            status_samples=len(lane_samples), under_load_worst_lane_deviation_mib=max(
-                (abs(lane["used_bytes"] - lane["share_bytes"]) // MiB for st in lane_samples
-                 if st["allocated_bytes"] >= 0.9 * CAPACITY for lane in st["lanes"]), default=None),
-            settled_lanes={n: {"share_mib": v["share_bytes"] // MiB, "used_mib": v["used_bytes"] // MiB} for n, v in settled.items()},
-            settled_room_mib=room // MiB,
-            lanes={n: {"share_mib": lane["share_bytes"] // MiB, "used_mib": lane["used_bytes"] // MiB,
-                       "evictions": lane["evictions"]} for n, lane in lanes.items()})
+            + ", ".join(f"{n} {v['used_bytes'] // MiB}/{v['share_bytes'] // MiB}" for n, v in settled.items())
+        )
+    figures(
+        clients=CLIENTS,
+        seconds=round(took, 1),
+        capacity_mib=CAPACITY // MiB,
+        baseline_rss_mib=baseline_rss // MiB,
+        peak_rss_mib=peak_rss // MiB,
+        peak_allocated_mib=allocated_peak[0] // MiB,
+        rss_samples=sampler.samples,
+        puts=stats["puts"],
+        puts_stored=stats["puts_ok"],
+        gets=stats["gets"],
+        hits_checked_byte_exact=stats["hits"],
+        bad_hits=stats["bad"],
+        gib_moved=round(stats["bytes"] / (1 << 30), 1),
+        worst_put_s=round(worst["put"], 3),
+        worst_get_s=round(worst["get"], 3),
+        client_io_timeout_s=IO_TIMEOUT_S,
+        client_operation_bound_s=op_bound_s,
+        same_host_socket=local,
+        exchanges_per_operation=exchanges,
+        status_samples=len(lane_samples),
+        under_load_worst_lane_deviation_mib=max(
+            (
+                abs(lane["used_bytes"] - lane["share_bytes"]) // MiB
+                for st in lane_samples
+                if st["allocated_bytes"] >= 0.9 * CAPACITY
+                for lane in st["lanes"]
+            ),
+            default=None,
+        ),
+        settled_lanes={
+            n: {"share_mib": v["share_bytes"] // MiB, "used_mib": v["used_bytes"] // MiB} for n, v in settled.items()
+        },
+        settled_room_mib=room // MiB,
+        lanes={
+            n: {
+                "share_mib": lane["share_bytes"] // MiB,
+                "used_mib": lane["used_bytes"] // MiB,
+                "evictions": lane["evictions"],
+            }
+            for n, lane in lanes.items()
+        },
+    )

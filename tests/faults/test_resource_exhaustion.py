@@ -80,25 +80,37 @@ def serves(node, make_client, tag: str) -> bool:
     return client.get(f"flood/{tag}") == value
 
 
-def test_node_under_a_low_fd_limit_caps_max_connections_warns_and_survives_a_flood(start_node, make_client, wait_until,
-                                                                                  figures):
+def test_node_under_a_low_fd_limit_caps_max_connections_warns_and_survives_a_flood(
+    start_node, make_client, wait_until, figures
+):
     node = start_node(capacity="64MiB", extra_args=["--max-value-size", "16MiB"], preexec_fn=low_nofile)
     capped = LOW_NOFILE - PROCESS_FDS - ADMIN_FDS
     log = "".join(node.output)
-    assert (f"RLIMIT_NOFILE is {LOW_NOFILE} (hard {LOW_NOFILE}): --max-connections 1024 capped to {capped}" in log), log
+    assert f"RLIMIT_NOFILE is {LOW_NOFILE} (hard {LOW_NOFILE}): --max-connections 1024 capped to {capped}" in log, log
     assert status_of(node)["max_connections"] == capped
     before = metric_value(metrics_of(node), "memkv_node_connections_refused_total", reason="max_connections")
-    with idle_connections(node.host, node.admin_port, FLOOD // 2), idle_connections(node.host, node.port, FLOOD) as data:
+    with (
+        idle_connections(node.host, node.admin_port, FLOOD // 2),
+        idle_connections(node.host, node.port, FLOOD) as data,
+    ):
         assert len(data) > capped
-        wait_until(lambda: metric_value(metrics_of(node), "memkv_node_connections_refused_total", reason="max_connections")
-                   >= before + len(data) - capped, 10.0, what="the connections over the cap to be refused and counted")
+        wait_until(
+            lambda: (
+                metric_value(metrics_of(node), "memkv_node_connections_refused_total", reason="max_connections")
+                >= before + len(data) - capped
+            ),
+            10.0,
+            what="the connections over the cap to be refused and counted",
+        )
         assert node.proc.poll() is None
         peak_fds = open_fds(node.pid)
     assert peak_fds <= LOW_NOFILE
     wait_until(lambda: status_of(node)["connections"] == 0, 10.0, what="the flood's connections to close")
     assert serves(node, make_client, "low-limit")
     assert admin_get(node, "/v1/health")[0] == 200
-    figures(nofile=LOW_NOFILE, max_connections_capped_to=capped, flood_connections=FLOOD + FLOOD // 2, peak_fds=peak_fds)
+    figures(
+        nofile=LOW_NOFILE, max_connections_capped_to=capped, flood_connections=FLOOD + FLOOD // 2, peak_fds=peak_fds
+    )
 
 
 def test_accept_out_of_descriptors_sheds_counts_and_keeps_serving(start_node, make_client, wait_until, figures):
@@ -140,12 +152,24 @@ def test_admin_flood_is_capped_while_health_and_the_data_port_answer(start_node,
         assert held <= ADMIN_MAX_CONNECTIONS
         assert shed >= opened - 2 * ADMIN_MAX_CONNECTIONS
         # one thread per admin connection, including those shed and closing; a few per data connection
-        assert threads <= baseline_threads + 2 * ADMIN_MAX_CONNECTIONS + 8, f"{threads} threads for {opened} idle admin connections"
+        assert threads <= baseline_threads + 2 * ADMIN_MAX_CONNECTIONS + 8, (
+            f"{threads} threads for {opened} idle admin connections"
+        )
         # The idle connections left are closed at the per-connection deadline, the flood still open.
-        wait_until(lambda: metric_value(metrics_of(node), "memkv_node_admin_connections") <= 1, ADMIN_TIMEOUT_S + 5.0,
-                   interval_s=0.25, what="the idle admin connections to be closed at their deadline")
+        wait_until(
+            lambda: metric_value(metrics_of(node), "memkv_node_admin_connections") <= 1,
+            ADMIN_TIMEOUT_S + 5.0,
+            interval_s=0.25,
+            what="the idle admin connections to be closed at their deadline",
+        )
         timed_out = metric_value(metrics_of(node), "memkv_node_admin_connections_refused_total", reason="timeout")
         assert timed_out >= 1
     assert admin_get(node, "/v1/health")[0] == 200
-    figures(admin_flood=opened, admin_held=held, admin_shed=shed, admin_timed_out=timed_out, node_threads=threads,
-            baseline_threads=baseline_threads)
+    figures(
+        admin_flood=opened,
+        admin_held=held,
+        admin_shed=shed,
+        admin_timed_out=timed_out,
+        node_threads=threads,
+        baseline_threads=baseline_threads,
+    )

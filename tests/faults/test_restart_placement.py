@@ -128,5 +128,9 @@ def test_clients_with_different_server_lists_keep_placement_consistent(start_nod
     for node in nodes:
         allowed = {k for k in keys if any(c.owner(k).name == node.address for c in lists)}
         assert held[node.address] <= allowed, f"{node.address} holds keys no list places there"
-    figures(placement_keys=len(keys), moved_when_node_added=len(moved_to_n3), moved_when_node_removed=len(moved_off_n1),
-            wrong_node_answers=0)
+    figures(
+        placement_keys=len(keys),
+        moved_when_node_added=len(moved_to_n3),
+        moved_when_node_removed=len(moved_off_n1),
+        wrong_node_answers=0,
+    )

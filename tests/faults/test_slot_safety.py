@@ -54,11 +54,13 @@ def test_load_abandoned_by_timeout_never_writes_into_the_buffer_afterwards(auth_
             return
 
     with FakeNode(auth_key_hex, handler) as fake:
+
         class _Addr:
             host, port = fake.host, fake.port
 
-        client = build_client([_Addr], auth_key_hex, io_timeout_s=IO_TIMEOUT_S, connect_timeout_s=IO_TIMEOUT_S,
-                              down_for_s=0.05)
+        client = build_client(
+            [_Addr], auth_key_hex, io_timeout_s=IO_TIMEOUT_S, connect_timeout_s=IO_TIMEOUT_S, down_for_s=0.05
+        )
         try:
             buf = bytearray(b"\xee" * len(late))
             started = time.monotonic()
@@ -80,5 +82,8 @@ def test_load_abandoned_by_timeout_never_writes_into_the_buffer_afterwards(auth_
         finally:
             client.close()
     assert not fake.errors, fake.errors
-    figures(abandoned_load_reported_after_s=round(reported_at - started, 3), late_bytes=outcome["late_send"],
-            buffer_untouched_after_report=True)
+    figures(
+        abandoned_load_reported_after_s=round(reported_at - started, 3),
+        late_bytes=outcome["late_send"],
+        buffer_untouched_after_report=True,
+    )

@@ -17,10 +17,10 @@ import pytest
 
 pytest.importorskip("vllm.v1.kv_offload.tiering.factory", reason="tier fault tests need vLLM (run them in a nox venv)")
 
-from tests.conformance import vllm_harness as h  # noqa: E402
-from tests.faults import tier_sim as ts  # noqa: E402
-from tests.faults.figures import scaled_s  # noqa: E402
-from tests.netns import NetnsHost  # noqa: E402
+from tests.conformance import vllm_harness as h
+from tests.faults import tier_sim as ts
+from tests.faults.figures import scaled_s
+from tests.netns import NetnsHost
 
 pytestmark = [pytest.mark.faults, pytest.mark.conformance]  # conformance: runs in each nox vLLM session
 
@@ -46,7 +46,9 @@ def blackhole():
         net.close()
 
 
-def test_black_holed_node_starves_only_the_unguarded_tier(monkeypatch, blackhole, start_node, auth_key_hex, tmp_path, figures):
+def test_black_holed_node_starves_only_the_unguarded_tier(
+    monkeypatch, blackhole, start_node, auth_key_hex, tmp_path, figures
+):
     far = blackhole.start_node(auth_key_hex)
     try:
         near = start_node(capacity="64MiB")
@@ -74,14 +76,21 @@ def test_black_holed_node_starves_only_the_unguarded_tier(monkeypatch, blackhole
             guarded = ts.Scheduler(engine, payloads, STEP_S)
             blackhole.cut()
             try:
-                wave = sum(ts.submit_wave(guarded, a_keys, b_keys, N_REQUESTS, CHUNKS), [])
+                wave = [s for part in ts.submit_wave(guarded, a_keys, b_keys, N_REQUESTS, CHUNKS) for s in part]
                 guarded.run(DEADLINE_S + 10)
-                worst = ts.assert_resolved_within(guarded, wave, DEADLINE_S + guarded.worst_step_gap() + SLACK_S, "black hole")
+                worst = ts.assert_resolved_within(
+                    guarded, wave, DEADLINE_S + guarded.worst_step_gap() + SLACK_S, "black hole"
+                )
             finally:
                 blackhole.heal()
     finally:
         far.stop()
-    figures(blackhole_unguarded_deferred=deferred, blackhole_unguarded_requests=len(on_far),
-            blackhole_unguarded_completions=0, blackhole_unguarded_healthy_completed=near_done,
-            blackhole_unguarded_window_s=round(window, 2), blackhole_worst_resolution_s=round(worst, 3),
-            lookup_timeout_s=DEADLINE_S)
+    figures(
+        blackhole_unguarded_deferred=deferred,
+        blackhole_unguarded_requests=len(on_far),
+        blackhole_unguarded_completions=0,
+        blackhole_unguarded_healthy_completed=near_done,
+        blackhole_unguarded_window_s=round(window, 2),
+        blackhole_worst_resolution_s=round(worst, 3),
+        lookup_timeout_s=DEADLINE_S,
+    )

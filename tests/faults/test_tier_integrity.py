@@ -38,7 +38,9 @@ GEOMETRY = h.Geometry(worker_kv_bytes_per_block=64 << 10, num_rows=32)  # 128 Ki
 LookupResult = h.LookupResult
 
 
-def test_promotions_under_fault_injection_are_byte_exact_or_a_miss(monkeypatch, start_node, auth_key_hex, tmp_path, figures):
+def test_promotions_under_fault_injection_are_byte_exact_or_a_miss(
+    monkeypatch, start_node, auth_key_hex, tmp_path, figures
+):
     rounds = scaled(40)
     budget_s = scaled_s(20.0)
     node = start_node(capacity="256MiB", extra_args=["--admin-port", "0", NO_LOCAL_SOCKET])
@@ -99,13 +101,24 @@ def test_promotions_under_fault_injection_are_byte_exact_or_a_miss(monkeypatch, 
     caught = integrity_failures() - integrity_before
     assert not mismatches, f"{len(mismatches)} promotions succeeded with wrong bytes: {mismatches[:3]}"
     assert checked > 0 and sum(counts.values()) > 0
-    figures(tier_promotions=promotions, tier_promotions_checked_byte_exact=checked, tier_misses=misses,
-            tier_mismatches=len(mismatches), faults=counts, node_kills=killer.kills, node_restarts=restarts,
-            stored_value_flips=len(stored_flips), integrity_failures_caught=int(caught), seconds=round(took, 1))
+    figures(
+        tier_promotions=promotions,
+        tier_promotions_checked_byte_exact=checked,
+        tier_misses=misses,
+        tier_mismatches=len(mismatches),
+        faults=counts,
+        node_kills=killer.kills,
+        node_restarts=restarts,
+        stored_value_flips=len(stored_flips),
+        integrity_failures_caught=int(caught),
+        seconds=round(took, 1),
+    )
 
 
 @pytest.mark.over_tls_too  # [tls]: a TLS-only node, the proxy re-encrypting the flipped byte
-def test_flipped_byte_in_a_stored_value_is_a_miss_and_is_purged(monkeypatch, start_node, auth_key_hex, tmp_path, figures):
+def test_flipped_byte_in_a_stored_value_is_a_miss_and_is_purged(
+    monkeypatch, start_node, auth_key_hex, tmp_path, figures
+):
     node = start_node(capacity="64MiB", extra_args=[NO_LOCAL_SOCKET])
     plan = FlipNextPut(offset=1000)  # a byte of the frame's first value
 

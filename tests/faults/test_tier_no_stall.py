@@ -33,11 +33,11 @@ import pytest
 
 pytest.importorskip("vllm.v1.kv_offload.tiering.factory", reason="tier fault tests need vLLM (run them in a nox venv)")
 
-from tests.conformance import vllm_harness as h  # noqa: E402
-from tests.faults import tier_sim as ts  # noqa: E402
-from tests.faults.figures import scaled_s  # noqa: E402
-from tests.faults.nodeops import NO_LOCAL_SOCKET, all_threads_stopped, restart_empty  # noqa: E402
-from tests.faults.proxy import S2C, Fault, FaultProxy  # noqa: E402
+from tests.conformance import vllm_harness as h
+from tests.faults import tier_sim as ts
+from tests.faults.figures import scaled_s
+from tests.faults.nodeops import NO_LOCAL_SOCKET, all_threads_stopped, restart_empty
+from tests.faults.proxy import S2C, Fault, FaultProxy
 
 pytestmark = [pytest.mark.faults, pytest.mark.conformance]  # conformance: runs in each nox vLLM session
 
@@ -73,7 +73,8 @@ def stop(node, wait_until) -> None:
 
 
 def test_unguarded_tier_defers_every_request_on_a_stopped_node_with_zero_completions(
-        monkeypatch, nodes, auth_key_hex, tmp_path, wait_until, figures):
+    monkeypatch, nodes, auth_key_hex, tmp_path, wait_until, figures
+):
     a_keys, b_keys, payloads = corpus(monkeypatch, nodes, auth_key_hex)
     # The unguarded path: no tier deadline, and a transport timeout longer than the window.
     config = ts.client_config(tmp_path, io_timeout_s=UNGUARDED_WINDOW_S + 60)
@@ -92,15 +93,23 @@ def test_unguarded_tier_defers_every_request_on_a_stopped_node_with_zero_complet
     assert deferred == len(on_a) and not completed, f"{completed} requests on the stopped node completed"
     assert answers == {LookupResult.RETRY}, answers
     # The stopped node holds only its own requests: the live node's hit, byte-exact.
-    assert all(s in sched.done and s.hits == CHUNKS and s.bytes_ok for s in on_b), \
-        [(s.resolved_at, s.hits, s.bytes_ok) for s in on_b][:4]
-    figures(unguarded_deferred=deferred, unguarded_requests=len(on_a), unguarded_completions=completed,
-            unguarded_healthy_completed=sum(s in sched.done for s in on_b), unguarded_healthy_requests=len(on_b),
-            unguarded_window_s=round(took, 2), unguarded_steps=sched.steps)
+    assert all(s in sched.done and s.hits == CHUNKS and s.bytes_ok for s in on_b), [
+        (s.resolved_at, s.hits, s.bytes_ok) for s in on_b
+    ][:4]
+    figures(
+        unguarded_deferred=deferred,
+        unguarded_requests=len(on_a),
+        unguarded_completions=completed,
+        unguarded_healthy_completed=sum(s in sched.done for s in on_b),
+        unguarded_healthy_requests=len(on_b),
+        unguarded_window_s=round(took, 2),
+        unguarded_steps=sched.steps,
+    )
 
 
 def test_deadline_resolves_every_lookup_within_timeout_plus_one_step_while_a_node_is_stopped(
-        monkeypatch, nodes, auth_key_hex, tmp_path, wait_until, figures):
+    monkeypatch, nodes, auth_key_hex, tmp_path, wait_until, figures
+):
     a_keys, b_keys, payloads = corpus(monkeypatch, nodes, auth_key_hex)
     config = ts.client_config(tmp_path, io_timeout_s=60.0)  # the transport alone would wait a minute
     ts.point_tier_at(monkeypatch, [n.address for n in nodes], auth_key_hex, config)
@@ -124,16 +133,20 @@ def test_deadline_resolves_every_lookup_within_timeout_plus_one_step_while_a_nod
         live = first_b + second_b
         assert all(s.hits == CHUNKS and s.bytes_ok for s in live), [(s.hits, s.bytes_ok) for s in live][:4]
         # Once the node continues, the same chunks promote again, byte-exact.
-        third = sum(submit_wave(sched, a_keys, b_keys), [])
+        third = [s for part in submit_wave(sched, a_keys, b_keys) for s in part]
         sched.run(30)
         assert_wave_resolved_within(sched, third, 30, "after SIGCONT")
         hits = sum(s.hits for s in third)
     assert hits == N_REQUESTS * CHUNKS, f"only {hits} chunks hit after the node continued"
     assert all(s.bytes_ok for s in third)
-    figures(stopped_worst_resolution_s=round(max(worst1, worst2), 3), lookup_timeout_s=DEADLINE_S,
-            stopped_completed=len(first) + len(second), stopped_recovered_hits=hits,
-            stall_healthy_node_hits=sum(s.hits for s in first_b + second_b),
-            worst_step_gap_s=round(sched.worst_step_gap(), 3))
+    figures(
+        stopped_worst_resolution_s=round(max(worst1, worst2), 3),
+        lookup_timeout_s=DEADLINE_S,
+        stopped_completed=len(first) + len(second),
+        stopped_recovered_hits=hits,
+        stall_healthy_node_hits=sum(s.hits for s in first_b + second_b),
+        worst_step_gap_s=round(sched.worst_step_gap(), 3),
+    )
 
 
 THREE_NODE_DEADLINE_S = 3.0  # long enough that "the healthy nodes' requests resolved first" shows on a busy box
@@ -141,7 +154,8 @@ THREE_NODE_REQUESTS = 16  # per group: on the stopped node; healthy wave 1; heal
 
 
 def test_stopped_node_holds_only_its_own_requests_and_healthy_nodes_hit_at_once(
-        monkeypatch, start_node, auth_key_hex, tmp_path, wait_until, figures):
+    monkeypatch, start_node, auth_key_hex, tmp_path, wait_until, figures
+):
     n = THREE_NODE_REQUESTS
     nodes = start_node.many(3, capacity="64MiB")
     (on_stopped, k1, k2), payloads = ts.corpus_by_node(monkeypatch, nodes, auth_key_hex, n * CHUNKS, GEOMETRY)
@@ -168,7 +182,8 @@ def test_stopped_node_holds_only_its_own_requests_and_healthy_nodes_hit_at_once(
         assert all(s.hits == CHUNKS and s.bytes_ok for s in healthy), [(s.hits, s.bytes_ok) for s in healthy][:4]
         last_healthy = max(s.resolved_at for s in healthy)
         worst_stopped = assert_wave_resolved_within(
-            sched, stopped, THREE_NODE_DEADLINE_S + sched.worst_step_gap() + SLACK_S, "requests on the stopped node")
+            sched, stopped, THREE_NODE_DEADLINE_S + sched.worst_step_gap() + SLACK_S, "requests on the stopped node"
+        )
         assert last_healthy < min(s.resolved_at for s in stopped), "a healthy request waited for the stopped node"
         assert all(s.hits == 0 for s in stopped) and worst_stopped >= THREE_NODE_DEADLINE_S - STEP_S
         assert timeouts >= n
@@ -178,14 +193,19 @@ def test_stopped_node_holds_only_its_own_requests_and_healthy_nodes_hit_at_once(
         assert_wave_resolved_within(sched, after, 30, "after SIGCONT")
         recovered = sum(s.hits for s in after)
     assert recovered == n * CHUNKS and all(s.bytes_ok for s in after), f"only {recovered} chunks hit after SIGCONT"
-    figures(three_node_healthy_hits=sum(s.hits for s in healthy), three_node_healthy_requests=len(healthy),
-            three_node_healthy_worst_resolution_s=round(max(s.resolution_s for s in healthy), 3),
-            three_node_stopped_worst_resolution_s=round(worst_stopped, 3), three_node_lookup_timeout_s=THREE_NODE_DEADLINE_S,
-            three_node_recovered_hits=recovered)
+    figures(
+        three_node_healthy_hits=sum(s.hits for s in healthy),
+        three_node_healthy_requests=len(healthy),
+        three_node_healthy_worst_resolution_s=round(max(s.resolution_s for s in healthy), 3),
+        three_node_stopped_worst_resolution_s=round(worst_stopped, 3),
+        three_node_lookup_timeout_s=THREE_NODE_DEADLINE_S,
+        three_node_recovered_hits=recovered,
+    )
 
 
 def test_killed_node_costs_only_its_chunks_and_every_request_resolves_in_time(
-        monkeypatch, nodes, auth_key_hex, tmp_path, figures):
+    monkeypatch, nodes, auth_key_hex, tmp_path, figures
+):
     a_keys, b_keys, payloads = corpus(monkeypatch, nodes, auth_key_hex)
     config = ts.client_config(tmp_path, io_timeout_s=2.0)
     ts.point_tier_at(monkeypatch, [n.address for n in nodes], auth_key_hex, config)
@@ -201,7 +221,8 @@ def test_killed_node_costs_only_its_chunks_and_every_request_resolves_in_time(
 
 
 def test_node_restarted_empty_loses_only_cache_and_every_request_resolves_in_time(
-        monkeypatch, nodes, start_node, auth_key_hex, tmp_path, wait_until, figures):
+    monkeypatch, nodes, start_node, auth_key_hex, tmp_path, wait_until, figures
+):
     a_keys, b_keys, payloads = corpus(monkeypatch, nodes, auth_key_hex)
     config = ts.client_config(tmp_path, io_timeout_s=2.0, down_for_s=0.3)
     ts.point_tier_at(monkeypatch, [n.address for n in nodes], auth_key_hex, config)
@@ -211,7 +232,9 @@ def test_node_restarted_empty_loses_only_cache_and_every_request_resolves_in_tim
         start_node.nodes.append(fresh)
         on_a, on_b = submit_wave(sched, a_keys, b_keys)
         sched.run(DEADLINE_S + 10)
-        worst = assert_wave_resolved_within(sched, on_a + on_b, DEADLINE_S + sched.worst_step_gap() + SLACK_S, "restarted")
+        worst = assert_wave_resolved_within(
+            sched, on_a + on_b, DEADLINE_S + sched.worst_step_gap() + SLACK_S, "restarted"
+        )
         assert all(s.hits == 0 for s in on_a), "an empty node cannot hit"
         assert all(s.hits == CHUNKS and s.bytes_ok for s in on_b)
         # The lost chunks are stored again (as recomputed blocks would be) and promote again.
@@ -220,7 +243,9 @@ def test_node_restarted_empty_loses_only_cache_and_every_request_resolves_in_tim
         assert again == {k: payloads[k] for k in a_keys}
         # The tier's client marked the restarted node down when its old sockets failed; the
         # mark lasts down_for_s (a miss meanwhile, never an error).
-        wait_until(lambda: all(n["up"] for n in ts.tier_of(engine).client.health()), 5.0, what="the down mark to expire")
+        wait_until(
+            lambda: all(n["up"] for n in ts.tier_of(engine).client.health()), 5.0, what="the down mark to expire"
+        )
         refill = [sched.submit(a_keys[i * CHUNKS : (i + 1) * CHUNKS]) for i in range(N_REQUESTS // 2)]
         sched.run(30)
         assert_wave_resolved_within(sched, refill, 30, "after re-store")
@@ -229,7 +254,8 @@ def test_node_restarted_empty_loses_only_cache_and_every_request_resolves_in_tim
 
 
 def test_partition_mid_promotion_resolves_within_io_timeout_and_lookups_within_deadline(
-        monkeypatch, start_node, auth_key_hex, tmp_path, wait_until, figures):
+    monkeypatch, start_node, auth_key_hex, tmp_path, wait_until, figures
+):
     io_timeout_s = 2.0
     nodes = start_node.many(2, capacity="64MiB", extra_args=[NO_LOCAL_SOCKET])
     proxies = [FaultProxy((n.host, n.port), name=f"p{i}") for i, n in enumerate(nodes)]
@@ -258,17 +284,24 @@ def test_partition_mid_promotion_resolves_within_io_timeout_and_lookups_within_d
             worst_b = assert_wave_resolved_within(sched, on_b, bound, "requests on the live node")
             # New lookups during the partition, once the client tries the cut node again (its down
             # mark expired): the probe hangs on the black hole, the deadline answers MISS.
-            wait_until(lambda: all(n["up"] for n in ts.tier_of(engine).client.health()), 5.0, what="the down mark to expire")
+            wait_until(
+                lambda: all(n["up"] for n in ts.tier_of(engine).client.health()), 5.0, what="the down mark to expire"
+            )
             during = [sched.submit(a_keys[i * CHUNKS : (i + 1) * CHUNKS]) for i in range(8)]
             sched.run(DEADLINE_S + 10)
-            worst_probe = assert_wave_resolved_within(sched, during, DEADLINE_S + sched.worst_step_gap() + SLACK_S,
-                                                      "lookups during the partition")
+            worst_probe = assert_wave_resolved_within(
+                sched, during, DEADLINE_S + sched.worst_step_gap() + SLACK_S, "lookups during the partition"
+            )
             cut.heal()
     finally:
         for px in proxies:
             px.close()
     assert all(s.bytes_ok is not False for s in on_a + on_b)
     assert sum(s.hits for s in on_b) > 0, "the live node's chunks should still promote"
-    figures(partition_worst_promotion_resolution_s=round(worst_a, 3), partition_live_node_worst_s=round(worst_b, 3),
-            partition_worst_lookup_resolution_s=round(worst_probe, 3), client_io_timeout_s=io_timeout_s,
-            lookup_timeout_s=DEADLINE_S)
+    figures(
+        partition_worst_promotion_resolution_s=round(worst_a, 3),
+        partition_live_node_worst_s=round(worst_b, 3),
+        partition_worst_lookup_resolution_s=round(worst_probe, 3),
+        client_io_timeout_s=io_timeout_s,
+        lookup_timeout_s=DEADLINE_S,
+    )

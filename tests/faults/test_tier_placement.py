@@ -14,8 +14,8 @@ import pytest
 
 pytest.importorskip("vllm.v1.kv_offload.tiering.factory", reason="tier fault tests need vLLM (run them in a nox venv)")
 
-from tests.conformance import vllm_harness as h  # noqa: E402
-from tests.faults import tier_sim as ts  # noqa: E402
+from tests.conformance import vllm_harness as h
+from tests.faults import tier_sim as ts
 
 pytestmark = [pytest.mark.faults, pytest.mark.conformance]  # conformance: runs in each nox vLLM session
 

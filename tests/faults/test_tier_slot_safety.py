@@ -18,12 +18,12 @@ import pytest
 
 pytest.importorskip("vllm.v1.kv_offload.tiering.factory", reason="tier fault tests need vLLM (run them in a nox venv)")
 
-from memkv_vllm import compat  # noqa: E402
-from tests.conformance import vllm_harness as h  # noqa: E402
-from tests.conftest import poll_until  # noqa: E402
-from tests.faults import tier_sim as ts  # noqa: E402
-from tests.faults.nodeops import NO_LOCAL_SOCKET  # noqa: E402
-from tests.faults.proxy import S2C, Fault, FaultProxy  # noqa: E402
+from memkv_vllm import compat
+from tests.conformance import vllm_harness as h
+from tests.conftest import poll_until
+from tests.faults import tier_sim as ts
+from tests.faults.nodeops import NO_LOCAL_SOCKET
+from tests.faults.proxy import S2C, Fault, FaultProxy
 
 pytestmark = [pytest.mark.faults, pytest.mark.conformance]  # conformance: runs in each nox vLLM session
 
@@ -33,14 +33,17 @@ HOLD_S = IO_TIMEOUT_S * 4
 
 @pytest.mark.over_tls_too  # [tls]: the stall lands inside a TLS stream (a TLS-only node, a TLS proxy)
 def test_abandoned_promotion_never_writes_into_its_rows_after_the_job_was_reported(
-        monkeypatch, start_node, auth_key_hex, tmp_path, figures):
+    monkeypatch, start_node, auth_key_hex, tmp_path, figures
+):
     node = start_node(capacity="64MiB", extra_args=[NO_LOCAL_SOCKET])
     stall_armed = [False]
 
     def plan(frame):
         if stall_armed[0] and frame.direction == S2C and frame.payload_len:
             stall_armed[0] = False
-            return Fault.stall(frame.payload_start + frame.payload_len // 4, hold_s=HOLD_S, release=True)  # inside the first value
+            return Fault.stall(
+                frame.payload_start + frame.payload_len // 4, hold_s=HOLD_S, release=True
+            )  # inside the first value
         return None
 
     geometry = h.Geometry(worker_kv_bytes_per_block=128 << 10, num_rows=16)  # 256 KiB rows
@@ -95,5 +98,8 @@ def test_abandoned_promotion_never_writes_into_its_rows_after_the_job_was_report
             second = sched.submit(keys)
             sched.run(20)
     assert second.hits == 2 and second.bytes_ok and not sched.mismatches
-    figures(abandoned_promotion_reported_after_s=round(reported_at - applied.started, 3),
-            late_bytes_released_after_report_s=round(late_at - reported_at, 3), rows_untouched_after_report=True)
+    figures(
+        abandoned_promotion_reported_after_s=round(reported_at - applied.started, 3),
+        late_bytes_released_after_report_s=round(late_at - reported_at, 3),
+        rows_untouched_after_report=True,
+    )

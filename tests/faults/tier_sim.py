@@ -111,7 +111,9 @@ class Scheduler:
             for key, row in zip(sim.keys, rows):
                 if self.engine.read_row(row) != self.expected[key]:
                     ok = False
-                    self.mismatches.append(f"{sim.req.req_id}: row {row} differs from what was stored for {key.hex()[:16]}")
+                    self.mismatches.append(
+                        f"{sim.req.req_id}: row {row} differs from what was stored for {key.hex()[:16]}"
+                    )
             sim.bytes_ok = ok
             with self.engine.lock:
                 if rows:
@@ -120,8 +122,13 @@ class Scheduler:
             self.done.append(sim)
         return [sim for sim, _ in scheduled]
 
-    def run(self, max_s: float, max_steps: int = 100_000, until_resolved: bool = True,
-            until: Callable[[], bool] | None = None) -> float:
+    def run(
+        self,
+        max_s: float,
+        max_steps: int = 100_000,
+        until_resolved: bool = True,
+        until: Callable[[], bool] | None = None,
+    ) -> float:
         """Step every `step_s` until every request resolved (if `until_resolved`), `until()` is
         true (if given), `max_s` passed or `max_steps` were taken. Returns the seconds spent."""
         started = time.monotonic()
@@ -142,16 +149,26 @@ class Scheduler:
         return max(gaps, default=self.step_s)
 
 
-def client_config(tmp_path, *, io_timeout_s: float, connect_timeout_s: float = 1.0, down_for_s: float = 0.5,
-                  pool_size: int = 8) -> str:
+def client_config(
+    tmp_path, *, io_timeout_s: float, connect_timeout_s: float = 1.0, down_for_s: float = 0.5, pool_size: int = 8
+) -> str:
     path = tmp_path / f"client-{io_timeout_s}-{down_for_s}.yaml"
-    path.write_text(yaml.safe_dump({"io_timeout_s": io_timeout_s, "connect_timeout_s": connect_timeout_s,
-                                    "down_for_s": down_for_s, "pool_size": pool_size}))
+    path.write_text(
+        yaml.safe_dump(
+            {
+                "io_timeout_s": io_timeout_s,
+                "connect_timeout_s": connect_timeout_s,
+                "down_for_s": down_for_s,
+                "pool_size": pool_size,
+            }
+        )
+    )
     return str(path)
 
 
-def point_tier_at(monkeypatch, addresses: Sequence[str], key_hex: str, config_path: str | None = None,
-                  tls=None) -> None:
+def point_tier_at(
+    monkeypatch, addresses: Sequence[str], key_hex: str, config_path: str | None = None, tls=None
+) -> None:
     """The tier's environment, as a user sets it; `tls` (a ClientTls: a TLS node's
     `client_tls`) sets MEMKV_TLS_CA."""
     import memkv_vllm
@@ -162,8 +179,14 @@ def point_tier_at(monkeypatch, addresses: Sequence[str], key_hex: str, config_pa
         monkeypatch.setenv("MEMKV_CONFIG", config_path)
     else:
         monkeypatch.delenv("MEMKV_CONFIG", raising=False)
-    for var in ("MEMKV_LICENSE", "MEMKV_TRANSPORT", "MEMKV_TLS_CA", "MEMKV_TLS_CERT", "MEMKV_TLS_KEY",
-                "MEMKV_TLS_SERVER_NAME"):
+    for var in (
+        "MEMKV_LICENSE",
+        "MEMKV_TRANSPORT",
+        "MEMKV_TLS_CA",
+        "MEMKV_TLS_CERT",
+        "MEMKV_TLS_KEY",
+        "MEMKV_TLS_SERVER_NAME",
+    ):
         monkeypatch.delenv(var, raising=False)
     if tls is not None:
         monkeypatch.setenv("MEMKV_TLS_CA", tls.ca)

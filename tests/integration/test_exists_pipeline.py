@@ -103,8 +103,9 @@ def test_exists_hands_over_healthy_nodes_answers_while_a_stopped_node_is_silent(
     finally:
         stopped.signal(signal.SIGCONT)
     assert sorted(rec.answers) == sorted(keys), "every key is answered exactly once"
-    assert rec.order[: len(healthy)] == [k for k in rec.order if k in healthy], \
+    assert rec.order[: len(healthy)] == [k for k in rec.order if k in healthy], (
         f"a silent key was answered before a healthy one: {rec.order}"
+    )
     assert all(rec.answers[k][0] for k in healthy)
     worst_healthy = max(rec.answers[k][1] for k in healthy)
     assert worst_healthy < HEALTHY_BY_S, f"healthy answers took {worst_healthy:.2f}s"
@@ -154,7 +155,7 @@ def test_exists_timeout_returns_partial_results_and_the_abandoned_connection_is_
     # this call's own (a reused half-read connection would hand over a stale reply or fail).
     for _ in range(5):
         assert client.exists(keys) == [True] * len(keys)
-        assert client.exists(silent + ["pipe/never-stored"]) == [True] * len(silent) + [False]
+        assert client.exists([*silent, "pipe/never-stored"]) == [True] * len(silent) + [False]
 
 
 def test_exists_stream_answers_later_rounds_for_healthy_nodes_while_a_stopped_node_owes_the_first(cluster, wait_until):

@@ -25,7 +25,6 @@ from memkv import protocol as p
 from memkv.client import metrics as client_metrics
 from memkv.client.node import NodeConnection
 from memkv.config import ServerAddress
-from tests.faults.nodeops import metric_value, metrics_of
 
 pytestmark = pytest.mark.integration
 

@@ -185,7 +185,9 @@ def test_a_restarted_node_names_a_new_socket_and_the_client_moves_to_it(start_no
     second = status_of(fresh)["local_socket"]
     assert second != first
     # The pooled socket died with the node: a call fails, marks it down briefly, then reconnects.
-    wait_until(lambda: client.batch_put_views([("after", b"2" * 100)]) == [True], 10.0, what="a store after the restart")
+    wait_until(
+        lambda: client.batch_put_views([("after", b"2" * 100)]) == [True], 10.0, what="a store after the restart"
+    )
     assert client.get("after") == b"2" * 100
     assert client.get("before") is None, "the restarted node is empty"
     assert client.local_servers() == [f"{fresh.host}:{fresh.port}"]
@@ -277,7 +279,7 @@ def test_connections_opened_at_once_by_many_threads_all_reach_the_unix_socket(st
         start = threading.Barrier(16)
         families: list[int] = []
 
-        def connect_once(i: int) -> None:
+        def connect_once(i: int, start=start, round_=round_, nc=nc, families=families) -> None:
             start.wait(5.0)
             time.sleep((i * round_ % 7) * 0.0005)  # spread the arrivals over the first handshake
             conn = nc.borrow()

@@ -141,7 +141,15 @@ class RawSession:
     def raw_frame(self, opcode: int, meta: bytes = b"", *, meta_len: int | None = None, payload_len: int = 0) -> bytes:
         """A frame with a valid MAC and the next sequence number, whatever its fields say."""
         header = struct.pack(
-            ">2sBBHHQIQ", b"MK", 1, opcode, 0, 0, self.send_seq, len(meta) if meta_len is None else meta_len, payload_len
+            ">2sBBHHQIQ",
+            b"MK",
+            1,
+            opcode,
+            0,
+            0,
+            self.send_seq,
+            len(meta) if meta_len is None else meta_len,
+            payload_len,
         )
         self.send_seq += 1
         return header + hmac.new(self.c2s_key, header + meta, hashlib.sha256).digest() + meta
@@ -235,7 +243,7 @@ def test_values_round_trip_on_their_hrw_owner_across_three_nodes(cluster, make_c
         others = [n.address for n in cluster if n.address != owner.name]
         assert [client.exists_on(o, [k]) for o in others] == [[False], [False]]
         assert client.get(k) == v
-    assert client.exists(keys + ["rt/never-stored"]) == [True] * len(keys) + [False]
+    assert client.exists([*keys, "rt/never-stored"]) == [True] * len(keys) + [False]
     assert client.delete(keys) == [True] * len(keys)
     assert client.exists(keys) == [False] * len(keys)
     assert [client.get(k) for k in keys] == [None] * len(keys)
@@ -342,7 +350,9 @@ def test_wrong_auth_key_is_refused_at_handshake_with_auth_error_naming_the_serve
     make_client(cluster[:1]).probe()  # the right key still works
 
 
-def test_client_proof_under_the_wrong_key_gets_auth_reject_and_a_close(hostile_node, auth_key_hex, assert_still_serves) -> None:
+def test_client_proof_under_the_wrong_key_gets_auth_reject_and_a_close(
+    hostile_node, auth_key_hex, assert_still_serves
+) -> None:
     raw = RawSession(hostile_node, auth_key_hex)
     try:
         raw.send(p.ClientHandshake(raw.key, raw.client_nonce).hello())
@@ -367,7 +377,9 @@ def test_old_protocol_version_is_refused_with_unsupported_version(hostile_node, 
 @pytest.mark.parametrize(
     "hello", [b"GET /v1/status HTTP/1.1\r\nHost: x\r\n\r\n".ljust(40, b"\n"), os.urandom(40)], ids=["http", "random"]
 )
-def test_garbage_instead_of_a_hello_gets_a_refusal_and_a_close(hostile_node, auth_key_hex, assert_still_serves, hello) -> None:
+def test_garbage_instead_of_a_hello_gets_a_refusal_and_a_close(
+    hostile_node, auth_key_hex, assert_still_serves, hello
+) -> None:
     raw = RawSession(hostile_node, auth_key_hex)
     try:
         raw.send(hello)
@@ -383,7 +395,11 @@ def test_garbage_instead_of_a_hello_gets_a_refusal_and_a_close(hostile_node, aut
 # --------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("offset", [p.FRAME_HEADER.size, p.FRAME_HEADER.size + 31, 15, 3, -1], ids=["mac-first", "mac-last", "seq", "opcode", "meta"])
+@pytest.mark.parametrize(
+    "offset",
+    [p.FRAME_HEADER.size, p.FRAME_HEADER.size + 31, 15, 3, -1],
+    ids=["mac-first", "mac-last", "seq", "opcode", "meta"],
+)
 def test_tampered_frame_gets_bad_mac_error_then_close_and_node_keeps_serving(
     hostile_node, auth_key_hex, assert_still_serves, offset
 ) -> None:
@@ -469,7 +485,9 @@ def test_unknown_opcode_gets_an_error_then_close(hostile_node, auth_key_hex, ass
     assert_still_serves(hostile_node, "unknown-opcode")
 
 
-def test_truncated_frame_then_close_is_dropped_and_node_keeps_serving(hostile_node, auth_key_hex, assert_still_serves) -> None:
+def test_truncated_frame_then_close_is_dropped_and_node_keeps_serving(
+    hostile_node, auth_key_hex, assert_still_serves
+) -> None:
     raw = RawSession(hostile_node, auth_key_hex)
     try:
         raw.handshake()
@@ -482,7 +500,9 @@ def test_truncated_frame_then_close_is_dropped_and_node_keeps_serving(hostile_no
     assert_still_serves(hostile_node, "truncated")
 
 
-def test_value_truncated_mid_payload_is_never_stored(hostile_node, auth_key_hex, make_client, assert_still_serves) -> None:
+def test_value_truncated_mid_payload_is_never_stored(
+    hostile_node, auth_key_hex, make_client, assert_still_serves
+) -> None:
     from memkv.integrity import Checksummer
 
     value = pattern(1 * MiB, 5)
@@ -525,7 +545,11 @@ def test_refused_frames_are_counted_in_metrics(hostile_node, auth_key_hex, wait_
         raw.expect_error_then_close()
     finally:
         raw.close()
-    wait_until(lambda: 'memkv_node_auth_failures_total{reason="bad_mac"}' in metrics_of(hostile_node), 5.0, what="bad_mac metric")
+    wait_until(
+        lambda: 'memkv_node_auth_failures_total{reason="bad_mac"}' in metrics_of(hostile_node),
+        5.0,
+        what="bad_mac metric",
+    )
 
 
 # --------------------------------------------------------------------------------------------
@@ -574,7 +598,9 @@ def test_get_after_node_kill_is_miss_within_deadline_and_other_nodes_keep_servin
     assert victim.address in str(info.value)
 
 
-def test_get_from_a_stopped_node_is_miss_within_io_timeout_and_it_serves_again_after_cont(start_node, make_client, wait_until) -> None:
+def test_get_from_a_stopped_node_is_miss_within_io_timeout_and_it_serves_again_after_cont(
+    start_node, make_client, wait_until
+) -> None:
     nodes = start_node.many(2, capacity="64MiB")
     client = make_client(nodes, io_timeout_s=1.0, connect_timeout_s=0.5, down_for_s=0.5)
     values = _store_spread(client, nodes, "stop")
@@ -666,7 +692,9 @@ def test_capacity_is_never_exceeded_under_overcommit_and_evictions_are_counted(s
         assert status["allocated_bytes"] <= capacity
         assert status["stored_bytes"] <= capacity
         peak_rss = max(peak_rss, rss_bytes(node.pid))
-    assert peak_rss <= baseline_rss + capacity + 64 * MiB, f"RSS {peak_rss >> 20} MiB, baseline {baseline_rss >> 20} MiB"
+    assert peak_rss <= baseline_rss + capacity + 64 * MiB, (
+        f"RSS {peak_rss >> 20} MiB, baseline {baseline_rss >> 20} MiB"
+    )
     status = status_of(node)
     assert status["values"] + status["evictions"] == 200
     assert status["evictions"] >= 200 - 64
@@ -698,7 +726,18 @@ def test_admin_endpoints_answer_and_never_serve_the_key(cluster, make_client, au
     code, headers, body = admin_get(node, "/v1/status")
     assert code == 200 and headers["Content-Type"] == "application/json"
     status = json.loads(body)
-    for field in ("node_id", "address", "capacity_bytes", "allocated_bytes", "stored_bytes", "values", "lanes", "evictions", "connections", "max_value_bytes"):
+    for field in (
+        "node_id",
+        "address",
+        "capacity_bytes",
+        "allocated_bytes",
+        "stored_bytes",
+        "values",
+        "lanes",
+        "evictions",
+        "connections",
+        "max_value_bytes",
+    ):
         assert field in status, field
     assert status["capacity_bytes"] == 256 * MiB and status["address"] == node.address and status["ready"] is True
     assert [lane["name"] for lane in status["lanes"]] == ["default"]
@@ -706,7 +745,12 @@ def test_admin_endpoints_answer_and_never_serve_the_key(cluster, make_client, au
     code, headers, body = admin_get(node, "/v1/metrics")
     assert code == 200 and headers["Content-Type"].startswith("text/plain")
     text = body.decode()
-    for name in ("memkv_node_stored_bytes", "memkv_node_capacity_bytes", "memkv_node_auth_failures_total", "memkv_node_requests_total"):
+    for name in (
+        "memkv_node_stored_bytes",
+        "memkv_node_capacity_bytes",
+        "memkv_node_auth_failures_total",
+        "memkv_node_requests_total",
+    ):
         assert name in text, name
     bodies.append(body)
     code, _, body = admin_get(node, "/v1/nope")
@@ -747,7 +791,9 @@ def test_probe_cli_exits_0_against_live_nodes_and_1_with_one_dead(cluster, start
         assert auth_key_hex not in out.stdout + out.stderr
 
 
-def test_serve_without_a_key_creates_a_0600_key_file_and_prints_the_export_hint(start_node, make_client, tmp_path) -> None:
+def test_serve_without_a_key_creates_a_0600_key_file_and_prints_the_export_hint(
+    start_node, make_client, tmp_path
+) -> None:
     xdg = tmp_path / "xdg"
     node = start_node(capacity="64MiB", auth_key_hex="", env={"XDG_CONFIG_HOME": str(xdg)})
     key_file = xdg / "memkv" / "auth.key"

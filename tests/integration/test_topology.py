@@ -30,7 +30,10 @@ def test_clients_reach_the_nodes_by_the_topology_under_test(start_node, make_cli
     probe = subprocess.run(
         [sys.executable, "-m", "memkv", "probe", "--json"],
         env={**os.environ, "MEMKV_SERVERS": ",".join(n.address for n in nodes), "MEMKV_AUTH_KEY": auth_key_hex},
-        capture_output=True, text=True, timeout=60, check=True,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
     )
     via = {r["server"]: r["via"] for r in json.loads(probe.stdout)["servers"]}
     if REMOTE:

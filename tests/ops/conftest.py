@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Callable, Iterator
 
 import pytest
 
@@ -39,9 +39,16 @@ def ops_nodes(ops_key: str) -> Iterator[Nodes]:
 
 @pytest.fixture
 def memkv_cli(tmp_path: Path) -> Callable[..., subprocess.CompletedProcess]:
-    def run(*args: str, env: dict[str, str] | None = None, stdin: bytes | None = None,
-            timeout_s: float = 60.0) -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, "-m", "memkv", *args], env=clean_env(tmp_path, **(env or {})),
-                              input=stdin, capture_output=True, timeout=timeout_s, cwd=tmp_path)
+    def run(
+        *args: str, env: dict[str, str] | None = None, stdin: bytes | None = None, timeout_s: float = 60.0
+    ) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            [sys.executable, "-m", "memkv", *args],
+            env=clean_env(tmp_path, **(env or {})),
+            input=stdin,
+            capture_output=True,
+            timeout=timeout_s,
+            cwd=tmp_path,
+        )
 
     return run

@@ -36,7 +36,9 @@ def _free_port_pair() -> int:
     raise RuntimeError("no free pair of adjacent ports on 127.0.0.1")
 
 
-def start_node_with_adjacent_admin(key_hex: str, capacity: str = "64MiB", extra_args=(), attempts: int = 5) -> LocalNode:
+def start_node_with_adjacent_admin(
+    key_hex: str, capacity: str = "64MiB", extra_args=(), attempts: int = 5
+) -> LocalNode:
     """A node listening on P with its admin port on P+1, as `memkv serve` lays them out in
     production. Another process may take a port between the search and the bind: then try
     again with a new pair (bounded)."""

@@ -31,6 +31,7 @@ from tests.ops.helpers import _free_port_pair, clean_env, poll_until
 from tests.ops.test_deploy_manifests import healthcheck_argv
 from tests.tlscerts import node_tls_args
 
+
 def _can_unshare() -> bool:
     if os.geteuid() != 0 or not shutil.which("unshare") or not shutil.which("nsenter"):
         return False
@@ -47,14 +48,18 @@ class ContainerNode:
 
     def __init__(self, tmp_path: Path, key_hex: str, extra_args=()) -> None:
         wrapper = tmp_path / "python-in-pidns"
-        wrapper.write_text(f'#!/bin/sh\nexec unshare --pid --fork --mount-proc --kill-child=SIGTERM {sys.executable} "$@"\n')
+        wrapper.write_text(
+            f'#!/bin/sh\nexec unshare --pid --fork --mount-proc --kill-child=SIGTERM {sys.executable} "$@"\n'
+        )
         wrapper.chmod(0o755)
         saved, last = sys.executable, None
         sys.executable = str(wrapper)  # LocalNode runs `sys.executable -m memkv serve ...`
         try:
             for _ in range(5):  # another process may take the port pair first: bounded retries
                 try:
-                    self.node = LocalNode(key_hex, capacity="64MiB", port=_free_port_pair(), extra_args=list(extra_args))
+                    self.node = LocalNode(
+                        key_hex, capacity="64MiB", port=_free_port_pair(), extra_args=list(extra_args)
+                    )
                     break
                 except RuntimeError as exc:
                     last = exc
@@ -75,8 +80,13 @@ class ContainerNode:
 
     def run(self, argv: list[str], **env: str) -> subprocess.CompletedProcess:
         path = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"  # `memkv` of this venv
-        return subprocess.run(["nsenter", "-t", str(self.pid), "-p", "-m", "--", *argv], capture_output=True, text=True,
-                              timeout=30, env=clean_env(self.tmp_path, PATH=path, **env))
+        return subprocess.run(
+            ["nsenter", "-t", str(self.pid), "-p", "-m", "--", *argv],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            env=clean_env(self.tmp_path, PATH=path, **env),
+        )
 
     def stop(self) -> None:
         """SIGTERM to the node itself (unshare does not pass signals on), then LocalNode.stop."""

@@ -19,7 +19,6 @@ Every node is a real `memkv serve` on 127.0.0.1; every command a real `python -m
 
 from __future__ import annotations
 
-
 import pytest
 
 from tests.ops.helpers import as_json
@@ -44,7 +43,9 @@ def stored(cluster, ops_key) -> dict[bytes, tuple[int, str]]:
     from memkv.config import AuthKey, ServerAddress
 
     keys = {b"ls/%02d" % i: 100 + i for i in range(48)}
-    cfg = ClientConfig(servers=tuple(ServerAddress(n.host, n.port) for n in cluster), auth_key=AuthKey.from_hex(ops_key, "test"))
+    cfg = ClientConfig(
+        servers=tuple(ServerAddress(n.host, n.port) for n in cluster), auth_key=AuthKey.from_hex(ops_key, "test")
+    )
     with Client(cfg) as client:
         assert all(client.batch_put_views([(k, memoryview(bytes(n))) for k, n in keys.items()]))
         owners = {k: client.owner(k).name for k in keys}
@@ -66,7 +67,9 @@ def test_ls_json_has_the_documented_shape(memkv_cli, env, stored, cluster) -> No
     proc = memkv_cli("ls", "--json", "ls/2", env=env)
     doc = as_json(proc)
     assert proc.returncode == 0
-    expected = [{"key": k.decode(), "bytes": n, "server": s} for k, (n, s) in sorted(stored.items()) if k.startswith(b"ls/2")]
+    expected = [
+        {"key": k.decode(), "bytes": n, "server": s} for k, (n, s) in sorted(stored.items()) if k.startswith(b"ls/2")
+    ]
     listed = {n.address: sum(1 for e in expected if e["server"] == n.address) for n in cluster}
     assert doc == {
         "ok": True,
@@ -117,7 +120,9 @@ def test_nothing_under_the_prefix_exits_1_and_says_so(memkv_cli, env) -> None:
     assert all(s["ok"] for s in doc["servers"])
 
 
-def test_a_killed_node_exits_1_naming_it_and_the_other_nodes_keys_are_still_listed(memkv_cli, ops_nodes, ops_key) -> None:
+def test_a_killed_node_exits_1_naming_it_and_the_other_nodes_keys_are_still_listed(
+    memkv_cli, ops_nodes, ops_key
+) -> None:
     nodes = ops_nodes(3)
     env = {"MEMKV_SERVERS": ",".join(n.address for n in nodes), "MEMKV_AUTH_KEY": ops_key}
     for i in range(12):

@@ -118,8 +118,22 @@ def test_status_json_counts_what_was_stored_and_read(memkv_cli, cluster, env) ->
     assert [r["server"] for r in rows] == [n.address for n in cluster]
     for row in rows:
         assert row["health"] == "ok" and row["capacity_bytes"] == 64 << 20
-        assert 0 <= row["used_bytes"] <= row["capacity_bytes"] and row["used_ratio"] == row["used_bytes"] / row["capacity_bytes"]
-        for field in ("node_id", "values", "stored_bytes", "hits", "misses", "hit_ratio", "evictions", "connections", "uptime_s", "lanes"):
+        assert (
+            0 <= row["used_bytes"] <= row["capacity_bytes"]
+            and row["used_ratio"] == row["used_bytes"] / row["capacity_bytes"]
+        )
+        for field in (
+            "node_id",
+            "values",
+            "stored_bytes",
+            "hits",
+            "misses",
+            "hit_ratio",
+            "evictions",
+            "connections",
+            "uptime_s",
+            "lanes",
+        ):
             assert field in row, field
     total = doc["cluster"]
     assert total["servers"] == total["healthy"] == 2
@@ -165,7 +179,12 @@ def test_put_get_del_round_trip_a_value_byte_for_byte(memkv_cli, env, tmp_path) 
     src.write_bytes(value)
     put = memkv_cli("put", "--json", "cli/round-trip", str(src), env=env)
     doc = as_json(put)
-    assert put.returncode == 0 and doc == {"ok": True, "key": "cli/round-trip", "server": doc["server"], "bytes": len(value)}
+    assert put.returncode == 0 and doc == {
+        "ok": True,
+        "key": "cli/round-trip",
+        "server": doc["server"],
+        "bytes": len(value),
+    }
     assert doc["server"] in env["MEMKV_SERVERS"].split(",")
 
     got = memkv_cli("get", "cli/round-trip", env=env)
@@ -173,8 +192,15 @@ def test_put_get_del_round_trip_a_value_byte_for_byte(memkv_cli, env, tmp_path) 
     out = tmp_path / "out.bin"
     meta = as_json(memkv_cli("get", "--json", "-o", str(out), "cli/round-trip", env=env))
     assert out.read_bytes() == value
-    assert meta == {"ok": True, "key": "cli/round-trip", "server": doc["server"], "found": True,
-                    "bytes": len(value), "sha256": hashlib.sha256(value).hexdigest(), "output": str(out)}
+    assert meta == {
+        "ok": True,
+        "key": "cli/round-trip",
+        "server": doc["server"],
+        "found": True,
+        "bytes": len(value),
+        "sha256": hashlib.sha256(value).hexdigest(),
+        "output": str(out),
+    }
 
     deleted = memkv_cli("del", "--json", "cli/round-trip", env=env)
     assert deleted.returncode == 0
@@ -261,7 +287,9 @@ def test_bad_usage_exits_2(memkv_cli, env, tmp_path, case: str) -> None:
 
 
 def test_bench_against_the_configured_cluster_verifies_and_reports_json(memkv_cli, cluster, env) -> None:
-    proc = memkv_cli("bench", "--json", "--value-size", "1MiB", "--values", "8", "--rounds", "1", "--threads", "2", env=env)
+    proc = memkv_cli(
+        "bench", "--json", "--value-size", "1MiB", "--values", "8", "--rounds", "1", "--threads", "2", env=env
+    )
     doc = as_json(proc)
     assert proc.returncode == 0 and doc["ok"] is True and doc["verified"] is True
     assert doc["servers"] == [n.address for n in cluster]
@@ -271,8 +299,18 @@ def test_bench_against_the_configured_cluster_verifies_and_reports_json(memkv_cl
 
 def test_bench_draws_its_progress_bar_on_stderr_and_keeps_stdout_for_the_report(memkv_cli) -> None:
     # Embedded node (no MEMKV_SERVERS). TTY_INTERACTIVE makes rich draw as on a terminal.
-    proc = memkv_cli("bench", "--value-size", "1MiB", "--values", "4", "--rounds", "2", "--threads", "1",
-                     env={"TTY_INTERACTIVE": "1", "TTY_COMPATIBLE": "1"})
+    proc = memkv_cli(
+        "bench",
+        "--value-size",
+        "1MiB",
+        "--values",
+        "4",
+        "--rounds",
+        "2",
+        "--threads",
+        "1",
+        env={"TTY_INTERACTIVE": "1", "TTY_COMPATIBLE": "1"},
+    )
     assert proc.returncode == 0, proc.stderr
     out, err = proc.stdout.decode(), proc.stderr.decode()
     assert out.splitlines()[0].startswith("values 1.0MiB x 4") and "verified byte-exact: True" in out
@@ -283,8 +321,9 @@ def test_bench_draws_its_progress_bar_on_stderr_and_keeps_stdout_for_the_report(
 def test_serve_without_a_key_and_nowhere_to_write_one_exits_2(memkv_cli, tmp_path) -> None:
     not_a_dir = tmp_path / "config-is-a-file"
     not_a_dir.write_text("")
-    proc = memkv_cli("serve", "--listen", "127.0.0.1:0", "--capacity", "64MiB", env={"XDG_CONFIG_HOME": str(not_a_dir)},
-                     timeout_s=30)
+    proc = memkv_cli(
+        "serve", "--listen", "127.0.0.1:0", "--capacity", "64MiB", env={"XDG_CONFIG_HOME": str(not_a_dir)}, timeout_s=30
+    )
     err = proc.stderr.decode()
     assert proc.returncode == 2, err
     assert "no auth key configured (MEMKV_AUTH_KEY or --key-file)" in err and "memkv keygen" in err
@@ -296,5 +335,9 @@ def test_status_reflects_a_node_that_stops(memkv_cli, ops_nodes, ops_key) -> Non
     env = {"MEMKV_SERVERS": node.address, "MEMKV_AUTH_KEY": ops_key}
     assert memkv_cli("status", "--json", env=env).returncode == 0
     node.stop()
-    poll_until(lambda: memkv_cli("status", "--json", env=env).returncode == 1, 10.0, interval_s=0.1,
-               what="status to report the stopped node")
+    poll_until(
+        lambda: memkv_cli("status", "--json", env=env).returncode == 1,
+        10.0,
+        interval_s=0.1,
+        what="status to report the stopped node",
+    )

@@ -74,8 +74,12 @@ def test_bench_labels_its_figures_as_the_median_and_counts_rounds_in_words(memkv
 
 def test_bench_help_describes_every_flag_and_its_default(memkv_cli) -> None:
     text = " ".join(memkv_cli("bench", "--help").stdout.decode().split())  # argparse wraps lines
-    for flag, default in (("--value-size", "(default 16MiB)"), ("--values", "(default 32)"), ("--rounds", "(default 3)"),
-                          ("--threads", "(default 2)")):
+    for flag, default in (
+        ("--value-size", "(default 16MiB)"),
+        ("--values", "(default 32)"),
+        ("--rounds", "(default 3)"),
+        ("--threads", "(default 2)"),
+    ):
         assert flag in text and default in text, (flag, default)
     assert "median" in text and "JSON object on stdout" in text
 
@@ -84,7 +88,11 @@ def test_get_and_put_with_a_wrong_key_say_authentication_failed(memkv_cli, env, 
     bad = {**env, "MEMKV_AUTH_KEY": WRONG}
     get = memkv_cli("get", "--json", "truth/k", env=bad)
     doc = as_json(get)
-    assert get.returncode == 1 and doc["error"].startswith("authentication failed on server ") and "unreachable" not in doc["error"]
+    assert (
+        get.returncode == 1
+        and doc["error"].startswith("authentication failed on server ")
+        and "unreachable" not in doc["error"]
+    )
     put = memkv_cli("put", "--json", "truth/k", "-", stdin=b"x", env=bad)
     assert put.returncode == 1 and as_json(put)["error"].startswith("authentication failed on server ")
     for proc in (get, put):
@@ -100,7 +108,11 @@ def test_status_checks_the_key_on_the_data_port(memkv_cli, env, ops_key) -> None
     assert proc.returncode == 1 and doc["ok"] is False
     assert (row["health"], row["auth"]) == ("auth failed", "failed") and "authentication failed" in row["data_error"]
     text = memkv_cli("status", env={**env, "MEMKV_AUTH_KEY": WRONG, "COLUMNS": "200"})
-    assert text.returncode == 1 and "AUTH FAILED" in text.stdout.decode() and "authentication failed" in text.stderr.decode()
+    assert (
+        text.returncode == 1
+        and "AUTH FAILED" in text.stdout.decode()
+        and "authentication failed" in text.stderr.decode()
+    )
     assert WRONG.encode() not in text.stdout + text.stderr and ops_key.encode() not in text.stdout + text.stderr
 
 
@@ -116,7 +128,9 @@ def test_status_names_stored_and_allocated_bytes(memkv_cli, env) -> None:
 
 def test_a_client_pointed_at_the_admin_port_is_told_so_at_once(memkv_cli, node, ops_key) -> None:
     started = time.monotonic()
-    proc = memkv_cli("probe", "--json", env={"MEMKV_SERVERS": f"{node.host}:{node.admin_port}", "MEMKV_AUTH_KEY": ops_key})
+    proc = memkv_cli(
+        "probe", "--json", env={"MEMKV_SERVERS": f"{node.host}:{node.admin_port}", "MEMKV_AUTH_KEY": ops_key}
+    )
     took = time.monotonic() - started
     doc = as_json(proc)
     error = doc["servers"][0]["error"]

@@ -22,7 +22,7 @@ import socket
 import sys
 import types
 import urllib.request
-from typing import Iterator
+from collections.abc import Iterator
 
 import promql_parser
 import pytest
@@ -104,9 +104,12 @@ def selectors_and_groupings(expr: str) -> tuple[list[tuple[str, set[str]]], list
         if isinstance(node, promql_parser.VectorSelector):
             labels = {m.name for m in node.matchers.matchers} - {"__name__"}
             selectors.append((node.name, labels))
-        elif isinstance(node, promql_parser.AggregateExpr) and node.modifier is not None:
-            if node.modifier.type == promql_parser.AggModifierType.By:
-                groupings.append((set(node.modifier.labels), names_under(node.expr)))
+        elif (
+            isinstance(node, promql_parser.AggregateExpr)
+            and node.modifier is not None
+            and node.modifier.type == promql_parser.AggModifierType.By
+        ):
+            groupings.append((set(node.modifier.labels), names_under(node.expr)))
         return True
 
     promql_parser.walk(ast, visit)
@@ -186,8 +189,12 @@ def client_series(ops_key: str) -> dict[str, set[str] | None]:
         with socket.socket() as closed:
             closed.bind(("127.0.0.1", 0))
             dead = ServerAddress("127.0.0.1", closed.getsockname()[1])
-        cfg = ClientConfig(servers=(ServerAddress(node.host, node.port), dead), auth_key=AuthKey.from_hex(ops_key, "test"),
-                           connect_timeout_s=1.0, io_timeout_s=2.0)
+        cfg = ClientConfig(
+            servers=(ServerAddress(node.host, node.port), dead),
+            auth_key=AuthKey.from_hex(ops_key, "test"),
+            connect_timeout_s=1.0,
+            io_timeout_s=2.0,
+        )
         with Client(cfg) as client:
             keys = [f"dash/client/{i}".encode() for i in range(16)]
             client.batch_put_views([(k, memoryview(bytearray(1 << 20))) for k in keys])
@@ -197,11 +204,15 @@ def client_series(ops_key: str) -> dict[str, set[str] | None]:
             client.get(b"dash/client/missing")
             # A value whose bytes do not match its checksum (as if corrupted on the way): the
             # reader's verification fails and counts it.
-            corrupt = next(f"dash/corrupt/{i}".encode() for i in range(1000) if client.owner(f"dash/corrupt/{i}").port == node.port)
+            corrupt = next(
+                f"dash/corrupt/{i}".encode() for i in range(1000) if client.owner(f"dash/corrupt/{i}").port == node.port
+            )
             conn = NodeConnection(ServerAddress(node.host, node.port), bytes.fromhex(ops_key), 2.0, 2.0)
             try:
                 value = memoryview(bytes(4096))
-                item = p.PutItem(corrupt, len(value), client.checksummer.algo, client.checksummer.compute(memoryview(b"\x01" * 4096)))
+                item = p.PutItem(
+                    corrupt, len(value), client.checksummer.algo, client.checksummer.compute(memoryview(b"\x01" * 4096))
+                )
                 conn.request(p.PutRequest((item,)), [value])
             finally:
                 conn.close()
@@ -221,6 +232,7 @@ def tier_series() -> dict[str, set[str] | None]:
     try:
         import vllm  # noqa: F401
     except ImportError:
+
         class _Meta:
             def __init__(self, documentation: str, labelnames: tuple[str, ...] = (), buckets=None) -> None:
                 self.documentation, self.labelnames, self.buckets = documentation, tuple(labelnames), buckets
@@ -241,7 +253,13 @@ def tier_series() -> dict[str, set[str] | None]:
         definitions = tier_metrics.metric_definitions()
     out: dict[str, set[str] | None] = {}
     for name, meta in definitions.items():
-        kind = "histogram" if "Histogram" in type(meta).__name__ else "counter" if "Counter" in type(meta).__name__ else "gauge"
+        kind = (
+            "histogram"
+            if "Histogram" in type(meta).__name__
+            else "counter"
+            if "Counter" in type(meta).__name__
+            else "gauge"
+        )
         for suffix in SUFFIXES.get(kind, ("",)):
             out[name + suffix] = set(meta.labelnames) | ({"le"} if suffix == "_bucket" else set())
     return out
@@ -274,7 +292,9 @@ def test_every_panel_queries_the_prometheus_datasource_variable() -> None:
     for panel in panels:
         assert panel["datasource"] == {"type": "prometheus", "uid": "${datasource}"}, panel["title"]
         assert panel["targets"], f"panel {panel['title']!r} has no query"
-    assert len({pl["id"] for pl in all_panels(dashboard)}) == len(list(all_panels(dashboard))), "panel ids must be unique"
+    assert len({pl["id"] for pl in all_panels(dashboard)}) == len(list(all_panels(dashboard))), (
+        "panel ids must be unique"
+    )
 
 
 def test_every_query_parses_as_promql() -> None:
@@ -287,7 +307,9 @@ def test_every_query_parses_as_promql() -> None:
     assert not bad, "\n".join(bad)
 
 
-def test_every_metric_in_the_dashboard_exists_in_a_real_exposition(known, node_series, client_series, tier_series) -> None:
+def test_every_metric_in_the_dashboard_exists_in_a_real_exposition(
+    known, node_series, client_series, tier_series
+) -> None:
     # The producers themselves first: an empty scrape would make the check vacuous.
     assert "memkv_node_capacity_bytes" in node_series and "memkv_client_requests_total" in client_series
     assert "vllm:kv_offload_memkv_lookups_total" in tier_series
@@ -305,23 +327,37 @@ def test_every_label_in_the_dashboard_exists_on_its_metric(known) -> None:
         for name, labels in selectors:
             have = known.get(name)
             if have is not None and labels - have - TARGET_LABELS:
-                problems.append(f"{where}: {name} has no label {sorted(labels - have - TARGET_LABELS)} (has {sorted(have)})")
+                problems.append(
+                    f"{where}: {name} has no label {sorted(labels - have - TARGET_LABELS)} (has {sorted(have)})"
+                )
         for by, names in groupings:
             have = set().union(*(known.get(n) or set() for n in names)) if names else set()
             if by - have - TARGET_LABELS:
-                problems.append(f"{where}: grouping by {sorted(by - have - TARGET_LABELS)}, which {sorted(names)} do not carry")
+                problems.append(
+                    f"{where}: grouping by {sorted(by - have - TARGET_LABELS)}, which {sorted(names)} do not carry"
+                )
     assert not problems, "\n".join(problems)
 
 
 def test_the_dashboard_covers_what_operators_need() -> None:
     exprs = " ".join(expr for _, expr in queries(load_dashboard()))
     needed = [
-        "memkv_node_capacity_bytes", "memkv_node_allocated_bytes", "memkv_node_values", "memkv_node_evictions_total",
-        "memkv_node_requests_total", "memkv_node_request_seconds_bucket", "memkv_node_auth_failures_total",
-        "memkv_node_connections", "memkv_client_requests_total", "memkv_client_server_up",
-        "vllm:kv_offload_memkv_store_bytes_total", "vllm:kv_offload_memkv_load_bytes_total",
-        "vllm:kv_offload_memkv_job_seconds_bucket", "vllm:kv_offload_memkv_jobs_failed_total",
-        "vllm:kv_offload_memkv_sheds_total", "vllm:kv_offload_memkv_lookups_total",
+        "memkv_node_capacity_bytes",
+        "memkv_node_allocated_bytes",
+        "memkv_node_values",
+        "memkv_node_evictions_total",
+        "memkv_node_requests_total",
+        "memkv_node_request_seconds_bucket",
+        "memkv_node_auth_failures_total",
+        "memkv_node_connections",
+        "memkv_client_requests_total",
+        "memkv_client_server_up",
+        "vllm:kv_offload_memkv_store_bytes_total",
+        "vllm:kv_offload_memkv_load_bytes_total",
+        "vllm:kv_offload_memkv_job_seconds_bucket",
+        "vllm:kv_offload_memkv_jobs_failed_total",
+        "vllm:kv_offload_memkv_sheds_total",
+        "vllm:kv_offload_memkv_lookups_total",
     ]
     assert not [n for n in needed if n not in exprs]
     assert "sum by (lane) (rate(memkv_node_evictions_total" in exprs

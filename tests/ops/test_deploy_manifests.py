@@ -80,8 +80,19 @@ def quantity_bytes(text: str | int) -> int:
     """A Kubernetes memory quantity ("53Gi", "512M", "1e9", 1024) in bytes."""
     m = re.fullmatch(r"(\d+(?:\.\d+)?(?:[eE]\d+)?)(Ki|Mi|Gi|Ti|Pi|k|M|G|T|P)?", str(text))
     assert m, f"not a memory quantity: {text!r}"
-    factor = {None: 1, "Ki": 1 << 10, "Mi": 1 << 20, "Gi": 1 << 30, "Ti": 1 << 40, "Pi": 1 << 50,
-              "k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "P": 10**15}[m.group(2)]
+    factor = {
+        None: 1,
+        "Ki": 1 << 10,
+        "Mi": 1 << 20,
+        "Gi": 1 << 30,
+        "Ti": 1 << 40,
+        "Pi": 1 << 50,
+        "k": 10**3,
+        "M": 10**6,
+        "G": 10**9,
+        "T": 10**12,
+        "P": 10**15,
+    }[m.group(2)]
     return int(float(m.group(1)) * factor)
 
 
@@ -91,6 +102,7 @@ def env_of(c: dict) -> dict[str, dict]:
 
 def k8s_expand(text: str, env: dict[str, str]) -> str:
     """Kubernetes' expansion of command/args: $(VAR) of a defined variable, $$ -> $."""
+
     def repl(m: re.Match) -> str:
         if m.group(0) == "$$":
             return "$"
@@ -162,10 +174,16 @@ def dockerfile_user_uid() -> str:
 @pytest.mark.unit
 def test_the_kubernetes_directory_holds_the_expected_objects() -> None:
     kinds = sorted((d["kind"], d["metadata"]["name"]) for _, d in k8s_docs())
-    assert kinds == sorted([
-        ("Secret", "memkv-auth"), ("Service", "memkv"), ("StatefulSet", "memkv"),
-        ("PodDisruptionBudget", "memkv"), ("NetworkPolicy", "memkv"), ("Deployment", "vllm"),
-    ])
+    assert kinds == sorted(
+        [
+            ("Secret", "memkv-auth"),
+            ("Service", "memkv"),
+            ("StatefulSet", "memkv"),
+            ("PodDisruptionBudget", "memkv"),
+            ("NetworkPolicy", "memkv"),
+            ("Deployment", "vllm"),
+        ]
+    )
 
 
 @pytest.mark.unit
@@ -218,7 +236,9 @@ def test_the_memkv_container_runs_serve_as_the_image_user_with_a_capacity_that_f
     capacity = parse_size(args.capacity, "--capacity")
     limit = quantity_bytes(c["resources"]["limits"]["memory"])
     assert limit >= capacity * 1.08 + GiB, (capacity, limit)
-    assert quantity_bytes(c["resources"]["requests"]["memory"]) == limit, "request = limit: a cache must not be evicted for memory"
+    assert quantity_bytes(c["resources"]["requests"]["memory"]) == limit, (
+        "request = limit: a cache must not be evicted for memory"
+    )
     pod_sc, c_sc = sts["spec"]["template"]["spec"]["securityContext"], c["securityContext"]
     assert pod_sc["runAsNonRoot"] is True and str(pod_sc["runAsUser"]) == dockerfile_user_uid() != "0"
     assert c_sc["allowPrivilegeEscalation"] is False and c_sc["readOnlyRootFilesystem"] is True
@@ -259,7 +279,9 @@ def test_vllm_pods_list_exactly_the_statefulset_pods_by_their_headless_dns_names
     for s in servers:
         # <pod>.<service> (same namespace) or <pod>.<service>.<namespace>.svc.<cluster domain>
         parts = s.host.split(".")
-        assert len(parts) == 2 or (len(parts) >= 5 and parts[3] == "svc"), f"{s.host} is not a headless-Service DNS name"
+        assert len(parts) == 2 or (len(parts) >= 5 and parts[3] == "svc"), (
+            f"{s.host} is not a headless-Service DNS name"
+        )
         assert parts[1] == service, f"{s.host} is not under the headless Service {service}"
         pods.append(parts[0])
     assert pods == [f"{name}-{i}" for i in range(sts["spec"]["replicas"])], "every StatefulSet pod, in order"
@@ -279,7 +301,9 @@ def test_vllm_pods_pin_the_hash_seed_and_take_memkv_settings_from_the_secret() -
     pod_labels = vllm["spec"]["template"]["metadata"]["labels"]
     policy = one("NetworkPolicy", "memkv")
     data_rules = [r for r in policy["spec"]["ingress"] if any(p["port"] == 9900 for p in r.get("ports", []))]
-    assert any(f["podSelector"]["matchLabels"].items() <= pod_labels.items() for r in data_rules for f in r.get("from", []))
+    assert any(
+        f["podSelector"]["matchLabels"].items() <= pod_labels.items() for r in data_rules for f in r.get("from", [])
+    )
 
 
 def kv_transfer_config() -> dict:
@@ -350,8 +374,11 @@ def test_the_vllm_start_script_raises_memlock_to_the_pool_and_execs_vllm_serve(t
 def can_drop_capabilities() -> bool:
     if not (shutil.which("capsh") and shutil.which("prlimit")):
         return False
-    probe = subprocess.run(["prlimit", "--memlock=65536:65536", "capsh", "--drop=cap_ipc_lock,cap_sys_resource", "--", "-c", "true"],
-                           capture_output=True, timeout=10)
+    probe = subprocess.run(
+        ["prlimit", "--memlock=65536:65536", "capsh", "--drop=cap_ipc_lock,cap_sys_resource", "--", "-c", "true"],
+        capture_output=True,
+        timeout=10,
+    )
     return probe.returncode == 0
 
 
@@ -362,8 +389,15 @@ def test_the_vllm_start_script_refuses_rdma_when_the_pool_cannot_be_pinned(tmp_p
     extra = {config.ENV_RDMA_DEVICES: "mlx5_0"} if rdma else {}
     argv, env, out = vllm_script_env(tmp_path, extra)
     # A 64 KiB hard memlock limit, and neither IPC_LOCK nor the right to raise the limit.
-    wrapped = ["prlimit", "--memlock=65536:65536", "capsh", "--drop=cap_ipc_lock,cap_sys_resource", "--", "-c",
-               " ".join(shlex.quote(a) for a in ["exec", *argv])]
+    wrapped = [
+        "prlimit",
+        "--memlock=65536:65536",
+        "capsh",
+        "--drop=cap_ipc_lock,cap_sys_resource",
+        "--",
+        "-c",
+        " ".join(shlex.quote(a) for a in ["exec", *argv]),
+    ]
     proc = subprocess.run(wrapped, env=env, capture_output=True, text=True, timeout=30)
     if rdma:
         assert proc.returncode == 1 and not out.exists()
@@ -392,7 +426,11 @@ def test_the_dockerfile_runs_serve_as_a_non_root_user_on_both_ports() -> None:
     args = serve_args(argv[1:])
     assert args.command == "serve" and args.listen == "0.0.0.0:9900" and args.key_file == "/etc/memkv/auth.key"
     instructions = dockerfile_instructions(DEPLOY / "docker" / "Dockerfile")
-    build_args = dict(rest.split("=", 1) for ins, rest in instructions[: instructions.index(next(i for i in instructions if i[0] == "FROM"))] if ins == "ARG")
+    build_args = dict(
+        rest.split("=", 1)
+        for ins, rest in instructions[: instructions.index(next(i for i in instructions if i[0] == "FROM"))]
+        if ins == "ARG"
+    )
     base = re.sub(r"\$\{(\w+)\}", lambda m: build_args[m.group(1)], stage[0][1])
     assert base.startswith("python:3.11-slim"), f"the runtime stage should start from a small python base, not {base}"
 
@@ -431,10 +469,24 @@ def test_the_image_command_serves_with_the_mounted_key_file_and_refuses_without_
             assert len(client.probe()) == 1
     finally:
         node.stop()
-    missing = subprocess.run([sys.executable, "-m", "memkv", "serve", "--listen", "127.0.0.1:0", "--capacity", "64MiB",
-                              "--key-file", str(tmp_path / "absent.key")],
-                             env={k: v for k, v in os.environ.items() if k != config.ENV_AUTH_KEY},
-                             capture_output=True, text=True, timeout=30)
+    missing = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "memkv",
+            "serve",
+            "--listen",
+            "127.0.0.1:0",
+            "--capacity",
+            "64MiB",
+            "--key-file",
+            str(tmp_path / "absent.key"),
+        ],
+        env={k: v for k, v in os.environ.items() if k != config.ENV_AUTH_KEY},
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
     assert missing.returncode == 2
     assert "--key-file" in missing.stderr and "cannot read key file" in missing.stderr
 
@@ -498,7 +550,9 @@ def verifiable_unit(tmp_path: Path) -> Path:
 
 
 @pytest.mark.unit
-@pytest.mark.skipif(not shutil.which("systemd-analyze"), reason="systemd-analyze is not installed (the structural test covers the unit)")
+@pytest.mark.skipif(
+    not shutil.which("systemd-analyze"), reason="systemd-analyze is not installed (the structural test covers the unit)"
+)
 def test_the_systemd_unit_passes_systemd_analyze_verify(tmp_path: Path) -> None:
     unit = verifiable_unit(tmp_path)
     proc = subprocess.run(["systemd-analyze", "verify", str(unit)], capture_output=True, text=True, timeout=60)
@@ -510,7 +564,9 @@ def test_the_systemd_unit_passes_systemd_analyze_verify(tmp_path: Path) -> None:
 @pytest.mark.skipif(not shutil.which("systemd-analyze"), reason="systemd-analyze is not installed")
 def test_the_systemd_unit_exposure_score_is_low(tmp_path: Path) -> None:
     unit = verifiable_unit(tmp_path)
-    proc = subprocess.run(["systemd-analyze", "security", "--offline=true", str(unit)], capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        ["systemd-analyze", "security", "--offline=true", str(unit)], capture_output=True, text=True, timeout=60
+    )
     m = re.search(r"Overall exposure level for \S+: (\d+\.\d+)", proc.stdout + proc.stderr)
     if proc.returncode != 0 and not m:
         pytest.skip(f"this systemd-analyze cannot score offline units: {proc.stderr.strip()[:200]}")
@@ -542,8 +598,11 @@ def tls_one(kind: str, name: str) -> dict:
 @pytest.mark.parametrize("version", K8S_VERSIONS)
 def test_the_tls_variant_validates_against_the_kubernetes_schemas(version: str) -> None:
     docs = tls_docs()
-    assert sorted((d["kind"], d["metadata"]["name"]) for _, d in docs) == [("Secret", "memkv-tls"), ("StatefulSet", "memkv")]
-    for name, doc in docs:
+    assert sorted((d["kind"], d["metadata"]["name"]) for _, d in docs) == [
+        ("Secret", "memkv-tls"),
+        ("StatefulSet", "memkv"),
+    ]
+    for _name, doc in docs:
         kubernetes_validate.validate(doc, version, strict=True)
 
 
@@ -600,8 +659,11 @@ def test_the_tls_variants_probes_pass_against_a_live_tls_node(tmp_path: Path) ->
 
     pki = session_pki()
     tc = container(tls_one("StatefulSet", "memkv"), "memkv")
-    with LocalNode(new_key_hex(), capacity="64MiB", extra_args=["--tls-cert", pki.server.cert, "--tls-key",
-                                                                pki.server.key, "--tls-ca", pki.ca]) as node:
+    with LocalNode(
+        new_key_hex(),
+        capacity="64MiB",
+        extra_args=["--tls-cert", pki.server.cert, "--tls-key", pki.server.key, "--tls-ca", pki.ca],
+    ) as node:
         kubelet = ssl.create_default_context()
         kubelet.check_hostname = False
         kubelet.verify_mode = ssl.CERT_NONE

@@ -120,7 +120,11 @@ def code_env_vars() -> set[str]:
     names = set(config.CLIENT_ENV_VARS) | {cli.ENV_LOG_LEVEL}
     for path in (REPO / "src").rglob("*.py"):
         for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.Constant) and isinstance(node.value, str) and re.fullmatch(r"MEMKV_[A-Z0-9_]+", node.value):
+            if (
+                isinstance(node, ast.Constant)
+                and isinstance(node.value, str)
+                and re.fullmatch(r"MEMKV_[A-Z0-9_]+", node.value)
+            ):
                 names.add(node.value)
     return names
 

@@ -44,8 +44,10 @@ def test_readme_says_how_much_disk_the_test_command_needs() -> None:
 def test_readme_labels_the_bench_figure_as_a_median_and_keeps_its_setup_commands() -> None:
     assert "median of its rounds" in README
     assert "```\npython3 -m pip install . && python3 -m memkv bench\n```" in README
-    assert ("```\npython3 -m pip install nox==2026.10.20 && python3 -m nox -s lint tests conformance-0.25.0 "
-            "conformance-0.34.0 conformance-rdma conformance-remote\n```") in README
+    assert (
+        "```\npython3 -m pip install nox==2026.10.20 && python3 -m nox -s lint tests conformance-0.25.0 "
+        "conformance-0.34.0 conformance-rdma conformance-remote\n```"
+    ) in README
 
 
 def fenced_blocks(text: str, lang: str = "") -> list[str]:
@@ -103,8 +105,13 @@ def test_readme_cluster_recipe_gives_every_node_the_one_key(tmp_path: Path, memk
     def start(line: str) -> tuple[subprocess.Popen, str]:
         port = _free_port_pair()
         args = line.replace("0.0.0.0:9900", f"127.0.0.1:{port}").replace("64GiB", "64MiB").split()[1:]
-        proc = subprocess.Popen([sys.executable, "-m", "memkv", *args], cwd=tmp_path, env=clean_env(tmp_path),
-                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "memkv", *args],
+            cwd=tmp_path,
+            env=clean_env(tmp_path),
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
         return proc, f"127.0.0.1:{port}"
 
     def probe(servers: list[str]) -> dict:
@@ -117,8 +124,11 @@ def test_readme_cluster_recipe_gives_every_node_the_one_key(tmp_path: Path, memk
         servers = [address for _, address in started]
         doc = poll_until(lambda: (d := probe(servers))["ok"] and d, timeout_s=60, what="both nodes to answer")
         assert [s["server"] for s in doc["servers"]] == servers
-        poll_until(lambda: any("MEMKV_AUTH_KEY" in s.get("error", "") for s in probe([own_key[1]])["servers"]),
-                   timeout_s=60, what="the node with its own key to answer, refusing the cluster's key")
+        poll_until(
+            lambda: any("MEMKV_AUTH_KEY" in s.get("error", "") for s in probe([own_key[1]])["servers"]),
+            timeout_s=60,
+            what="the node with its own key to answer, refusing the cluster's key",
+        )
     finally:
         for proc, _ in [*started, own_key]:
             proc.terminate()
@@ -137,8 +147,13 @@ def test_readme_python_snippet_runs_and_checks_what_the_batch_calls_return(tmp_p
         assert assigned, f"the snippet discards what {call} returns"
         assert re.search(rf"^\s*assert all\({assigned.group(1)}\)", snippet, re.M), f"{call}'s result is not checked"
     node = ops_nodes(1)[0]
-    run = subprocess.run([sys.executable, "-c", snippet], env=clean_env(tmp_path, MEMKV_SERVERS=node.address,
-                         MEMKV_AUTH_KEY=ops_key), capture_output=True, timeout=60, cwd=tmp_path)
+    run = subprocess.run(
+        [sys.executable, "-c", snippet],
+        env=clean_env(tmp_path, MEMKV_SERVERS=node.address, MEMKV_AUTH_KEY=ops_key),
+        capture_output=True,
+        timeout=60,
+        cwd=tmp_path,
+    )
     assert run.returncode == 0, run.stderr.decode()
 
 

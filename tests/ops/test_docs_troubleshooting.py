@@ -56,7 +56,12 @@ def error_messages() -> list[tuple[str, int, str]]:
         tree = ast.parse((REPO / rel).read_text())
         for node in ast.walk(tree):
             message = None
-            if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ERROR_CLASSES and node.args:
+            if (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Name)
+                and node.func.id in ERROR_CLASSES
+                and node.args
+            ):
                 message = node.args[0]
             elif isinstance(node, ast.FunctionDef) and node.name == "explain_probe_failure":
                 for ret in ast.walk(node):
@@ -79,7 +84,7 @@ def explain_probe_failure():
     tree = ast.parse((REPO / "src/memkv_vllm/startup.py").read_text())
     (fn,) = [n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "explain_probe_failure"]
     namespace = {name: getattr(errors, name) for name in dir(errors) if not name.startswith("_")}
-    exec(compile(ast.Module(body=[fn], type_ignores=[]), "startup.py", "exec"), namespace)  # noqa: S102
+    exec(compile(ast.Module(body=[fn], type_ignores=[]), "startup.py", "exec"), namespace)
     return namespace["explain_probe_failure"]
 
 
@@ -117,8 +122,9 @@ def pings(client: Client) -> bool:
 
 
 def probe_failure(address: ServerAddress, key_hex: str) -> MemKVError:
-    config = ClientConfig(servers=(address,), auth_key=AuthKey.from_hex(key_hex, "test"),
-                          connect_timeout_s=2.0, io_timeout_s=2.0)
+    config = ClientConfig(
+        servers=(address,), auth_key=AuthKey.from_hex(key_hex, "test"), connect_timeout_s=2.0, io_timeout_s=2.0
+    )
     with Client(config) as client:
         (node,) = client._nodes  # what Startup.probe iterates
         with pytest.raises(MemKVError) as info:

@@ -59,11 +59,24 @@ def pool():
 class LateNode:
     """tests/rdma/late_node.py as a child process: a real node whose RDMA writes start late."""
 
-    def __init__(self, auth_key_hex: str, delay_s: float, ignore_window: bool, capacity: str = "256MiB",
-                 pre_rdma: bool = False, on_time: int = 0) -> None:
-        env = {**os.environ, "MEMKV_AUTH_KEY": auth_key_hex, "PYTHONUNBUFFERED": "1",
-               "LATE_NODE_DELAY_S": str(delay_s), "LATE_NODE_IGNORE_WINDOW": "1" if ignore_window else "0",
-               "LATE_NODE_PRE_RDMA": "1" if pre_rdma else "0", "LATE_NODE_ON_TIME": str(on_time)}
+    def __init__(
+        self,
+        auth_key_hex: str,
+        delay_s: float,
+        ignore_window: bool,
+        capacity: str = "256MiB",
+        pre_rdma: bool = False,
+        on_time: int = 0,
+    ) -> None:
+        env = {
+            **os.environ,
+            "MEMKV_AUTH_KEY": auth_key_hex,
+            "PYTHONUNBUFFERED": "1",
+            "LATE_NODE_DELAY_S": str(delay_s),
+            "LATE_NODE_IGNORE_WINDOW": "1" if ignore_window else "0",
+            "LATE_NODE_PRE_RDMA": "1" if pre_rdma else "0",
+            "LATE_NODE_ON_TIME": str(on_time),
+        }
         cmd = [sys.executable, str(LATE_NODE), "serve", "--listen", "127.0.0.1:0", "--capacity", capacity]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
         self.output: list[str] = []

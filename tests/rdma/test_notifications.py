@@ -50,8 +50,12 @@ class Pair:
 
     def notify(self, token: int, slot: int = 0) -> None:
         """WRITE 4 KiB into `slot` with notification `token`; returns once the write completed."""
-        w = self.node.write([(buffer_address(self.src), 4096)], [(buffer_address(self.dst) + slot * 4096, 4096)],
-                            self.peer, struct.pack(">Q", token))
+        w = self.node.write(
+            [(buffer_address(self.src), 4096)],
+            [(buffer_address(self.dst) + slot * 4096, 4096)],
+            self.peer,
+            struct.pack(">Q", token),
+        )
         try:
             deadline = time.monotonic() + 10
             while w.state() == "PROC":
@@ -222,8 +226,10 @@ def test_node_loads_a_clients_metadata_once_for_all_its_connections(ucx, start_n
 
     def attaches() -> tuple[int, int]:
         lines = [line for line in node.output if f"{name} attached" in line]
-        return (sum("(metadata loaded)" in line for line in lines),
-                sum("(metadata already loaded)" in line for line in lines))
+        return (
+            sum("(metadata loaded)" in line for line in lines),
+            sum("(metadata already loaded)" in line for line in lines),
+        )
 
     assert wait_for(lambda: attaches()[1] >= 1, 5.0), "".join(node.output)[-3000:]
     assert attaches()[0] == 1  # NIXL loaded it once

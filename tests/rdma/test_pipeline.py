@@ -65,8 +65,9 @@ def test_the_setting_is_checked(monkeypatch):
 @pytest.mark.unit
 def test_a_bad_setting_refuses_to_start_an_rdma_client(monkeypatch):
     monkeypatch.setenv(ENV_PIPELINE_MB, "many")
-    cfg = ClientConfig(servers=(ServerAddress("127.0.0.1", 9),), auth_key=AuthKey.from_hex("ab" * 32, "test"),
-                       transport="rdma")
+    cfg = ClientConfig(
+        servers=(ServerAddress("127.0.0.1", 9),), auth_key=AuthKey.from_hex("ab" * 32, "test"), transport="rdma"
+    )
     with pytest.raises(ConfigError, match=ENV_PIPELINE_MB):
         Client(cfg)
 
@@ -100,8 +101,9 @@ def test_a_batch_goes_as_one_rdma_get_per_part(ucx, start_node, make_client, poo
 @requires_nixl
 @pytest.mark.integration
 @pytest.mark.parametrize(("io_timeout_s", "delay_s"), [(4.0, 3.0), (1.0, 1.5)], ids=["window-closed", "reply-timeout"])
-def test_a_fault_mid_pipeline_keeps_what_verified_and_withholds_the_rest(ucx, start_late_node, make_client, pool,
-                                                                         monkeypatch, io_timeout_s, delay_s):
+def test_a_fault_mid_pipeline_keeps_what_verified_and_withholds_the_rest(
+    ucx, start_late_node, make_client, pool, monkeypatch, io_timeout_s, delay_s
+):
     """The node's first write is on time; its second starts `delay_s` after it read that
     request, past the window (half the client's timeout). window-closed: the node answers
     TRANSFER_FAILED before the client's timeout. reply-timeout: the client stops waiting first

@@ -62,9 +62,13 @@ REQUESTS = [
 REPLIES = [
     p.RdmaAttachReply(p.RdmaAttachStatus.OK, "memkv-node-0123456789abcdef"),
     p.RdmaAttachReply(p.RdmaAttachStatus.UNAVAILABLE, "this node cannot do RDMA: NIXL is not installed"),
-    p.RdmaGetReply((p.GetReplyItem(p.ItemStatus.OK, 4096, 1, b"c" * 32),
-                    p.GetReplyItem(p.ItemStatus.TRANSFER_FAILED, 0, 0, bytes(32)),
-                    p.GetReplyItem(p.ItemStatus.MISS, 0, 0, bytes(32)))),
+    p.RdmaGetReply(
+        (
+            p.GetReplyItem(p.ItemStatus.OK, 4096, 1, b"c" * 32),
+            p.GetReplyItem(p.ItemStatus.TRANSFER_FAILED, 0, 0, bytes(32)),
+            p.GetReplyItem(p.ItemStatus.MISS, 0, 0, bytes(32)),
+        )
+    ),
 ]
 
 
@@ -117,15 +121,19 @@ def test_a_replayed_rdma_get_fails_the_sequence_check():
         dec.next_frame()
 
 
-@pytest.mark.parametrize("msg", [
-    p.RdmaAttachRequest(1, b""),
-    p.RdmaAttachRequest(1, b"x" * (p.MAX_RDMA_METADATA_BYTES + 1)),
-    p.RdmaGetRequest((b"k",), (1,), (1,), 0, 1),
-    p.RdmaGetRequest((b"k",), (1,), (1,), p.MAX_RDMA_WINDOW_MS + 1, 1),
-    p.RdmaGetRequest((b"k",), (1, 2), (1,), 10, 1),
-    p.RdmaGetRequest((b"",), (1,), (1,), 10, 1),
-    p.RdmaGetRequest((b"k" * 481,), (1,), (1,), 10, 1),
-], ids=["empty-md", "md-too-big", "window-0", "window-too-long", "lengths-mismatch", "empty-key", "key-too-long"])
+@pytest.mark.parametrize(
+    "msg",
+    [
+        p.RdmaAttachRequest(1, b""),
+        p.RdmaAttachRequest(1, b"x" * (p.MAX_RDMA_METADATA_BYTES + 1)),
+        p.RdmaGetRequest((b"k",), (1,), (1,), 0, 1),
+        p.RdmaGetRequest((b"k",), (1,), (1,), p.MAX_RDMA_WINDOW_MS + 1, 1),
+        p.RdmaGetRequest((b"k",), (1, 2), (1,), 10, 1),
+        p.RdmaGetRequest((b"",), (1,), (1,), 10, 1),
+        p.RdmaGetRequest((b"k" * 481,), (1,), (1,), 10, 1),
+    ],
+    ids=["empty-md", "md-too-big", "window-0", "window-too-long", "lengths-mismatch", "empty-key", "key-too-long"],
+)
 def test_bound_violations_are_refused_before_sending(msg):
     client, _ = session()
     with pytest.raises(LocalProtocolError):
@@ -147,21 +155,39 @@ def _server_codec() -> tuple[p.FrameCodec, bytes]:
 
 def _get_meta(n_keys: int = 1, length: int = 4096, window: int = 1000, extra: bytes = b"") -> bytes:
     keys = [b"k%d" % i for i in range(n_keys)]
-    return (struct.pack(f">I{n_keys}H", n_keys, *map(len, keys)) + b"".join(keys)
-            + struct.pack(f">{n_keys}I", *[length] * n_keys) + struct.pack(f">{n_keys}Q", *[4096] * n_keys)
-            + struct.pack(">IQ", window, 7) + extra)
+    return (
+        struct.pack(f">I{n_keys}H", n_keys, *map(len, keys))
+        + b"".join(keys)
+        + struct.pack(f">{n_keys}I", *[length] * n_keys)
+        + struct.pack(f">{n_keys}Q", *[4096] * n_keys)
+        + struct.pack(">IQ", window, 7)
+        + extra
+    )
 
 
-@pytest.mark.parametrize("opcode, meta, code", [
-    (0x20, b"\x01", p.ErrorCode.FRAME_TOO_LARGE),  # no metadata at all
-    (0x20, b"\x01" + b"m" * (p.MAX_RDMA_METADATA_BYTES + 1), p.ErrorCode.FRAME_TOO_LARGE),
-    (0x21, _get_meta(extra=b"x"), p.ErrorCode.MALFORMED),
-    (0x21, _get_meta()[:-3], p.ErrorCode.MALFORMED),
-    (0x21, _get_meta(length=0), p.ErrorCode.VALUE_TOO_LARGE),
-    (0x21, _get_meta(length=(64 << 20) + 1), p.ErrorCode.VALUE_TOO_LARGE),
-    (0x21, _get_meta(window=0), p.ErrorCode.MALFORMED),
-    (0x21, struct.pack(">I", 5000) + b"\x00" * 20, p.ErrorCode.BATCH_TOO_LARGE),
-], ids=["no-metadata", "metadata-too-big", "trailing", "truncated", "zero-length", "length-too-big", "window-0", "batch"])
+@pytest.mark.parametrize(
+    "opcode, meta, code",
+    [
+        (0x20, b"\x01", p.ErrorCode.FRAME_TOO_LARGE),  # no metadata at all
+        (0x20, b"\x01" + b"m" * (p.MAX_RDMA_METADATA_BYTES + 1), p.ErrorCode.FRAME_TOO_LARGE),
+        (0x21, _get_meta(extra=b"x"), p.ErrorCode.MALFORMED),
+        (0x21, _get_meta()[:-3], p.ErrorCode.MALFORMED),
+        (0x21, _get_meta(length=0), p.ErrorCode.VALUE_TOO_LARGE),
+        (0x21, _get_meta(length=(64 << 20) + 1), p.ErrorCode.VALUE_TOO_LARGE),
+        (0x21, _get_meta(window=0), p.ErrorCode.MALFORMED),
+        (0x21, struct.pack(">I", 5000) + b"\x00" * 20, p.ErrorCode.BATCH_TOO_LARGE),
+    ],
+    ids=[
+        "no-metadata",
+        "metadata-too-big",
+        "trailing",
+        "truncated",
+        "zero-length",
+        "length-too-big",
+        "window-0",
+        "batch",
+    ],
+)
 def test_malformed_rdma_requests_are_remote_protocol_errors(opcode, meta, code):
     codec, key = _server_codec()
     with pytest.raises(RemoteProtocolError) as info:

@@ -32,8 +32,12 @@ MiB = 1 << 20
 
 
 def config(transport: str, **kwargs) -> ClientConfig:
-    return ClientConfig(servers=(ServerAddress("127.0.0.1", 9),), auth_key=AuthKey.from_hex("ab" * 32, "test"),
-                        transport=transport, **kwargs)
+    return ClientConfig(
+        servers=(ServerAddress("127.0.0.1", 9),),
+        auth_key=AuthKey.from_hex("ab" * 32, "test"),
+        transport=transport,
+        **kwargs,
+    )
 
 
 @pytest.mark.unit
@@ -55,8 +59,11 @@ def test_auto_without_an_rdma_device_is_tcp_without_importing_nixl(pool, monkeyp
 
 @pytest.mark.unit
 def test_rdma_mode_without_nixl_refuses_to_start(monkeypatch):
-    monkeypatch.setattr(nixl_adapter, "nixl_available",
-                        lambda: (False, f"NIXL is not installed ({nixl_adapter.INSTALL_HINT}): No module named 'nixl'"))
+    monkeypatch.setattr(
+        nixl_adapter,
+        "nixl_available",
+        lambda: (False, f"NIXL is not installed ({nixl_adapter.INSTALL_HINT}): No module named 'nixl'"),
+    )
     with pytest.raises(ConfigError) as info:
         Client(config("rdma"))
     assert "MEMKV_TRANSPORT=rdma" in str(info.value) and "pip install --no-deps nixl-cu12" in str(info.value)
@@ -114,8 +121,11 @@ def test_rdma_mode_refuses_a_node_without_rdma_naming_it(ucx, start_node, make_c
 
 
 def warnings_about_tcp(caplog) -> list[str]:
-    return [r.getMessage() for r in caplog.records
-            if r.name == "memkv.client" and r.levelno == logging.WARNING and "uses TCP from now on" in r.getMessage()]
+    return [
+        r.getMessage()
+        for r in caplog.records
+        if r.name == "memkv.client" and r.levelno == logging.WARNING and "uses TCP from now on" in r.getMessage()
+    ]
 
 
 @requires_nixl
@@ -137,7 +147,9 @@ def test_auto_latches_to_tcp_when_a_node_refuses_rdma(ucx, start_node, make_clie
 
 @requires_nixl
 @pytest.mark.integration
-def test_auto_latches_to_tcp_with_a_node_that_predates_rdma(ucx, start_late_node, make_client, pool, monkeypatch, caplog):
+def test_auto_latches_to_tcp_with_a_node_that_predates_rdma(
+    ucx, start_late_node, make_client, pool, monkeypatch, caplog
+):
     monkeypatch.setattr(nixl_adapter, "rdma_devices", lambda configured=(): (["fake_nic0"], []))
     node = start_late_node(pre_rdma=True)  # answers RDMA_ATTACH with UNKNOWN_OPCODE and closes
     client = make_client([node], transport="auto")
@@ -152,7 +164,9 @@ def test_auto_latches_to_tcp_with_a_node_that_predates_rdma(ucx, start_late_node
 
 @requires_nixl
 @pytest.mark.integration
-def test_auto_latches_to_tcp_after_a_write_misses_its_window(ucx, start_late_node, make_client, pool, monkeypatch, caplog):
+def test_auto_latches_to_tcp_after_a_write_misses_its_window(
+    ucx, start_late_node, make_client, pool, monkeypatch, caplog
+):
     monkeypatch.setattr(nixl_adapter, "rdma_devices", lambda configured=(): (["fake_nic0"], []))
     node = start_late_node(delay_s=1.5, ignore_window=False)  # window = 0.5 * 2 s: the write never starts
     client = make_client([node], transport="auto", io_timeout_s=2.0)

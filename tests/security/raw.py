@@ -13,7 +13,6 @@ from __future__ import annotations
 import hashlib
 import hmac
 import os
-import socket
 import struct
 
 from memkv import protocol as p
@@ -54,16 +53,27 @@ class RawSession:
 
     # -- building frames ------------------------------------------------------------------------
 
-    def frame(self, opcode: int, meta: bytes = b"", *, seq: int | None = None, meta_len: int | None = None,
-              payload_len: int = 0, version: int = p.PROTOCOL_VERSION, flags: int = 0, status: int = 0,
-              mac_key: bytes | None = None) -> bytes:
+    def frame(
+        self,
+        opcode: int,
+        meta: bytes = b"",
+        *,
+        seq: int | None = None,
+        meta_len: int | None = None,
+        payload_len: int = 0,
+        version: int = p.PROTOCOL_VERSION,
+        flags: int = 0,
+        status: int = 0,
+        mac_key: bytes | None = None,
+    ) -> bytes:
         """A frame with a valid MAC (under this session's key unless `mac_key`) and, unless `seq`
         is given, the next sequence number -- whatever its other fields say."""
         if seq is None:
             self.send_seq += 1
             seq = self.send_seq
-        header = p.FRAME_HEADER.pack(b"MK", version, opcode, flags, status, seq,
-                                     len(meta) if meta_len is None else meta_len, payload_len)
+        header = p.FRAME_HEADER.pack(
+            b"MK", version, opcode, flags, status, seq, len(meta) if meta_len is None else meta_len, payload_len
+        )
         mac = hmac.new(mac_key or self.c2s_key, header + meta, hashlib.sha256).digest()
         return header + mac + meta
 

@@ -13,8 +13,8 @@ from __future__ import annotations
 # Imported before `become` drops to a uid that may not read the interpreter's files: what the
 # client imports lazily.
 import concurrent.futures.thread  # noqa: F401
-import encodings.idna  # noqa: F401
 import ctypes
+import encodings.idna  # noqa: F401
 import errno
 import json
 import mmap
@@ -22,15 +22,15 @@ import os
 import sys
 from collections.abc import Callable
 
+from memkv import nixl_adapter  # noqa: F401
 from memkv import protocol as p
+from memkv.client.cluster import Client
 from memkv.client.node import NodeConnection, local_connect
 from memkv.client.shared import write_value
-from memkv.client.cluster import Client
 from memkv.config import AuthKey, ClientConfig, ServerAddress
 from memkv.errors import MemKVError
 from memkv.integrity import Checksummer
 from memkv.transport import shm
-from memkv import nixl_adapter  # noqa: F401
 
 _LIBC = ctypes.CDLL(None, use_errno=True)
 _LIBC.mmap.restype = ctypes.c_void_p

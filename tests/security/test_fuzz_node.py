@@ -58,7 +58,9 @@ def base_requests(draw) -> tuple[int, bytes, bytes]:
     if kind in ("exists", "delete"):
         return (p.Opcode.EXISTS if kind == "exists" else p.Opcode.DELETE), key_block(ks), b""
     if kind == "get":
-        lengths = draw(st.lists(st.sampled_from([0, 1, 100, p.ANY_LENGTH, 1 << 20]), min_size=len(ks), max_size=len(ks)))
+        lengths = draw(
+            st.lists(st.sampled_from([0, 1, 100, p.ANY_LENGTH, 1 << 20]), min_size=len(ks), max_size=len(ks))
+        )
         return p.Opcode.GET, key_block(ks) + struct.pack(f">{len(ks)}I", *lengths), b""
     if kind == "list":
         prefix = draw(st.sampled_from([b"", b"k", ks[0]]))
@@ -79,26 +81,42 @@ def frames(draw) -> dict:
     """One frame to send after the handshake: a request and how it is broken."""
     opcode, meta, payload = draw(base_requests())
     mutation = draw(st.sampled_from(["none", "flip-raw", "field", "meta", "payload", "random-meta"]))
-    fields = {"opcode": opcode, "meta": meta, "payload": payload, "seq_delta": 0, "meta_len": None,
-              "payload_len": len(payload), "version": 1, "flags": 0, "status": 0, "flip": None}
+    fields = {
+        "opcode": opcode,
+        "meta": meta,
+        "payload": payload,
+        "seq_delta": 0,
+        "meta_len": None,
+        "payload_len": len(payload),
+        "version": 1,
+        "flags": 0,
+        "status": 0,
+        "flip": None,
+    }
     if mutation == "flip-raw":
         fields["flip"] = (draw(st.integers(0, 10_000)), draw(st.integers(1, 255)))
     elif mutation == "field":
         name = draw(st.sampled_from(["opcode", "seq_delta", "meta_len", "payload_len", "version", "flags", "status"]))
-        fields[name] = draw({
-            "opcode": st.integers(0, 255),
-            "seq_delta": st.sampled_from([-1, 1, 2, -(2**20)]),
-            "meta_len": st.sampled_from([0, 1, len(meta) + 1, max(0, len(meta) - 1), 2**32 - 1, p.DEFAULT_MAX_META_BYTES + 1]),
-            "payload_len": st.sampled_from([0, 1, len(payload) + 1, 2**63, p.DEFAULT_MAX_PAYLOAD_BYTES + 1, 16 << 20]),
-            "version": st.sampled_from([0, 2, 255]),
-            "flags": st.integers(1, 0xFFFF),
-            "status": st.integers(1, 0xFFFF),
-        }[name])
+        fields[name] = draw(
+            {
+                "opcode": st.integers(0, 255),
+                "seq_delta": st.sampled_from([-1, 1, 2, -(2**20)]),
+                "meta_len": st.sampled_from(
+                    [0, 1, len(meta) + 1, max(0, len(meta) - 1), 2**32 - 1, p.DEFAULT_MAX_META_BYTES + 1]
+                ),
+                "payload_len": st.sampled_from(
+                    [0, 1, len(payload) + 1, 2**63, p.DEFAULT_MAX_PAYLOAD_BYTES + 1, 16 << 20]
+                ),
+                "version": st.sampled_from([0, 2, 255]),
+                "flags": st.integers(1, 0xFFFF),
+                "status": st.integers(1, 0xFFFF),
+            }[name]
+        )
     elif mutation == "meta" and meta:
         at = draw(st.integers(0, len(meta) - 1))
         how = draw(st.sampled_from(["replace", "cut", "extend"]))
         if how == "replace":
-            meta = meta[:at] + bytes([draw(st.integers(0, 255))]) + meta[at + 1:]
+            meta = meta[:at] + bytes([draw(st.integers(0, 255))]) + meta[at + 1 :]
         elif how == "cut":
             meta = meta[:at]
         else:
@@ -113,7 +131,9 @@ def frames(draw) -> dict:
 
 pre_handshake = st.one_of(
     st.binary(max_size=200).map(lambda b: ("raw", b)),
-    st.tuples(st.integers(0, 39), st.integers(1, 255), st.integers(0, 40), st.binary(max_size=40)).map(lambda t: ("hello", t)),
+    st.tuples(st.integers(0, 39), st.integers(1, 255), st.integers(0, 40), st.binary(max_size=40)).map(
+        lambda t: ("hello", t)
+    ),
     st.tuples(st.integers(0, 35), st.integers(1, 255), st.binary(max_size=40)).map(lambda t: ("auth", t)),
 )
 
@@ -128,10 +148,21 @@ TARGETED = [
     ("post", [{"opcode": p.Opcode.HELLO_OK, "meta": b'{"node_id": 1, "limits": {"max_key_bytes": 1e999}}'}]),
     ("post", [{"opcode": p.Opcode.ERROR, "meta": b"\xff" * 5000, "status": 0xFFFF}]),
     ("post", [{"opcode": p.Opcode.PUT, "meta": struct.pack(">I", 4096)}]),  # count with no keys
-    ("post", [{"opcode": p.Opcode.GET, "meta": key_block([b"k"] * 4096) + struct.pack(">4096I", *[p.ANY_LENGTH] * 4096)}]),
+    (
+        "post",
+        [{"opcode": p.Opcode.GET, "meta": key_block([b"k"] * 4096) + struct.pack(">4096I", *[p.ANY_LENGTH] * 4096)}],
+    ),
     ("post", [{"opcode": p.Opcode.EXISTS, "meta": struct.pack(">I", 2**32 - 1)}]),
-    ("post", [{"opcode": p.Opcode.PUT, "meta": key_block([b"big"]) + struct.pack(">I", 16 << 20) + b"\x01" + bytes(32),
-               "payload_len": 16 << 20}]),  # announces 16 MiB, sends none: a reserved buffer released at timeout
+    (
+        "post",
+        [
+            {
+                "opcode": p.Opcode.PUT,
+                "meta": key_block([b"big"]) + struct.pack(">I", 16 << 20) + b"\x01" + bytes(32),
+                "payload_len": 16 << 20,
+            }
+        ],
+    ),  # announces 16 MiB, sends none: a reserved buffer released at timeout
 ]
 
 
@@ -141,14 +172,21 @@ TARGETED = [
 def build(raw: RawSession, f: dict) -> bytes:
     seq = (raw.send_seq + 1 + f.get("seq_delta", 0)) % (1 << 64)
     raw.send_seq += 1
-    frame = raw.frame(f["opcode"], f.get("meta", b""), seq=seq, meta_len=f.get("meta_len"),
-                      payload_len=f.get("payload_len", len(f.get("payload", b""))), version=f.get("version", 1),
-                      flags=f.get("flags", 0), status=f.get("status", 0))
+    frame = raw.frame(
+        f["opcode"],
+        f.get("meta", b""),
+        seq=seq,
+        meta_len=f.get("meta_len"),
+        payload_len=f.get("payload_len", len(f.get("payload", b""))),
+        version=f.get("version", 1),
+        flags=f.get("flags", 0),
+        status=f.get("status", 0),
+    )
     data = frame + f.get("payload", b"")
     if f.get("flip") is not None:
         at, xor = f["flip"]
         at %= len(data)
-        data = data[:at] + bytes([data[at] ^ xor]) + data[at + 1:]
+        data = data[:at] + bytes([data[at] ^ xor]) + data[at + 1 :]
     return data
 
 
@@ -205,13 +243,15 @@ class GoodClient:
                     self.failures.append(f"{key}: read back wrong or missing")
                 else:
                     self.ok += 1
-            except Exception as exc:  # noqa: BLE001 -- any failure of the good client is the finding
+            except Exception as exc:  # any failure of the good client is the finding
                 self.failures.append(f"{key}: {type(exc).__name__}: {exc}")
             i += 1
             self.stop.wait(0.01)
 
 
-def test_fuzzed_frames_never_crash_leak_or_starve_the_node(hostile_node, auth_key_hex, make_client, wait_until, figures):
+def test_fuzzed_frames_never_crash_leak_or_starve_the_node(
+    hostile_node, auth_key_hex, make_client, wait_until, figures
+):
     node = hostile_node
     good = GoodClient(make_client([node], io_timeout_s=5.0))
     good.client.probe()
@@ -229,8 +269,13 @@ def test_fuzzed_frames_never_crash_leak_or_starve_the_node(hostile_node, auth_ke
             assert node.proc.poll() is None, f"the node died after {count['inputs']} inputs"
             count["rss_peak"] = max(count["rss_peak"], rss_bytes(node.pid))
 
-    @settings(max_examples=MAX_INPUTS, deadline=None, database=None, phases=[Phase.generate, Phase.shrink],
-              suppress_health_check=list(HealthCheck))
+    @settings(
+        max_examples=MAX_INPUTS,
+        deadline=None,
+        database=None,
+        phases=[Phase.generate, Phase.shrink],
+        suppress_health_check=list(HealthCheck),
+    )
     @given(inputs)
     def fuzz(item) -> None:
         one(item)
@@ -252,12 +297,16 @@ def test_fuzzed_frames_never_crash_leak_or_starve_the_node(hostile_node, auth_ke
     assert not good.failures, f"the good client failed during the fuzz: {good.failures[:5]}"
     assert good.ok > 0
     # No leaked connections: every fuzz connection is gone once its io-timeout has passed.
-    wait_until(lambda: status_of(node)["connections"] <= baseline_conns, IO_TIMEOUT_S * 3 + 5,
-               what="connections back to baseline")
+    wait_until(
+        lambda: status_of(node)["connections"] <= baseline_conns,
+        IO_TIMEOUT_S * 3 + 5,
+        what="connections back to baseline",
+    )
     rss_after = rss_bytes(node.pid)
     count["rss_peak"] = max(count["rss_peak"], rss_after)
     assert count["rss_peak"] <= rss_before + CAPACITY + RSS_OVERHEAD, (
-        f"RSS peaked at {count['rss_peak'] >> 20} MiB from {rss_before >> 20} MiB (capacity {CAPACITY >> 20} MiB)")
+        f"RSS peaked at {count['rss_peak'] >> 20} MiB from {rss_before >> 20} MiB (capacity {CAPACITY >> 20} MiB)"
+    )
     status = status_of(node)
     assert status["allocated_bytes"] <= CAPACITY
     # And it still serves, byte-exact, after the fuzz.
@@ -266,9 +315,19 @@ def test_fuzzed_frames_never_crash_leak_or_starve_the_node(hostile_node, auth_ke
     client.put("after-fuzz", value)
     assert client.get("after-fuzz") == value
     metrics = metrics_of(node)
-    refused = sum(float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
-                  if line.startswith(("memkv_node_auth_failures_total{", "memkv_node_errors_total{")))
+    refused = sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in metrics.splitlines()
+        if line.startswith(("memkv_node_auth_failures_total{", "memkv_node_errors_total{"))
+    )
     assert refused > 0
-    figures(fuzz_inputs=count["inputs"], fuzz_seconds=round(took, 1), good_client_ops=good.ok,
-            refused_and_counted=int(refused), rss_before_mib=rss_before >> 20, rss_peak_mib=count["rss_peak"] >> 20,
-            capacity_mib=CAPACITY >> 20, connections_after=status_of(node)["connections"])
+    figures(
+        fuzz_inputs=count["inputs"],
+        fuzz_seconds=round(took, 1),
+        good_client_ops=good.ok,
+        refused_and_counted=int(refused),
+        rss_before_mib=rss_before >> 20,
+        rss_peak_mib=count["rss_peak"] >> 20,
+        capacity_mib=CAPACITY >> 20,
+        connections_after=status_of(node)["connections"],
+    )

@@ -43,7 +43,9 @@ def counters(node) -> dict[tuple[str, str], float]:
 
 
 def delta(before: dict, after: dict) -> dict:
-    return {k: after.get(k, 0) - before.get(k, 0) for k in set(before) | set(after) if after.get(k, 0) != before.get(k, 0)}
+    return {
+        k: after.get(k, 0) - before.get(k, 0) for k in set(before) | set(after) if after.get(k, 0) != before.get(k, 0)
+    }
 
 
 # -- the attacks: each returns what the node sent back --------------------------------------------
@@ -172,9 +174,18 @@ CASES = [
     ("proof-under-another-key", proof_under_another_key, (AUTH, "bad_proof"), REJECT),
     ("no-key-zero-proof", zero_proof, (AUTH, "bad_proof"), REJECT),
     ("no-key-skips-client-auth", frame_instead_of_client_auth, (AUTH, "bad_proof"), REJECT),
-    ("no-key-no-handshake", frames_without_a_handshake, (AUTH, "bad_hello"), p.ServerHandshake.refusal(p.ErrorCode.BAD_MAGIC)),
-    ("replayed-handshake", replayed_handshake, (AUTH, "bad_proof"),
-     lambda got: len(got) == p.SERVER_HELLO.size + len(REJECT) and got[:4] == b"MKVS" and got.endswith(REJECT)),
+    (
+        "no-key-no-handshake",
+        frames_without_a_handshake,
+        (AUTH, "bad_hello"),
+        p.ServerHandshake.refusal(p.ErrorCode.BAD_MAGIC),
+    ),
+    (
+        "replayed-handshake",
+        replayed_handshake,
+        (AUTH, "bad_proof"),
+        lambda got: len(got) == p.SERVER_HELLO.size + len(REJECT) and got[:4] == b"MKVS" and got.endswith(REJECT),
+    ),
     ("replayed-frame", replayed_frame, (AUTH, "bad_sequence"), p.ErrorCode.BAD_SEQUENCE),
     ("reordered-frames", reordered_frames, (AUTH, "bad_sequence"), p.ErrorCode.BAD_SEQUENCE),
     ("frame-of-another-session", frame_of_another_session, (AUTH, "bad_mac"), p.ErrorCode.BAD_MAC),
@@ -186,8 +197,9 @@ CASES = [
 
 
 @pytest.mark.parametrize("attack, counter, answer", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
-def test_attack_is_refused_and_counted_once_by_reason(hostile_node, auth_key_hex, make_client, wait_until, figures,
-                                                      attack, counter, answer):
+def test_attack_is_refused_and_counted_once_by_reason(
+    hostile_node, auth_key_hex, make_client, wait_until, figures, attack, counter, answer
+):
     before = counters(hostile_node)
     got = attack(hostile_node, auth_key_hex, make_client)
     if isinstance(answer, bytes):

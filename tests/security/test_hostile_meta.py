@@ -45,8 +45,11 @@ def test_node_answers_nested_json_with_malformed_and_keeps_serving(hostile_node,
         raw.send(raw.frame(p.Opcode.HELLO_OK, NESTED))
         error = raw.error_then_close()
     assert error.code == p.ErrorCode.MALFORMED
-    wait_until(lambda: metric_value(metrics_of(hostile_node), "memkv_node_errors_total", code="malformed") == before + 1,
-               5.0, what="the malformed frame to be counted")
+    wait_until(
+        lambda: metric_value(metrics_of(hostile_node), "memkv_node_errors_total", code="malformed") == before + 1,
+        5.0,
+        what="the malformed frame to be counted",
+    )
     assert "Traceback" not in "".join(hostile_node.output)
     client = make_client([hostile_node])
     client.put("after-nested", b"x" * 10)

@@ -90,9 +90,7 @@ def rss_anon(pid: int) -> int:
     return int(line.split()[1]) * 1024
 
 
-def test_no_memfd_a_client_gets_can_change_size_and_everyone_keeps_being_served(
-    start_node, make_client, auth_key_hex
-):
+def test_no_memfd_a_client_gets_can_change_size_and_everyone_keeps_being_served(start_node, make_client, auth_key_hex):
     node = start_node(capacity="64MiB")
     writer = make_client([node])
     remote = make_client([node], local_socket=False)  # TCP only, as from another host
@@ -162,7 +160,9 @@ def test_what_a_hostile_client_maps_and_reads_stays_within_the_nodes_capacity(st
         proc.wait(timeout=30)
 
 
-def test_reservations_are_bounded_and_one_never_committed_is_reclaimed(start_node, make_client, auth_key_hex, wait_until):
+def test_reservations_are_bounded_and_one_never_committed_is_reclaimed(
+    start_node, make_client, auth_key_hex, wait_until
+):
     node = start_node(capacity="64MiB", extra_args=["--io-timeout", "1", "--max-value-size", "4MiB"])
     inflight_bound = status_of(node)["max_inflight_bytes"]  # max(2 x max value, capacity / 4)
     proc, got = holding_peer(node, auth_key_hex, "reserve", 4 * MiB, 12)

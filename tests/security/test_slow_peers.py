@@ -76,7 +76,9 @@ def test_hello_trickled_one_byte_at_a_time_is_closed_within_io_timeout(hostile_n
     figures(trickled_hello_closed_after_s=round(took, 3), io_timeout_s=IO_TIMEOUT_S)
 
 
-def test_frame_trickled_one_byte_at_a_time_is_closed_within_io_timeout(hostile_node, auth_key_hex, make_client, wait_until, figures):
+def test_frame_trickled_one_byte_at_a_time_is_closed_within_io_timeout(
+    hostile_node, auth_key_hex, make_client, wait_until, figures
+):
     baseline = status_of(hostile_node)["connections"]
     before = metric_value(metrics_of(hostile_node), "memkv_node_errors_total", code="timeout")
     with RawSession(hostile_node, auth_key_hex) as raw:
@@ -91,7 +93,9 @@ def test_frame_trickled_one_byte_at_a_time_is_closed_within_io_timeout(hostile_n
     figures(trickled_frame_closed_after_s=round(took, 3), io_timeout_s=IO_TIMEOUT_S)
 
 
-def test_slow_reader_of_a_16mib_reply_is_dropped_and_its_value_unpinned(hostile_node, auth_key_hex, make_client, wait_until, figures):
+def test_slow_reader_of_a_16mib_reply_is_dropped_and_its_value_unpinned(
+    hostile_node, auth_key_hex, make_client, wait_until, figures
+):
     """The node's side is what counts: once it gives up, the bytes already queued in its socket
     buffer still drain to the reader, so the test watches the node's connection count."""
     client = make_client([hostile_node])
@@ -125,8 +129,11 @@ def test_slow_reader_of_a_16mib_reply_is_dropped_and_its_value_unpinned(hostile_
         started = time.monotonic()
         reader.start()
         try:
-            wait_until(lambda: status_of(hostile_node)["connections"] == baseline, BUDGET_S,
-                       what="the node to drop the slow reader")
+            wait_until(
+                lambda: status_of(hostile_node)["connections"] == baseline,
+                BUDGET_S,
+                what="the node to drop the slow reader",
+            )
             took = time.monotonic() - started
         finally:
             stop.set()

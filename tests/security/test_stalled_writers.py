@@ -80,14 +80,22 @@ def all_back(client, values) -> bool:
     return True
 
 
-def test_puts_that_declare_64mib_and_send_nothing_evict_nothing(full_node, auth_key_hex, make_client, wait_until, figures):
+def test_puts_that_declare_64mib_and_send_nothing_evict_nothing(
+    full_node, auth_key_hex, make_client, wait_until, figures
+):
     node, client, values = full_node
     before = status_of(node)
     read_before = puts_read(node)
     with stalled_puts(node, auth_key_hex, send_bytes=0):
-        wait_until(lambda: puts_read(node) >= read_before + STALLED, 10.0, what="the node to read the stalled PUT frames")
+        wait_until(
+            lambda: puts_read(node) >= read_before + STALLED, 10.0, what="the node to read the stalled PUT frames"
+        )
         during = status_of(node)
-        assert (during["values"], during["evictions"], during["stored_bytes"]) == (STORED, before["evictions"], before["stored_bytes"])
+        assert (during["values"], during["evictions"], during["stored_bytes"]) == (
+            STORED,
+            before["evictions"],
+            before["stored_bytes"],
+        )
         assert during["inflight_bytes"] == 0
         assert all_back(client, values), "a stored value was lost to writers that sent nothing"
         other = make_client([node], io_timeout_s=10.0)
@@ -96,19 +104,33 @@ def test_puts_that_declare_64mib_and_send_nothing_evict_nothing(full_node, auth_
         other.put("other/new", fresh)
         put_s = time.monotonic() - started
         assert other.get("other/new") == fresh
-    figures(stalled_puts=STALLED, declared_mib=DECLARED // MiB, stored_values=STORED, values_after=during["values"],
-            evictions=during["evictions"] - before["evictions"], other_put_s=round(put_s, 3))
+    figures(
+        stalled_puts=STALLED,
+        declared_mib=DECLARED // MiB,
+        stored_values=STORED,
+        values_after=during["values"],
+        evictions=during["evictions"] - before["evictions"],
+        other_put_s=round(put_s, 3),
+    )
 
 
-def test_puts_that_stall_mid_value_take_at_most_the_inflight_bound(full_node, auth_key_hex, make_client, wait_until, figures):
+def test_puts_that_stall_mid_value_take_at_most_the_inflight_bound(
+    full_node, auth_key_hex, make_client, wait_until, figures
+):
     node, client, values = full_node
     before = status_of(node)
     bound = before["max_inflight_bytes"]
     refused_before = metric_value(metrics_of(node), "memkv_node_puts_refused_total", reason="inflight_limit")
     admitted = max(1, bound // DECLARED)
     with stalled_puts(node, auth_key_hex, send_bytes=128 << 10):
-        wait_until(lambda: metric_value(metrics_of(node), "memkv_node_puts_refused_total", reason="inflight_limit")
-                   >= refused_before + STALLED - admitted, 10.0, what="the PUTs over the in-flight bound to be refused")
+        wait_until(
+            lambda: (
+                metric_value(metrics_of(node), "memkv_node_puts_refused_total", reason="inflight_limit")
+                >= refused_before + STALLED - admitted
+            ),
+            10.0,
+            what="the PUTs over the in-flight bound to be refused",
+        )
         during = status_of(node)
         assert during["inflight_bytes"] <= bound
         lost = before["stored_bytes"] - during["stored_bytes"]
@@ -124,9 +146,17 @@ def test_puts_that_stall_mid_value_take_at_most_the_inflight_bound(full_node, au
         # Answered while the stalls still hold the bound (not once they timed out): no clock needed.
         assert status_of(node)["inflight_bytes"] > 0, "the writer was answered only after the stalls ended"
     # The stalls end at --io-timeout (or when the test closes them): the bound is free again.
-    wait_until(lambda: status_of(node)["inflight_bytes"] == 0, IO_TIMEOUT_S + 5.0, what="the stalled reservations to end")
+    wait_until(
+        lambda: status_of(node)["inflight_bytes"] == 0, IO_TIMEOUT_S + 5.0, what="the stalled reservations to end"
+    )
     fresh = os.urandom(VALUE)
     other.put("other/after", fresh)
     assert other.get("other/after") == fresh
-    figures(stalled_puts=STALLED, inflight_bound_mib=bound // MiB, lost_mib=lost // MiB, values_left=during["values"],
-            other_put_during_stored=stored == [True], other_put_answered_s=round(answered_s, 3))
+    figures(
+        stalled_puts=STALLED,
+        inflight_bound_mib=bound // MiB,
+        lost_mib=lost // MiB,
+        values_left=during["values"],
+        other_put_during_stored=stored == [True],
+        other_put_answered_s=round(answered_s, 3),
+    )

@@ -44,8 +44,14 @@ def _recv(sock: socket.socket, n: int) -> bytes | None:
 
 
 _OPS = {
-    p.PingRequest: "ping", p.PutRequest: "put", p.GetRequest: "get", p.ExistsRequest: "exists",
-    p.DeleteRequest: "delete", p.ListRequest: "list", p.RdmaAttachRequest: "rdma_attach", p.RdmaGetRequest: "rdma_get",
+    p.PingRequest: "ping",
+    p.PutRequest: "put",
+    p.GetRequest: "get",
+    p.ExistsRequest: "exists",
+    p.DeleteRequest: "delete",
+    p.ListRequest: "list",
+    p.RdmaAttachRequest: "rdma_attach",
+    p.RdmaGetRequest: "rdma_get",
 }
 
 

@@ -64,7 +64,7 @@ def test_any_other_backslash_sequence_is_a_usage_error(text: str) -> None:
 
 def test_a_key_argument_is_bounded_after_unescaping() -> None:
     assert _key_arg(r"\x00" * 480) == bytes(480)  # 1920 characters, 480 bytes: fine
-    with pytest.raises(UsageError, match="1..480 bytes, got 481"):
+    with pytest.raises(UsageError, match=r"1\.\.480 bytes, got 481"):
         _key_arg(r"\x00" * 481)
     with pytest.raises(UsageError, match="got 0"):
         _key_arg("")

@@ -35,8 +35,8 @@ from memkv.config import (
     cgroup_memory_limit_bytes,
     default_capacity_bytes,
     default_key_path,
-    host_memory_bytes,
     format_size,
+    host_memory_bytes,
     parse_address,
     parse_servers,
     parse_size,
@@ -92,7 +92,12 @@ def test_yaml_beats_defaults(tmp_path) -> None:
     cfg = ClientConfig.from_env({"MEMKV_CONFIG": path})
     assert [s.name for s in cfg.servers] == ["10.0.0.1:9900", "10.0.0.2:9901"]
     assert cfg.auth_key.raw == bytes.fromhex(SECRET)
-    assert (cfg.integrity, cfg.io_timeout_s, cfg.pool_size, cfg.prometheus_bind) == ("blake3", 3.5, 2, ("127.0.0.1", 9400))
+    assert (cfg.integrity, cfg.io_timeout_s, cfg.pool_size, cfg.prometheus_bind) == (
+        "blake3",
+        3.5,
+        2,
+        ("127.0.0.1", 9400),
+    )
 
 
 def test_env_beats_yaml(tmp_path) -> None:
@@ -285,7 +290,9 @@ def test_a_url_scheme_is_named_as_the_problem(text) -> None:
 def test_blank_servers_and_key_variables_mean_unset(tmp_path, blank) -> None:
     """One rule: a MEMKV_* variable that is empty or only whitespace is unset, so the next
     source applies (the yaml, else the default 127.0.0.1:9900); ' ' used to be an error."""
-    assert ClientConfig.from_env({"MEMKV_SERVERS": blank, "MEMKV_AUTH_KEY": SECRET}).servers == (ServerAddress("127.0.0.1", 9900),)
+    assert ClientConfig.from_env({"MEMKV_SERVERS": blank, "MEMKV_AUTH_KEY": SECRET}).servers == (
+        ServerAddress("127.0.0.1", 9900),
+    )
     path = write_yaml(tmp_path, f"servers: [10.0.0.1:9900]\nauth_key: {SECRET}\n")
     cfg = ClientConfig.from_env({"MEMKV_CONFIG": path, "MEMKV_SERVERS": blank, "MEMKV_AUTH_KEY": blank})
     assert cfg.servers[0].name == "10.0.0.1:9900" and cfg.auth_key.raw == bytes.fromhex(SECRET)
@@ -309,7 +316,11 @@ def test_weights_in_yaml_mapping_form(tmp_path) -> None:
         f"auth_key: {SECRET}\nservers:\n  - address: 10.0.0.1:9900\n    weight: 2\n  - 10.0.0.2:9900\n  - {{address: '[::1]:9900'}}\n",
     )
     cfg = ClientConfig.from_env({"MEMKV_CONFIG": path})
-    assert [(s.name, s.weight) for s in cfg.servers] == [("10.0.0.1:9900", 2.0), ("10.0.0.2:9900", 1.0), ("[::1]:9900", 1.0)]
+    assert [(s.name, s.weight) for s in cfg.servers] == [
+        ("10.0.0.1:9900", 2.0),
+        ("10.0.0.2:9900", 1.0),
+        ("[::1]:9900", 1.0),
+    ]
 
 
 # --------------------------------------------------------------------------------------------
@@ -337,7 +348,9 @@ def test_sizes_parse_binary_and_decimal_units(text, expected) -> None:
     assert parse_size(text, "--capacity") == expected
 
 
-@pytest.mark.parametrize("text", ["", "abc", "12XB", "-1", "0", "0MiB", "1.5.5GB", "1e9", "0.0001B", True, 0, -5, "8 GiB extra"])
+@pytest.mark.parametrize(
+    "text", ["", "abc", "12XB", "-1", "0", "0MiB", "1.5.5GB", "1e9", "0.0001B", True, 0, -5, "8 GiB extra"]
+)
 def test_bad_sizes_name_the_setting(text) -> None:
     with pytest.raises(ConfigError, match="--capacity"):
         parse_size(text, "--capacity")

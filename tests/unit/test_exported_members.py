@@ -63,13 +63,20 @@ def test_every_exported_name_exists() -> None:
 
 
 def test_every_public_name_the_package_binds_is_exported_or_a_submodule() -> None:
-    bound = {name for name, value in vars(memkv).items() if not name.startswith("_") and not isinstance(value, types.ModuleType)}
+    bound = {
+        name
+        for name, value in vars(memkv).items()
+        if not name.startswith("_") and not isinstance(value, types.ModuleType)
+    }
     assert bound - set(memkv.__all__) == set()
 
 
 def test_every_exception_class_of_memkv_errors_is_exported_from_memkv() -> None:
-    classes = {name for name, obj in vars(errors).items() if inspect.isclass(obj) and issubclass(obj, BaseException)
-               and obj.__module__ == errors.__name__}
+    classes = {
+        name
+        for name, obj in vars(errors).items()
+        if inspect.isclass(obj) and issubclass(obj, BaseException) and obj.__module__ == errors.__name__
+    }
     assert classes <= set(memkv.__all__)
     assert set(errors.__all__) == classes | {"map_os_error"}
 

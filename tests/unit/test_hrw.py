@@ -23,7 +23,7 @@ from memkv.client.hrw import RendezvousRing
 pytestmark = pytest.mark.unit
 
 NAMES3 = ["10.0.0.1:9900", "10.0.0.2:9900", "10.0.0.3:9900"]
-NAMES4 = NAMES3 + ["10.0.0.4:9900"]
+NAMES4 = [*NAMES3, "10.0.0.4:9900"]
 PIN_KEYS = [f"key-{i}".encode() for i in range(10)]
 KEYS_10K = [f"block/{i:05d}".encode() for i in range(10_000)]
 
@@ -85,7 +85,7 @@ def test_removing_and_re_adding_a_node_restores_every_placement() -> None:
     before = _owner_names(NAMES4, keys)
     without = NAMES4[:2] + NAMES4[3:]
     assert _owner_names(without, keys) != before
-    assert _owner_names(without + [NAMES4[2]], keys) == before  # re-added at the end of the list
+    assert _owner_names([*without, NAMES4[2]], keys) == before  # re-added at the end of the list
 
 
 def test_weight_two_node_owns_about_two_thirds_of_the_keys() -> None:

@@ -18,7 +18,9 @@ pytestmark = pytest.mark.unit
 @pytest.fixture(scope="module")
 def signer():
     key = Ed25519PrivateKey.generate()
-    public_pem = key.public_key().public_bytes(serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo)
+    public_pem = key.public_key().public_bytes(
+        serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
+    )
     return key, public_pem.decode()
 
 

@@ -19,10 +19,10 @@ Behaviour under test:
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import hmac
 import json
-import dataclasses
 import struct
 import typing
 
@@ -88,7 +88,15 @@ def raw_frame(
 ) -> bytes:
     """A frame built by hand with a valid MAC (client -> server of `session()` by default)."""
     header = struct.pack(
-        ">2sBBHHQIQ", magic, version, opcode, flags, status, seq, len(meta) if meta_len is None else meta_len, payload_len
+        ">2sBBHHQIQ",
+        magic,
+        version,
+        opcode,
+        flags,
+        status,
+        seq,
+        len(meta) if meta_len is None else meta_len,
+        payload_len,
     )
     return header + hmac256(send_key, header + meta) + meta
 
@@ -155,7 +163,12 @@ MESSAGES = [
     (
         "hello-ok-custom-limits",
         "s2c",
-        p.HelloOk("n\u00f6de", p.Limits(max_key_bytes=64, max_value_bytes=1 << 20, max_batch=7, max_meta_bytes=4096, max_payload_bytes=2 << 20)),
+        p.HelloOk(
+            "n\u00f6de",
+            p.Limits(
+                max_key_bytes=64, max_value_bytes=1 << 20, max_batch=7, max_meta_bytes=4096, max_payload_bytes=2 << 20
+            ),
+        ),
         b"",
     ),
     (
@@ -165,7 +178,12 @@ MESSAGES = [
             (
                 p.PutItem(b"k", len(_V1), p.ChecksumAlgo.XXH3_128, _SUMS.compute(_V1)),
                 p.PutItem(b"\x00\xff" * 240, 0, p.ChecksumAlgo.XXH3_128, _SUMS.compute(b"")),
-                p.PutItem(b"model/layout/abc", len(_V2), p.ChecksumAlgo.BLAKE3_KEYED, _SUMS.compute(_V2, p.ChecksumAlgo.BLAKE3_KEYED)),
+                p.PutItem(
+                    b"model/layout/abc",
+                    len(_V2),
+                    p.ChecksumAlgo.BLAKE3_KEYED,
+                    _SUMS.compute(_V2, p.ChecksumAlgo.BLAKE3_KEYED),
+                ),
             )
         ),
         _V1 + _V2,
@@ -181,7 +199,12 @@ MESSAGES = [
                 p.GetReplyItem(p.ItemStatus.MISS, 0, 0, bytes(32)),
                 p.GetReplyItem(p.ItemStatus.SIZE_MISMATCH, 0, 0, bytes(32)),
                 p.GetReplyItem(p.ItemStatus.OK, 0, p.ChecksumAlgo.XXH3_128, _SUMS.compute(b"")),
-                p.GetReplyItem(p.ItemStatus.OK, len(_V2), p.ChecksumAlgo.BLAKE3_KEYED, _SUMS.compute(_V2, p.ChecksumAlgo.BLAKE3_KEYED)),
+                p.GetReplyItem(
+                    p.ItemStatus.OK,
+                    len(_V2),
+                    p.ChecksumAlgo.BLAKE3_KEYED,
+                    _SUMS.compute(_V2, p.ChecksumAlgo.BLAKE3_KEYED),
+                ),
             )
         ),
         _V1 + _V2,
@@ -190,7 +213,12 @@ MESSAGES = [
     ("exists-empty-batch", "c2s", p.ExistsRequest(()), b""),
     ("delete", "c2s", p.DeleteRequest((b"gone", b"also/gone")), b""),
     ("put-reply", "s2c", p.StatusReply(p.Opcode.PUT, bytes([p.ItemStatus.OK, p.ItemStatus.NO_SPACE])), b""),
-    ("exists-reply", "s2c", p.StatusReply(p.Opcode.EXISTS, bytes([p.ItemStatus.OK, p.ItemStatus.MISS, p.ItemStatus.OK])), b""),
+    (
+        "exists-reply",
+        "s2c",
+        p.StatusReply(p.Opcode.EXISTS, bytes([p.ItemStatus.OK, p.ItemStatus.MISS, p.ItemStatus.OK])),
+        b"",
+    ),
     ("delete-reply", "s2c", p.StatusReply(p.Opcode.DELETE, bytes([p.ItemStatus.MISS])), b""),
     ("error", "s2c", p.ErrorReply(p.ErrorCode.BAD_MAC, "frame MAC mismatch: \u00e9t\u00e9"), b""),
     ("list", "c2s", p.ListRequest(b"model/b65536/", 1000), b""),
@@ -206,8 +234,12 @@ MESSAGES = [
     ("put-reply-leased", "s2c", p.StatusReply(p.Opcode.PUT, bytes([p.ItemStatus.LEASED])), b""),
     ("rdma-attach", "c2s", p.RdmaAttachRequest(p.RdmaBackend.NIXL_UCX, b"\x00agent-metadata\xff" * 20), b""),
     ("rdma-attach-reply", "s2c", p.RdmaAttachReply(p.RdmaAttachStatus.OK, "memkv-node-0123456789abcdef"), b""),
-    ("rdma-get", "c2s", p.RdmaGetRequest((b"a", b"b" * 480), (4096, 64 << 20), (0x7F00_0000_1000, 2**64 - 1), 5000, 2**64 - 1),
-     b""),
+    (
+        "rdma-get",
+        "c2s",
+        p.RdmaGetRequest((b"a", b"b" * 480), (4096, 64 << 20), (0x7F00_0000_1000, 2**64 - 1), 5000, 2**64 - 1),
+        b"",
+    ),
     (
         "rdma-get-reply",
         "s2c",
@@ -241,7 +273,9 @@ MESSAGES = [
         p.ShmPutRequest(
             (
                 p.PutItem(b"k", 16 << 20, p.ChecksumAlgo.XXH3_128, _SUMS.compute(b"x")),
-                p.PutItem(b"\x00\xff" * 240, 0, p.ChecksumAlgo.BLAKE3_KEYED, _SUMS.compute(b"", p.ChecksumAlgo.BLAKE3_KEYED)),
+                p.PutItem(
+                    b"\x00\xff" * 240, 0, p.ChecksumAlgo.BLAKE3_KEYED, _SUMS.compute(b"", p.ChecksumAlgo.BLAKE3_KEYED)
+                ),
             )
         ),
         b"",  # the client writes the values into the node's memory, never sends them
@@ -262,7 +296,12 @@ MESSAGES = [
     ),
     ("shm-commit", "c2s", p.ShmCommitRequest(b"\x01\x00\x01", (_SUMS.compute(b"x"), bytes(32), b"\xff" * 32)), b""),
     ("shm-commit-empty", "c2s", p.ShmCommitRequest(b"", ()), b""),
-    ("shm-commit-reply", "s2c", p.StatusReply(p.Opcode.SHM_COMMIT, bytes([p.ItemStatus.OK, p.ItemStatus.MISS, p.ItemStatus.STILL_MAPPED])), b""),
+    (
+        "shm-commit-reply",
+        "s2c",
+        p.StatusReply(p.Opcode.SHM_COMMIT, bytes([p.ItemStatus.OK, p.ItemStatus.MISS, p.ItemStatus.STILL_MAPPED])),
+        b"",
+    ),
 ]
 
 
@@ -465,7 +504,9 @@ def test_xxh3_checksum_is_16_bytes_zero_padded_and_blake3_is_keyed() -> None:
     assert _SUMS.compute(value) == xxhash.xxh3_128_digest(value) + bytes(16)
     value_key = hmac256(KEY, b"memkv/1 value checksum")
     assert _SUMS.compute(value, p.ChecksumAlgo.BLAKE3_KEYED) == blake3.blake3(value, key=value_key).digest()
-    assert _SUMS.compute(value, p.ChecksumAlgo.BLAKE3_KEYED) != Checksummer(OTHER_KEY).compute(value, p.ChecksumAlgo.BLAKE3_KEYED)
+    assert _SUMS.compute(value, p.ChecksumAlgo.BLAKE3_KEYED) != Checksummer(OTHER_KEY).compute(
+        value, p.ChecksumAlgo.BLAKE3_KEYED
+    )
     assert not _SUMS.verify(value, 99, _SUMS.compute(value))  # unknown algorithm never verifies
 
 
@@ -474,7 +515,9 @@ def test_xxh3_checksum_is_16_bytes_zero_padded_and_blake3_is_keyed() -> None:
 # --------------------------------------------------------------------------------------------
 
 STRICT = p.Limits(max_key_bytes=480, max_value_bytes=1024, max_batch=8, max_meta_bytes=4096, max_payload_bytes=4096)
-LAX = p.Limits(max_key_bytes=4096, max_value_bytes=1 << 20, max_batch=1000, max_meta_bytes=1 << 20, max_payload_bytes=1 << 20)
+LAX = p.Limits(
+    max_key_bytes=4096, max_value_bytes=1 << 20, max_batch=1000, max_meta_bytes=1 << 20, max_payload_bytes=1 << 20
+)
 
 
 def _put(*items: tuple[bytes, int]) -> p.PutRequest:
@@ -584,7 +627,10 @@ def test_list_layouts_are_as_documented() -> None:
     client, _ = session()
     # LIST reply: key block | length u32 x n | truncated u8.
     meta = keys_meta([b"a", b"bc"]) + struct.pack(">IIB", 5, 1 << 24, 1)
-    assert decode_one(client, raw_frame(0x94, meta, send_key=S2C_KEY)) == (p.ListReply((b"a", b"bc"), (5, 1 << 24), True), b"")
+    assert decode_one(client, raw_frame(0x94, meta, send_key=S2C_KEY)) == (
+        p.ListReply((b"a", b"bc"), (5, 1 << 24), True),
+        b"",
+    )
     _, server2 = session()
     assert server2.encode(p.ListReply((b"a", b"bc"), (5, 1 << 24), True)).endswith(meta)
 
@@ -614,65 +660,179 @@ def test_list_reply_with_more_keys_than_max_list_keys_is_refused_before_parsing(
 # --------------------------------------------------------------------------------------------
 
 MALFORMED = [
-    ("payload-len-on-a-frame-without-values", raw_frame(p.Opcode.EXISTS, keys_meta([b"k"]), payload_len=10) + bytes(10), p.ErrorCode.MALFORMED),
+    (
+        "payload-len-on-a-frame-without-values",
+        raw_frame(p.Opcode.EXISTS, keys_meta([b"k"]), payload_len=10) + bytes(10),
+        p.ErrorCode.MALFORMED,
+    ),
     (
         "payload-len-shorter-than-put-lengths",
-        raw_frame(p.Opcode.PUT, keys_meta([b"k"]) + struct.pack(">I", 5) + b"\x01" + bytes(32), payload_len=4) + bytes(4),
+        raw_frame(p.Opcode.PUT, keys_meta([b"k"]) + struct.pack(">I", 5) + b"\x01" + bytes(32), payload_len=4)
+        + bytes(4),
         p.ErrorCode.MALFORMED,
     ),
     (
         "payload-len-longer-than-put-lengths",
-        raw_frame(p.Opcode.PUT, keys_meta([b"k"]) + struct.pack(">I", 5) + b"\x01" + bytes(32), payload_len=6) + bytes(6),
+        raw_frame(p.Opcode.PUT, keys_meta([b"k"]) + struct.pack(">I", 5) + b"\x01" + bytes(32), payload_len=6)
+        + bytes(6),
         p.ErrorCode.MALFORMED,
     ),
     ("unknown-opcode", raw_frame(0x55, keys_meta([b"k"])), p.ErrorCode.UNKNOWN_OPCODE),
     ("trailing-bytes-in-meta", raw_frame(p.Opcode.EXISTS, keys_meta([b"k"]) + b"\x00"), p.ErrorCode.MALFORMED),
-    ("key-list-truncated", raw_frame(p.Opcode.EXISTS, struct.pack(">I3H", 3, 5, 5, 5) + b"abcde"), p.ErrorCode.MALFORMED),
+    (
+        "key-list-truncated",
+        raw_frame(p.Opcode.EXISTS, struct.pack(">I3H", 3, 5, 5, 5) + b"abcde"),
+        p.ErrorCode.MALFORMED,
+    ),
     ("count-without-lengths", raw_frame(p.Opcode.DELETE, struct.pack(">I", 2)), p.ErrorCode.MALFORMED),
     ("empty-meta-for-a-batch", raw_frame(p.Opcode.GET, b""), p.ErrorCode.MALFORMED),
     ("get-without-expected-lengths", raw_frame(p.Opcode.GET, keys_meta([b"k"])), p.ErrorCode.MALFORMED),
-    ("put-without-checksums", raw_frame(p.Opcode.PUT, keys_meta([b"k"]) + struct.pack(">I", 0) + b"\x01"), p.ErrorCode.MALFORMED),
+    (
+        "put-without-checksums",
+        raw_frame(p.Opcode.PUT, keys_meta([b"k"]) + struct.pack(">I", 0) + b"\x01"),
+        p.ErrorCode.MALFORMED,
+    ),
     ("bad-magic", raw_frame(p.Opcode.PING, magic=b"HT"), p.ErrorCode.BAD_MAGIC),
     ("future-version", raw_frame(p.Opcode.PING, version=2), p.ErrorCode.UNSUPPORTED_VERSION),
     ("old-version", raw_frame(p.Opcode.PING, version=0), p.ErrorCode.UNSUPPORTED_VERSION),
     ("reserved-flags", raw_frame(p.Opcode.PING, flags=1), p.ErrorCode.MALFORMED),
     ("list-meta-empty", raw_frame(p.Opcode.LIST, b""), p.ErrorCode.MALFORMED),
-    ("list-prefix-shorter-than-announced", raw_frame(p.Opcode.LIST, struct.pack(">IH", 10, 4) + b"abc"), p.ErrorCode.MALFORMED),
-    ("list-prefix-longer-than-announced", raw_frame(p.Opcode.LIST, struct.pack(">IH", 10, 2) + b"abc"), p.ErrorCode.MALFORMED),
+    (
+        "list-prefix-shorter-than-announced",
+        raw_frame(p.Opcode.LIST, struct.pack(">IH", 10, 4) + b"abc"),
+        p.ErrorCode.MALFORMED,
+    ),
+    (
+        "list-prefix-longer-than-announced",
+        raw_frame(p.Opcode.LIST, struct.pack(">IH", 10, 2) + b"abc"),
+        p.ErrorCode.MALFORMED,
+    ),
     ("list-limit-4097", raw_frame(p.Opcode.LIST, struct.pack(">IH", 4097, 0)), p.ErrorCode.BATCH_TOO_LARGE),
     ("list-limit-2**32-1", raw_frame(p.Opcode.LIST, struct.pack(">IH", 2**32 - 1, 0)), p.ErrorCode.BATCH_TOO_LARGE),
-    ("list-prefix-over-480-bytes", raw_frame(p.Opcode.LIST, struct.pack(">IH", 1, 481) + b"k" * 481), p.ErrorCode.KEY_TOO_LONG),
+    (
+        "list-prefix-over-480-bytes",
+        raw_frame(p.Opcode.LIST, struct.pack(">IH", 1, 481) + b"k" * 481),
+        p.ErrorCode.KEY_TOO_LONG,
+    ),
     # The retired arena messages (SHM_ATTACH, SHM_GET and SHM_PLACE of the arena design) are no requests.
     ("retired-shm-attach", raw_frame(0x30, struct.pack(">II", 1, 0)), p.ErrorCode.UNKNOWN_OPCODE),
     ("retired-shm-place", raw_frame(0x32, keys_meta([b"a"]) + struct.pack(">I", 1)), p.ErrorCode.UNKNOWN_OPCODE),
-    ("shm-get-without-flags", raw_frame(p.Opcode.SHM_GET, keys_meta([b"a"]) + struct.pack(">I", 1 << 20)), p.ErrorCode.MALFORMED),
-    ("shm-get-flag-2", raw_frame(p.Opcode.SHM_GET, keys_meta([b"a"]) + struct.pack(">IB", 1 << 20, 2)), p.ErrorCode.MALFORMED),
+    (
+        "shm-get-without-flags",
+        raw_frame(p.Opcode.SHM_GET, keys_meta([b"a"]) + struct.pack(">I", 1 << 20)),
+        p.ErrorCode.MALFORMED,
+    ),
+    (
+        "shm-get-flag-2",
+        raw_frame(p.Opcode.SHM_GET, keys_meta([b"a"]) + struct.pack(">IB", 1 << 20, 2)),
+        p.ErrorCode.MALFORMED,
+    ),
 ]
 
 MALFORMED_REPLIES = [
     ("hello-ok-not-json", raw_frame(p.Opcode.HELLO_OK, b"{not json", send_key=S2C_KEY), p.ErrorCode.MALFORMED),
     (
         "hello-ok-bad-limits",
-        raw_frame(p.Opcode.HELLO_OK, json.dumps({"node_id": "n", "limits": {"max_key_bytes": 0}}).encode(), send_key=S2C_KEY),
+        raw_frame(
+            p.Opcode.HELLO_OK, json.dumps({"node_id": "n", "limits": {"max_key_bytes": 0}}).encode(), send_key=S2C_KEY
+        ),
         p.ErrorCode.MALFORMED,
     ),
     # A same-host socket name is "@" + an abstract name, never a path or anything else.
-    ("hello-ok-local-socket-path", raw_frame(p.Opcode.HELLO_OK, json.dumps({"node_id": "n", "limits": {}, "local_socket": "/tmp/memkv.sock"}).encode(), send_key=S2C_KEY), p.ErrorCode.MALFORMED),
-    ("hello-ok-local-socket-empty", raw_frame(p.Opcode.HELLO_OK, json.dumps({"node_id": "n", "limits": {}, "local_socket": "@"}).encode(), send_key=S2C_KEY), p.ErrorCode.MALFORMED),
-    ("hello-ok-local-socket-not-a-string", raw_frame(p.Opcode.HELLO_OK, json.dumps({"node_id": "n", "limits": {}, "local_socket": 1}).encode(), send_key=S2C_KEY), p.ErrorCode.MALFORMED),
-    ("hello-ok-local-socket-too-long", raw_frame(p.Opcode.HELLO_OK, json.dumps({"node_id": "n", "limits": {}, "local_socket": "@" + "a" * 101}).encode(), send_key=S2C_KEY), p.ErrorCode.MALFORMED),
-    ("hello-ok-shared-values-not-a-bool", raw_frame(p.Opcode.HELLO_OK, json.dumps({"node_id": "n", "limits": {}, "shared_values": "yes"}).encode(), send_key=S2C_KEY), p.ErrorCode.MALFORMED),
+    (
+        "hello-ok-local-socket-path",
+        raw_frame(
+            p.Opcode.HELLO_OK,
+            json.dumps({"node_id": "n", "limits": {}, "local_socket": "/tmp/memkv.sock"}).encode(),
+            send_key=S2C_KEY,
+        ),
+        p.ErrorCode.MALFORMED,
+    ),
+    (
+        "hello-ok-local-socket-empty",
+        raw_frame(
+            p.Opcode.HELLO_OK,
+            json.dumps({"node_id": "n", "limits": {}, "local_socket": "@"}).encode(),
+            send_key=S2C_KEY,
+        ),
+        p.ErrorCode.MALFORMED,
+    ),
+    (
+        "hello-ok-local-socket-not-a-string",
+        raw_frame(
+            p.Opcode.HELLO_OK, json.dumps({"node_id": "n", "limits": {}, "local_socket": 1}).encode(), send_key=S2C_KEY
+        ),
+        p.ErrorCode.MALFORMED,
+    ),
+    (
+        "hello-ok-local-socket-too-long",
+        raw_frame(
+            p.Opcode.HELLO_OK,
+            json.dumps({"node_id": "n", "limits": {}, "local_socket": "@" + "a" * 101}).encode(),
+            send_key=S2C_KEY,
+        ),
+        p.ErrorCode.MALFORMED,
+    ),
+    (
+        "hello-ok-shared-values-not-a-bool",
+        raw_frame(
+            p.Opcode.HELLO_OK,
+            json.dumps({"node_id": "n", "limits": {}, "shared_values": "yes"}).encode(),
+            send_key=S2C_KEY,
+        ),
+        p.ErrorCode.MALFORMED,
+    ),
     # SHM_GET's reply carries one descriptor flag per item.
-    ("shm-get-reply-no-flags", raw_frame(0xB5, struct.pack(">I", 1) + b"\x00" + struct.pack(">I", 5) + b"\x01" + bytes(32), send_key=S2C_KEY), p.ErrorCode.MALFORMED),
-    ("status-reply-truncated", raw_frame(0x92, struct.pack(">I", 3) + b"\x00", send_key=S2C_KEY), p.ErrorCode.MALFORMED),
-    ("get-reply-truncated", raw_frame(0x91, struct.pack(">I", 1) + b"\x00" + struct.pack(">I", 0), send_key=S2C_KEY), p.ErrorCode.MALFORMED),
-    ("list-reply-without-flag", raw_frame(0x94, keys_meta([b"a"]) + struct.pack(">I", 1), send_key=S2C_KEY), p.ErrorCode.MALFORMED),
-    ("list-reply-trailing-byte", raw_frame(0x94, keys_meta([b"a"]) + struct.pack(">IBB", 1, 0, 0), send_key=S2C_KEY), p.ErrorCode.MALFORMED),
-    ("list-reply-flag-2", raw_frame(0x94, keys_meta([b"a"]) + struct.pack(">IB", 1, 2), send_key=S2C_KEY), p.ErrorCode.MALFORMED),
-    ("list-reply-unsorted", raw_frame(0x94, keys_meta([b"b", b"a"]) + struct.pack(">IIB", 1, 1, 0), send_key=S2C_KEY), p.ErrorCode.MALFORMED),
-    ("list-reply-duplicate", raw_frame(0x94, keys_meta([b"a", b"a"]) + struct.pack(">IIB", 1, 1, 0), send_key=S2C_KEY), p.ErrorCode.MALFORMED),
-    ("list-reply-empty-key", raw_frame(0x94, keys_meta([b""]) + struct.pack(">IB", 1, 0), send_key=S2C_KEY), p.ErrorCode.KEY_TOO_LONG),
-    ("list-reply-count-over-max", raw_frame(0x94, struct.pack(">I", 4097), send_key=S2C_KEY), p.ErrorCode.BATCH_TOO_LARGE),
+    (
+        "shm-get-reply-no-flags",
+        raw_frame(0xB5, struct.pack(">I", 1) + b"\x00" + struct.pack(">I", 5) + b"\x01" + bytes(32), send_key=S2C_KEY),
+        p.ErrorCode.MALFORMED,
+    ),
+    (
+        "status-reply-truncated",
+        raw_frame(0x92, struct.pack(">I", 3) + b"\x00", send_key=S2C_KEY),
+        p.ErrorCode.MALFORMED,
+    ),
+    (
+        "get-reply-truncated",
+        raw_frame(0x91, struct.pack(">I", 1) + b"\x00" + struct.pack(">I", 0), send_key=S2C_KEY),
+        p.ErrorCode.MALFORMED,
+    ),
+    (
+        "list-reply-without-flag",
+        raw_frame(0x94, keys_meta([b"a"]) + struct.pack(">I", 1), send_key=S2C_KEY),
+        p.ErrorCode.MALFORMED,
+    ),
+    (
+        "list-reply-trailing-byte",
+        raw_frame(0x94, keys_meta([b"a"]) + struct.pack(">IBB", 1, 0, 0), send_key=S2C_KEY),
+        p.ErrorCode.MALFORMED,
+    ),
+    (
+        "list-reply-flag-2",
+        raw_frame(0x94, keys_meta([b"a"]) + struct.pack(">IB", 1, 2), send_key=S2C_KEY),
+        p.ErrorCode.MALFORMED,
+    ),
+    (
+        "list-reply-unsorted",
+        raw_frame(0x94, keys_meta([b"b", b"a"]) + struct.pack(">IIB", 1, 1, 0), send_key=S2C_KEY),
+        p.ErrorCode.MALFORMED,
+    ),
+    (
+        "list-reply-duplicate",
+        raw_frame(0x94, keys_meta([b"a", b"a"]) + struct.pack(">IIB", 1, 1, 0), send_key=S2C_KEY),
+        p.ErrorCode.MALFORMED,
+    ),
+    (
+        "list-reply-empty-key",
+        raw_frame(0x94, keys_meta([b""]) + struct.pack(">IB", 1, 0), send_key=S2C_KEY),
+        p.ErrorCode.KEY_TOO_LONG,
+    ),
+    (
+        "list-reply-count-over-max",
+        raw_frame(0x94, struct.pack(">I", 4097), send_key=S2C_KEY),
+        p.ErrorCode.BATCH_TOO_LARGE,
+    ),
 ]
 
 
@@ -706,7 +866,9 @@ def test_wrong_size_frame_prefix_is_remote_protocol_error() -> None:
 # Tampering, replay, reordering, other sessions
 # --------------------------------------------------------------------------------------------
 
-TAMPER_LIMITS = p.Limits(max_key_bytes=480, max_value_bytes=1 << 20, max_batch=64, max_meta_bytes=4096, max_payload_bytes=1 << 20)
+TAMPER_LIMITS = p.Limits(
+    max_key_bytes=480, max_value_bytes=1 << 20, max_batch=64, max_meta_bytes=4096, max_payload_bytes=1 << 20
+)
 _HEADER_FIELDS = {  # byte offsets in the 28-byte header
     "magic": range(2),
     "version": range(2, 3),
@@ -733,7 +895,9 @@ def _tamper_cases() -> list[tuple[int, int]]:
 
 
 _TAMPER_VALUE = b"payload!" * 4
-_TAMPER_MSG = p.PutRequest((p.PutItem(b"tamper/key", len(_TAMPER_VALUE), p.ChecksumAlgo.XXH3_128, _SUMS.compute(_TAMPER_VALUE)),))
+_TAMPER_MSG = p.PutRequest(
+    (p.PutItem(b"tamper/key", len(_TAMPER_VALUE), p.ChecksumAlgo.XXH3_128, _SUMS.compute(_TAMPER_VALUE)),)
+)
 
 
 @pytest.mark.parametrize("offset,xor", _tamper_cases())
@@ -753,10 +917,7 @@ def test_any_single_flipped_header_mac_or_meta_byte_never_decodes(offset, xor) -
     if not over_limit and missing > 0:
         assert dec.next_frame() is None
         dec.receive_data(bytes(missing))
-    if field in ("magic", "version", "flags") or over_limit:
-        expected = RemoteProtocolError
-    else:
-        expected = AuthError
+    expected = RemoteProtocolError if field in ("magic", "version", "flags") or over_limit else AuthError
     with pytest.raises(expected):
         dec.next_frame()
     if expected is AuthError:
@@ -963,7 +1124,9 @@ def _auth_receiver(data: bytes) -> None:
 
 
 @pytest.mark.parametrize("name,receive,data", _handshake_messages(), ids=[m[0] for m in _handshake_messages()])
-def test_handshake_messages_are_accepted_whole_and_refused_truncated_or_with_trailing_bytes(name, receive, data) -> None:
+def test_handshake_messages_are_accepted_whole_and_refused_truncated_or_with_trailing_bytes(
+    name, receive, data
+) -> None:
     """Handshake messages have fixed sizes: the reader takes exactly that many bytes. Any
     other length (a truncated read, bytes glued on) is a RemoteProtocolError, never a crash."""
     receive(data)  # whole
@@ -994,8 +1157,11 @@ def _message_classes() -> set[type]:
     """Every frame message class the package defines (value objects with a frame of their own)."""
     parts = {p.PutItem, p.GetReplyItem, p.Limits, p.FrameHeader}
     return {
-        obj for obj in vars(p).values()
-        if isinstance(obj, type) and dataclasses.is_dataclass(obj) and obj.__module__.startswith(f"{p.__name__}.")
+        obj
+        for obj in vars(p).values()
+        if isinstance(obj, type)
+        and dataclasses.is_dataclass(obj)
+        and obj.__module__.startswith(f"{p.__name__}.")
         and obj not in parts
     }
 
@@ -1014,7 +1180,11 @@ def test_every_message_class_has_a_round_trip_fixture() -> None:
 
 def test_every_request_opcode_and_its_reply_decode_and_nothing_else_does() -> None:
     requests = [op for op in p.Opcode if op not in (p.Opcode.HELLO_OK, p.Opcode.ERROR, p.Opcode.REPLY)]
-    known = {int(p.Opcode.HELLO_OK), int(p.Opcode.ERROR)} | {int(op) for op in requests} | {op | p.Opcode.REPLY for op in requests}
+    known = (
+        {int(p.Opcode.HELLO_OK), int(p.Opcode.ERROR)}
+        | {int(op) for op in requests}
+        | {op | p.Opcode.REPLY for op in requests}
+    )
     assert set(codec._DECODERS) == known
     for opcode in sorted(set(range(256)) - known):
         _, server = session()
@@ -1072,7 +1242,9 @@ def test_a_hello_ok_of_the_arena_design_offers_no_shared_memory_to_this_client()
     the socket. The new key is one such a node never sends."""
     client, _ = session()
     for body, offered in (({"shared_memory": True}, False), ({"shared_values": True}, True), ({}, False)):
-        wire = raw_frame(p.Opcode.HELLO_OK, json.dumps({"node_id": "n", "limits": {}, **body}).encode(), send_key=S2C_KEY)
+        wire = raw_frame(
+            p.Opcode.HELLO_OK, json.dumps({"node_id": "n", "limits": {}, **body}).encode(), send_key=S2C_KEY
+        )
         msg, _ = decode_one(client, wire)
         assert isinstance(msg, p.HelloOk) and msg.shared_memory is offered
         client, _ = session()

@@ -53,8 +53,13 @@ SLACK_S = 3.0  # on top of a deadline, for "did not hang" on a busy 2-core box
 
 def _xxhash_header_found(compiler: str) -> bool:
     """Whether the compiler finds xxHash's header (libxxhash-dev), as setup.py's build needs."""
-    probe = subprocess.run([compiler, "-E", "-x", "c", "-", "-o", os.devnull], input="#include <xxhash.h>\n",
-                           capture_output=True, text=True, timeout=60)
+    probe = subprocess.run(
+        [compiler, "-E", "-x", "c", "-", "-o", os.devnull],
+        input="#include <xxhash.h>\n",
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     return probe.returncode == 0
 
 
@@ -62,8 +67,13 @@ def test_the_extension_is_built_where_it_can_be() -> None:
     # The other tests here skip without the extension; this one says whether they should have.
     headers = os.path.exists(os.path.join(sysconfig.get_paths()["include"], "Python.h"))
     compiler = shutil.which("cc") or shutil.which("gcc")
-    if (headers and compiler and _xxhash_header_found(compiler) and sys.version_info >= (3, 11)
-            and sys.platform.startswith("linux")):
+    if (
+        headers
+        and compiler
+        and _xxhash_header_found(compiler)
+        and sys.version_info >= (3, 11)
+        and sys.platform.startswith("linux")
+    ):
         assert compiled is not None, "a compiler, Python.h and xxhash.h are here, but memkv._recv_verify was not built"
     else:
         pytest.skip("no compiler, Python headers or xxHash header: the pure-Python loop is expected")
@@ -75,7 +85,7 @@ def test_an_x86_64_cpu_with_avx2_runs_the_avx2_update_loop() -> None:
     with open("/proc/cpuinfo") as cpuinfo:
         has_avx2 = " avx2" in cpuinfo.read()
     expected = "avx2" if os.uname().machine == "x86_64" and has_avx2 else "baseline"
-    assert compiled.XXH3_VARIANT == expected
+    assert expected == compiled.XXH3_VARIANT
 
 
 def test_memkv_pure_python_selects_the_python_receive_loop():
@@ -83,8 +93,14 @@ def test_memkv_pure_python_selects_the_python_receive_loop():
     when the extension was built."""
     probe = "from memkv import sockio; print(sockio.COMPILED_RECEIVE)"
     env = {k: v for k, v in os.environ.items() if k != "MEMKV_PURE_PYTHON"}
-    off = subprocess.run([sys.executable, "-c", probe], env={**env, "MEMKV_PURE_PYTHON": "1"},
-                         capture_output=True, text=True, timeout=60, check=True)
+    off = subprocess.run(
+        [sys.executable, "-c", probe],
+        env={**env, "MEMKV_PURE_PYTHON": "1"},
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
     on = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=60, check=True)
     assert off.stdout.strip() == "False"
     assert on.stdout.strip() == str(importlib.util.find_spec("memkv._recv_verify") is not None)
@@ -157,7 +173,14 @@ def test_copy_xxh3_refuses_what_it_cannot_copy() -> None:
 @needs_compiled
 @pytest.mark.parametrize(
     ("length", "piece"),
-    [(1, 256 * KiB), (256 * KiB, 256 * KiB), (256 * KiB + 1, 256 * KiB), (5 * MiB + 123, 256 * KiB), (70_001, 7), (16 * MiB, 1 * MiB)],
+    [
+        (1, 256 * KiB),
+        (256 * KiB, 256 * KiB),
+        (256 * KiB + 1, 256 * KiB),
+        (5 * MiB + 123, 256 * KiB),
+        (70_001, 7),
+        (16 * MiB, 1 * MiB),
+    ],
 )
 def test_a_value_lands_whole_with_the_digest_of_the_bytes_sent(pair, length: int, piece: int) -> None:
     a, b = pair
@@ -254,7 +277,9 @@ def test_turning_the_compiled_loop_off_leaves_every_socket_to_python(pair, monke
 
 @pytest.mark.integration
 @pytest.mark.parametrize("receive_loop", ["compiled", "python"])
-def test_a_real_nodes_values_come_back_byte_exact_with_either_loop(start_node, make_client, monkeypatch, receive_loop) -> None:
+def test_a_real_nodes_values_come_back_byte_exact_with_either_loop(
+    start_node, make_client, monkeypatch, receive_loop
+) -> None:
     if receive_loop == "compiled" and compiled is None:
         pytest.skip("the compiled loop is not built here")
     monkeypatch.setattr(sockio, "COMPILED_RECEIVE", receive_loop == "compiled")

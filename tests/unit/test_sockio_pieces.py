@@ -110,7 +110,7 @@ def test_send_all_of_a_header_and_more_values_than_one_sendmsg_takes_arrives_in_
 
 
 def test_send_all_with_a_deadline_gives_up_while_the_peer_does_not_read(pair) -> None:
-    a, b = pair
+    a, _b = pair
     a.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 16 * KiB)
     started = time.monotonic()
     with pytest.raises(SendTimeout) as raised:
@@ -148,9 +148,8 @@ def test_send_all_that_times_out_while_the_peer_reads_slowly_says_the_peer_took_
 def test_small_receive_pieces_only_while_at_most_two_threads_receive() -> None:
     receivers = stream._Receivers()
     with receivers.receiving() as first:
-        with receivers.receiving() as second:
-            with receivers.receiving() as third:
-                steps = [stream._receive_step(False, n) for n in (first, second, third)]
+        with receivers.receiving() as second, receivers.receiving() as third:
+            steps = [stream._receive_step(False, n) for n in (first, second, third)]
         assert receivers.count == 1
     assert receivers.count == 0
     assert steps == [stream._VERIFY_PIECE, stream._VERIFY_PIECE, stream._VERIFY_CHUNK]

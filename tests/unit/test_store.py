@@ -349,7 +349,7 @@ def test_put_raises_no_space_when_every_value_is_pinned_and_changes_nothing() ->
     assert [read(store, k) for k in keys] == [k * 1000 for k in keys]
     store.release(entries)
     put(store, b"d", b"d" * 1000)
-    assert present(store, keys + [b"d"]) == [b"b", b"c", b"d"]
+    assert present(store, [*keys, b"d"]) == [b"b", b"c", b"d"]
 
 
 def test_get_with_wrong_expected_length_is_size_mismatch_and_pins_nothing() -> None:

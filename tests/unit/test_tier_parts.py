@@ -44,7 +44,9 @@ def test_each_job_is_reported_exactly_once_including_empty_and_shed_ones():
     try:
         pool.submit(1, STORE, [], [])  # empty
         pool.submit(2, STORE, [b"a", b"b"], [], shed=2)  # wholly shed
-        pool.submit(3, LOAD, [b"c", b"d", b"e"], [(0, 2, lambda: TaskResult([True, True])), (2, 1, lambda: TaskResult([False]))])
+        pool.submit(
+            3, LOAD, [b"c", b"d", b"e"], [(0, 2, lambda: TaskResult([True, True])), (2, 1, lambda: TaskResult([False]))]
+        )
         done = collect(pool, 3)
         assert sorted(f.job_id for f in done) == [1, 2, 3]
         by_id = {f.job_id: f for f in done}
@@ -119,11 +121,16 @@ def test_load_with_a_transfer_past_the_deadline_is_reported_at_once_and_released
     ran = []
     pool = TransferPool(1, 0, grace_s=30.0, defer_release=True, load_deadline_s=0.2)
     try:
-        pool.submit(5, LOAD, [b"a", b"b", b"c"], [
-            (0, 1, lambda: (ran.append("a"), TaskResult([True]))[1]),
-            (1, 1, lambda: (ran.append("b"), stalled.wait(10), TaskResult([True]))[2]),
-            (2, 1, lambda: (ran.append("c"), TaskResult([True]))[1]),
-        ])
+        pool.submit(
+            5,
+            LOAD,
+            [b"a", b"b", b"c"],
+            [
+                (0, 1, lambda: (ran.append("a"), TaskResult([True]))[1]),
+                (1, 1, lambda: (ran.append("b"), stalled.wait(10), TaskResult([True]))[2]),
+                (2, 1, lambda: (ran.append("c"), TaskResult([True]))[1]),
+            ],
+        )
         (f,) = collect(pool, 1)
         assert f.job_id == 5 and f.ok == [True, False, False] and ran == ["a", "b"]
         assert f.release is not None and not pool.loading()
@@ -157,7 +164,9 @@ def test_loads_are_served_first_by_read_priority_threads():
     gate = threading.Event()
     pool = TransferPool(1, 0, grace_s=0)
     try:
-        pool.submit(1, STORE, [b"s0"], [(0, 1, lambda: (gate.wait(5), order.append("blocker"), TaskResult([True]))[-1])])
+        pool.submit(
+            1, STORE, [b"s0"], [(0, 1, lambda: (gate.wait(5), order.append("blocker"), TaskResult([True]))[-1])]
+        )
         assert wait_for(lambda: not pool._queues[STORE])  # the blocker runs
         pool.submit(2, STORE, [b"s1"], [(0, 1, lambda: (order.append("store"), TaskResult([True]))[-1])])
         pool.submit(3, LOAD, [b"l1"], [(0, 1, lambda: (order.append("load"), TaskResult([True]))[-1])])
@@ -356,7 +365,9 @@ def test_a_prober_whose_poll_raises_is_replaced_and_its_pending_keys_miss():
             super().poll(timeout_s)
 
     def open_prober():
-        prober = (Broken if not opened else FakeProber)(lambda keys: [True] * len(keys), hold=lambda key: key == b"held")
+        prober = (Broken if not opened else FakeProber)(
+            lambda keys: [True] * len(keys), hold=lambda key: key == b"held"
+        )
         opened.append(prober)
         return prober
 

@@ -48,7 +48,9 @@ def test_env_variables_turn_tls_on_and_beat_the_yaml(tmp_path: Path) -> None:
     y.write_text("tls:\n  ca: /yaml/ca.crt\n  server_name: yaml.example\n")
     tls = ClientConfig.from_env(env(MEMKV_CONFIG=str(y), MEMKV_TLS_CA="/env/ca.crt")).tls
     assert tls == ClientTls(ca="/env/ca.crt", server_name="yaml.example")
-    assert ClientConfig.from_env(env(MEMKV_TLS_SERVER_NAME="memkv.example")).tls == ClientTls(server_name="memkv.example")
+    assert ClientConfig.from_env(env(MEMKV_TLS_SERVER_NAME="memkv.example")).tls == ClientTls(
+        server_name="memkv.example"
+    )
 
 
 def test_an_empty_tls_block_turns_tls_on_with_the_system_store(tmp_path: Path) -> None:
@@ -67,7 +69,9 @@ def test_an_empty_tls_block_turns_tls_on_with_the_system_store(tmp_path: Path) -
         ("tls:\n  ca: ''\n", {}, "tls.ca: expected a non-empty string"),
     ],
 )
-def test_bad_client_tls_settings_name_the_setting(tmp_path: Path, yaml_text: str, variables: dict, message: str) -> None:
+def test_bad_client_tls_settings_name_the_setting(
+    tmp_path: Path, yaml_text: str, variables: dict, message: str
+) -> None:
     y = tmp_path / "client.yaml"
     y.write_text(yaml_text or "{}\n")
     with pytest.raises(ConfigError) as info:
@@ -106,7 +110,7 @@ def test_unusable_files_name_the_file_and_never_print_key_material(tmp_path: Pat
     pki = session_pki()
     with pytest.raises(ConfigError, match="--tls-cert: no such file"):
         server_context(str(tmp_path / "none.crt"), pki.server.key, None)
-    with pytest.raises(ConfigError, match="--tls-key: no such file .*none.key"):
+    with pytest.raises(ConfigError, match=r"--tls-key: no such file .*none\.key"):
         server_context(pki.server.cert, str(tmp_path / "none.key"), None)
     with pytest.raises(ConfigError, match="matching private key") as info:
         server_context(pki.server.cert, pki.server2.key, None)

@@ -72,22 +72,36 @@ class DirectManagerBase(OffloadingManager):
             self._region.close()
         self.client.close()
 
-    def _lookup_service(self, open_prober: Callable[[], Prober],
-                        store_keys: Callable[[list[bytes]], list[bytes]] = list) -> LookupService:
-        return LookupService(open_prober, self.settings.deadline_s,
-                             on_timeout=lambda n: self.stats.count(tm.LOOKUPS, n, ("timeout",)),
-                             store_keys=store_keys)
+    def _lookup_service(
+        self, open_prober: Callable[[], Prober], store_keys: Callable[[list[bytes]], list[bytes]] = list
+    ) -> LookupService:
+        return LookupService(
+            open_prober,
+            self.settings.deadline_s,
+            on_timeout=lambda n: self.stats.count(tm.LOOKUPS, n, ("timeout",)),
+            store_keys=store_keys,
+        )
 
     def _started(self, spec) -> None:
         """The last step of a manager's __init__: the ready line and what it cannot do."""
         self._closed = False
         layout, settings = self.layout, self.settings
         self._startup.warn_block_hashes("chunks")
-        self._startup.ready(self.client, "load_guarantee=%s, reuses %s, world_size=%d, value_bytes=%d, staging=%d "
-                            "slots x %d bytes = %d MiB at %s, namespace=%s, lookup_timeout_s=%s",
-                            settings.load_guarantee, self._reuse_summary(), layout.world_size, layout.value_bytes,
-                            layout.num_slots, layout.slot_bytes, layout.region_bytes >> 20, layout.path,
-                            self.keys.namespace, settings.lookup_timeout_s)
+        self._startup.ready(
+            self.client,
+            "load_guarantee=%s, reuses %s, world_size=%d, value_bytes=%d, staging=%d "
+            "slots x %d bytes = %d MiB at %s, namespace=%s, lookup_timeout_s=%s",
+            settings.load_guarantee,
+            self._reuse_summary(),
+            layout.world_size,
+            layout.value_bytes,
+            layout.num_slots,
+            layout.slot_bytes,
+            layout.region_bytes >> 20,
+            layout.path,
+            self.keys.namespace,
+            settings.lookup_timeout_s,
+        )
         self._warn_limits(spec)
 
     def _reuse_summary(self) -> str:
@@ -144,7 +158,7 @@ class DirectManagerBase(OffloadingManager):
         """(key, entry) pairs that no request refers to and no load pins any more."""
         raise NotImplementedError
 
-    def _loaded(self, keyset: set[bytes]) -> None:  # noqa: B027 - a manager that counts elsewhere keeps it
+    def _loaded(self, keyset: set[bytes]) -> None:  # empty: a manager that counts elsewhere keeps it
         """A load job of these chunks completed (the staged manager counts bytes as they arrive)."""
 
     def _pinned_keys(self, rid: str) -> set[bytes]:
@@ -194,12 +208,14 @@ class DirectManagerBase(OffloadingManager):
         return self.stats.take()
 
     def config_info(self) -> list[dict[str, Any]]:  # 0.33 info metric
-        return [{
-            "memkv_mode": self.mode,
-            "memkv_servers": ",".join(a.name for a in self.client.servers()),
-            "memkv_prefix": self.settings.prefix,
-            "memkv_staging_mb": str(self.settings.staging_mb),
-        }]
+        return [
+            {
+                "memkv_mode": self.mode,
+                "memkv_servers": ",".join(a.name for a in self.client.servers()),
+                "memkv_prefix": self.settings.prefix,
+                "memkv_staging_mb": str(self.settings.staging_mb),
+            }
+        ]
 
     def shutdown(self) -> None:
         if getattr(self, "_closed", True):

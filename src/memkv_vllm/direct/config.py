@@ -12,7 +12,8 @@ key we do not know, or a value of the wrong type or range, is a startup error na
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 from memkv.errors import ConfigError
 from memkv_vllm.config import check_common_keys
@@ -27,7 +28,7 @@ LEASED, STAGED = "leased", "staged"  # load_guarantee values (docs/direct-mode.m
 
 
 def default_load_guarantee() -> str:
-    """"leased" where vLLM can take a failed load (0.34+: the request recomputes, the engine goes
+    """ "leased" where vLLM can take a failed load (0.34+: the request recomputes, the engine goes
     on), so a prompt of any length is reused with the default staging_mb; "staged" before, where
     a worker cannot report a failed load and a leased load that fails stops the engine."""
     from memkv_vllm import compat
@@ -62,18 +63,22 @@ class DirectSettings:
     load_retry_s: float = 30.0  # leased: how long a worker retries a fetch before the load fails
 
     @classmethod
-    def from_extra_config(cls, extra_config: Mapping[str, Any] | None) -> "DirectSettings":
+    def from_extra_config(cls, extra_config: Mapping[str, Any] | None) -> DirectSettings:
         raw = (extra_config or {}).get(EXTRA_CONFIG_KEY, {})
         if raw is None:
             raw = {}
         if not isinstance(raw, Mapping):
-            raise ConfigError(f"MemKV direct mode: kv_connector_extra_config[{EXTRA_CONFIG_KEY!r}] must be an "
-                              f"object, got {type(raw).__name__}")
+            raise ConfigError(
+                f"MemKV direct mode: kv_connector_extra_config[{EXTRA_CONFIG_KEY!r}] must be an "
+                f"object, got {type(raw).__name__}"
+            )
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(raw) - known)
         if unknown:
-            raise ConfigError(f"MemKV direct mode: unknown key(s) {unknown} in kv_connector_extra_config"
-                              f"[{EXTRA_CONFIG_KEY!r}]; known keys: {sorted(known)}")
+            raise ConfigError(
+                f"MemKV direct mode: unknown key(s) {unknown} in kv_connector_extra_config"
+                f"[{EXTRA_CONFIG_KEY!r}]; known keys: {sorted(known)}"
+            )
         settings = cls(**raw)
         settings._validate()
         return settings

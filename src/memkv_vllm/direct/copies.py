@@ -31,9 +31,14 @@ Runs = Sequence[Run] | RunArray
 log = logging.getLogger(__name__)
 
 
-def chunk_runs(block_ids: Sequence[int] | np.ndarray, group_sizes: Sequence[int], block_indices: Sequence[int],
-               groups: Sequence[Sequence[tuple[int, int, int]]], blocks_per_chunk: int,
-               n_chunks: int) -> list[RunArray]:
+def chunk_runs(
+    block_ids: Sequence[int] | np.ndarray,
+    group_sizes: Sequence[int],
+    block_indices: Sequence[int],
+    groups: Sequence[Sequence[tuple[int, int, int]]],
+    blocks_per_chunk: int,
+    n_chunks: int,
+) -> list[RunArray]:
     """Per chunk of a job, its runs (offsets inside the chunk's section) as an int64 array of
     shape (runs, 5): consecutive GPU blocks that are consecutive sub-blocks of one chunk are one
     run per layer, in block order, each block's layers in `groups[g]` order.
@@ -56,8 +61,9 @@ def chunk_runs(block_ids: Sequence[int] | np.ndarray, group_sizes: Sequence[int]
         skip = int(block_indices[g]) % bpc
         ids = ids_all[pos : pos + n]
         if len(ids) != n:
-            raise AssertionError(f"MemKV direct mode: a job's group sizes name {pos + n} GPU block(s), it has "
-                                 f"{len(ids_all)}")
+            raise AssertionError(
+                f"MemKV direct mode: a job's group sizes name {pos + n} GPU block(s), it has {len(ids_all)}"
+            )
         place = skip + np.arange(n, dtype=np.int64)
         chunk, sub = place // bpc, place % bpc
         start = np.ones(n, dtype=bool)  # a run starts at a new chunk or where the block ids jump
@@ -99,8 +105,9 @@ def as_tuples(runs: Runs) -> Sequence[Run]:
     return [tuple(r) for r in runs.tolist()] if isinstance(runs, np.ndarray) else runs  # type: ignore[misc]
 
 
-def copy_runs(tensors: Sequence[torch.Tensor], staging: torch.Tensor, runs: Sequence[Run], to_staging: bool,
-              non_blocking: bool) -> None:
+def copy_runs(
+    tensors: Sequence[torch.Tensor], staging: torch.Tensor, runs: Sequence[Run], to_staging: bool, non_blocking: bool
+) -> None:
     """One `copy_` per run: the worker's copy with `copy_scratch_mb` 0, and the reference the
     tests hold `SectionCopier` to. On the H200 it is 3-10x slower than `SectionCopier` (run 25,
     docs/direct-mode.md): its cost is per run, hundreds per chunk."""
@@ -113,8 +120,9 @@ def copy_runs(tensors: Sequence[torch.Tensor], staging: torch.Tensor, runs: Sequ
             gpu.copy_(host, non_blocking=non_blocking)
 
 
-def copy_runs_foreach(tensors: Sequence[torch.Tensor], staging: torch.Tensor, runs: Sequence[Run], to_staging: bool,
-                      non_blocking: bool) -> None:
+def copy_runs_foreach(
+    tensors: Sequence[torch.Tensor], staging: torch.Tensor, runs: Sequence[Run], to_staging: bool, non_blocking: bool
+) -> None:
     """All `runs` in one `torch._foreach_copy_` call (the views are still built one by one in
     Python). Not used by the worker: 0.7-0.85x the per-run loop on the H200 (run 25) and far
     slower beside a busy thread on the CPU box; kept so that bench/direct_copy.py can show it."""
@@ -149,8 +157,14 @@ class SectionCopier:
     scratch's chunk stride is a multiple of each). Memory: `scratch_chunks` chunks of `stride`
     bytes on the device, allocated at the first copy and kept."""
 
-    def __init__(self, tensors: Sequence[torch.Tensor], staging: torch.Tensor, value_bytes: int,
-                 scratch_chunks: int, pages: Sequence[int] = ()) -> None:
+    def __init__(
+        self,
+        tensors: Sequence[torch.Tensor],
+        staging: torch.Tensor,
+        value_bytes: int,
+        scratch_chunks: int,
+        pages: Sequence[int] = (),
+    ) -> None:
         self.tensors = list(tensors)
         self.staging = staging
         self.value_bytes = value_bytes
@@ -269,8 +283,9 @@ def cuda_runtime() -> CudaRuntime | None:
         except (OSError, AttributeError):
             continue
         batch = getattr(lib, "cudaMemcpyBatchAsync", None) if version.value >= 12080 else None
-        return CudaRuntime(memcpy_async or 0, ctypes.cast(batch, ctypes.c_void_p).value or 0 if batch else 0,
-                           version.value)
+        return CudaRuntime(
+            memcpy_async or 0, ctypes.cast(batch, ctypes.c_void_p).value or 0 if batch else 0, version.value
+        )
     return None
 
 
@@ -300,8 +315,10 @@ class PieceCopier:
             raise PiecesUnavailable("memkv_vllm._copy_pieces is not built (no C compiler at install)")
         for i, t in enumerate(tensors):
             if t.dim() != 2 or t.dtype != torch.int8 or t.stride(1) != 1:
-                raise PiecesUnavailable(f"KV tensor {i} is not a 2-D int8 view with contiguous rows "
-                                        f"({tuple(t.shape)}, {t.dtype}, strides {t.stride()})")
+                raise PiecesUnavailable(
+                    f"KV tensor {i} is not a 2-D int8 view with contiguous rows "
+                    f"({tuple(t.shape)}, {t.dtype}, strides {t.stride()})"
+                )
         self.cuda = bool(tensors) and tensors[0].is_cuda
         self._runtime = CudaRuntime(0, 0, 0)  # memcpy, no batched call: CPU tensors
         if self.cuda:
@@ -334,8 +351,15 @@ class PieceCopier:
         t, block, blocks, page, offset = runs.T
         if ((t < 0) | (t >= len(self._base))).any():
             raise ValueError("PieceCopier: a run names a KV tensor that does not exist")
-        if ((block < 0) | (blocks < 1) | (block + blocks > self._rows[t]) | (page < 1) | (page > self._width[t])
-                | (offset < 0) | (offset + blocks * page > self._staging_bytes)).any():
+        if (
+            (block < 0)
+            | (blocks < 1)
+            | (block + blocks > self._rows[t])
+            | (page < 1)
+            | (page > self._width[t])
+            | (offset < 0)
+            | (offset + blocks * page > self._staging_bytes)
+        ).any():
             raise ValueError("PieceCopier: a run lies outside its KV tensor's rows or the staging buffer")
         stride = self._stride[t]
         whole = (stride == page) | (blocks == 1)  # its rows are one contiguous piece
@@ -349,12 +373,24 @@ class PieceCopier:
         kind = CUDA_MEMCPY_DEVICE_TO_HOST if to_staging else CUDA_MEMCPY_HOST_TO_DEVICE
         stream = torch.cuda.current_stream().cuda_stream if self.cuda else 0
         rt = self._runtime
-        failed = _copy_pieces.copy_pieces(rt.memcpy_async, kind, stream, dst.astype(np.uint64),
-                                          src.astype(np.uint64), size.astype(np.uint64), rt.memcpy_batch_async,
-                                          rt.version, self._device)
+        failed = _copy_pieces.copy_pieces(
+            rt.memcpy_async,
+            kind,
+            stream,
+            dst.astype(np.uint64),
+            src.astype(np.uint64),
+            size.astype(np.uint64),
+            rt.memcpy_batch_async,
+            rt.version,
+            self._device,
+        )
         if failed:
-            log.warning("MemKV direct mode: cudaMemcpyBatchAsync failed with CUDA error %d (runtime %d); this batch "
-                        "and the next are copied one cudaMemcpyAsync per piece", failed, rt.version)
+            log.warning(
+                "MemKV direct mode: cudaMemcpyBatchAsync failed with CUDA error %d (runtime %d); this batch "
+                "and the next are copied one cudaMemcpyAsync per piece",
+                failed,
+                rt.version,
+            )
             self._runtime = rt._replace(memcpy_batch_async=0)
         if self.cuda and not non_blocking:
             torch.cuda.current_stream().synchronize()

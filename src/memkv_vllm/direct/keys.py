@@ -25,8 +25,13 @@ class DirectKeys:
         self.world_size = world_size
         self.namespace = self._base.namespace + f"d{world_size}{compat.vllm_release_tag()}/"
         self._ns = self.namespace.encode()
-        self.record = {**self._base.record, "mode": "direct", "world_size": world_size, "value_bytes": value_bytes,
-                       "key_format": "memkv_vllm/direct/1"}
+        self.record = {
+            **self._base.record,
+            "mode": "direct",
+            "world_size": world_size,
+            "value_bytes": value_bytes,
+            "key_format": "memkv_vllm/direct/1",
+        }
 
     def chunk_prefix(self, offload_key: bytes) -> bytes:
         block_hash, group = compat.block_hash_and_group(offload_key)

@@ -51,7 +51,7 @@ class StagingLayout:
         return slot * self.slot_bytes + rank * self.section_bytes
 
     @classmethod
-    def for_spec(cls, spec, staging_bytes: int) -> "StagingLayout":
+    def for_spec(cls, spec, staging_bytes: int) -> StagingLayout:
         g = compat.spec_geometry(spec)
         value_bytes = g.worker_bytes_per_block * g.blocks_per_chunk
         if value_bytes <= 0:
@@ -62,14 +62,26 @@ class StagingLayout:
         if num_slots < 1:
             from memkv.errors import ConfigError
 
-            raise ConfigError(f"MemKV direct mode: memkv.staging_mb ({staging_bytes >> 20} MiB) holds no chunk: one "
-                              f"chunk is {slot_bytes} bytes over {g.world_size} rank(s); raise staging_mb to at "
-                              f"least {-(-slot_bytes // (1 << 20))} or use a smaller block_size")
+            raise ConfigError(
+                f"MemKV direct mode: memkv.staging_mb ({staging_bytes >> 20} MiB) holds no chunk: one "
+                f"chunk is {slot_bytes} bytes over {g.world_size} rank(s); raise staging_mb to at "
+                f"least {-(-slot_bytes // (1 << 20))} or use a smaller block_size"
+            )
         # engine_id is unique per engine (per DP rank) and the same in its scheduler and workers.
         digest = hashlib.sha256(g.engine_id.encode()).hexdigest()[:16]
         path = os.path.join(STAGING_DIR, f"memkv_direct_{digest}.staging")
-        return cls(g.rank, g.world_size, g.blocks_per_chunk, value_bytes, section, num_slots, path,
-                   g.tokens_per_chunk, g.num_groups, g.max_model_len)
+        return cls(
+            g.rank,
+            g.world_size,
+            g.blocks_per_chunk,
+            value_bytes,
+            section,
+            num_slots,
+            path,
+            g.tokens_per_chunk,
+            g.num_groups,
+            g.max_model_len,
+        )
 
 
 class MemKVLoadStoreSpec(LoadStoreSpec):

@@ -132,9 +132,11 @@ class LeasedDirectManager(DirectManagerBase):
     def _warn_limits(self, spec) -> None:
         extra = getattr(spec, "extra_config", None) or {}
         if int(extra.get("sync_load_budget_bytes", 0) or 0) > 0:
-            log.warning("MemKV direct mode: sync_load_budget_bytes is set: vLLM cannot recompute a synchronous "
-                        "(expedited) load that fails, it stops the engine; leave it unset with load_guarantee "
-                        "\"leased\"")
+            log.warning(
+                "MemKV direct mode: sync_load_budget_bytes is set: vLLM cannot recompute a synchronous "
+                "(expedited) load that fails, it stops the engine; leave it unset with load_guarantee "
+                '"leased"'
+            )
 
     def _check_lease_ttl(self) -> None:
         """Every node must speak LEASE and grant our ttl: a node that caps it lower would let
@@ -146,13 +148,19 @@ class LeasedDirectManager(DirectManagerBase):
             except MemKVError as exc:
                 raise StartupError(
                     f"MemKV direct mode cannot start: server {server.name} did not answer LEASE ({exc}); "
-                    f"load_guarantee \"leased\" needs nodes of memkv >= this version, or use \"staged\"") from exc
+                    f'load_guarantee "leased" needs nodes of memkv >= this version, or use "staged"'
+                ) from exc
             granted_s = reply.ttl_ms / 1000.0
             if granted_s < self.settings.lease_ttl_s:
                 self._renew_every_s = min(self._renew_every_s, granted_s / 3)
-                log.warning("MemKV direct mode: server %s caps leases at %.1fs (--max-lease-ttl), below "
-                            "memkv.lease_ttl_s=%.1fs: renewing every %.1fs", server.name, granted_s,
-                            self.settings.lease_ttl_s, self._renew_every_s)
+                log.warning(
+                    "MemKV direct mode: server %s caps leases at %.1fs (--max-lease-ttl), below "
+                    "memkv.lease_ttl_s=%.1fs: renewing every %.1fs",
+                    server.name,
+                    granted_s,
+                    self.settings.lease_ttl_s,
+                    self._renew_every_s,
+                )
         self.client.release([probe])
 
     # -- lookups and loads ------------------------------------------------------------------------
@@ -200,8 +208,13 @@ class LeasedDirectManager(DirectManagerBase):
         self._unref(rid, keep=set(keys))
         if rid in self._lookup_times:
             first, calls = self._lookup_times.pop(rid)
-            timing.debug("request %s: load of %d leased chunk(s) prepared %.3f s after its first lookup "
-                         "(%d lookup call(s))", rid, len(keys), time.perf_counter() - first, calls)
+            timing.debug(
+                "request %s: load of %d leased chunk(s) prepared %.3f s after its first lookup (%d lookup call(s))",
+                rid,
+                len(keys),
+                time.perf_counter() - first,
+                calls,
+            )
         return MemKVLoadStoreSpec([], keys=[self.keys.chunk_prefix(k) for k in keys])
 
     def _held_entry(self, key: bytes) -> _Held | None:
@@ -254,8 +267,12 @@ class LeasedDirectManager(DirectManagerBase):
             ok = self.client.lease(value_keys, ttl)
             lost = [vk for vk, good in zip(value_keys, ok) if not good]
             if lost:
-                log.warning("MemKV direct mode: %d of %d lease renewal(s) failed (node unreachable or restarted); "
-                            "a load of those chunks retries for load_retry_s, then fails loudly", len(lost), len(ok))
+                log.warning(
+                    "MemKV direct mode: %d of %d lease renewal(s) failed (node unreachable or restarted); "
+                    "a load of those chunks retries for load_retry_s, then fails loudly",
+                    len(lost),
+                    len(ok),
+                )
 
         self._control(renew)
 
@@ -265,9 +282,11 @@ class LeasedDirectManager(DirectManagerBase):
         keys = list(keys)  # prompt order
         todo = [k for k in keys if k not in self._held and k not in self._storing]
         self._storing.update(todo)
-        return PrepareStoreOutput(keys_to_store=todo,
-                                  store_spec=MemKVLoadStoreSpec([], keys=[self.keys.chunk_prefix(k) for k in todo]),
-                                  evicted_keys=[])
+        return PrepareStoreOutput(
+            keys_to_store=todo,
+            store_spec=MemKVLoadStoreSpec([], keys=[self.keys.chunk_prefix(k) for k in todo]),
+            evicted_keys=[],
+        )
 
     def complete_store(self, keys, req_context, success: bool = True) -> None:
         done = [k for k in keys if k in self._storing]
@@ -304,8 +323,13 @@ class LeasedDirectManager(DirectManagerBase):
         self._unref(rid, keep=self._pinned_keys(rid))
 
     def has_pending_work(self) -> bool:
-        return bool(self._lookup.pending() or self._storing or self._lease_fence
-                    or any(not f.done() for f in self._ctl_futures) or any(h.pins for h in self._held.values()))
+        return bool(
+            self._lookup.pending()
+            or self._storing
+            or self._lease_fence
+            or any(not f.done() for f in self._ctl_futures)
+            or any(h.pins for h in self._held.values())
+        )
 
     def reset_cache(self) -> None:
         """Forget every request. Loads in flight keep their leases until the flushed jobs are

@@ -109,10 +109,15 @@ class MemKVDirectManager(DirectManagerBase):
         layout, st = self.layout, self.settings
         if layout.staged_prompt_tokens < layout.max_model_len:
             mib_per_1k = -(-layout.slot_bytes * layout.num_groups * 1024 // max(1, layout.tokens_per_chunk)) / (1 << 20)
-            log.warning("MemKV direct mode: load_guarantee \"staged\" with memkv.staging_mb %d reuses at most %d of "
-                        "max_model_len %d tokens of a prompt; the rest of a longer prompt is recomputed. Raise "
-                        "staging_mb (%.0f MiB per 1k tokens) or use \"leased\" (the default from vLLM 0.34)",
-                        st.staging_mb, layout.staged_prompt_tokens, layout.max_model_len, mib_per_1k)
+            log.warning(
+                'MemKV direct mode: load_guarantee "staged" with memkv.staging_mb %d reuses at most %d of '
+                "max_model_len %d tokens of a prompt; the rest of a longer prompt is recomputed. Raise "
+                'staging_mb (%.0f MiB per 1k tokens) or use "leased" (the default from vLLM 0.34)',
+                st.staging_mb,
+                layout.staged_prompt_tokens,
+                layout.max_model_len,
+                mib_per_1k,
+            )
 
     # ---------------------------------------------------------------------------------------------
     # Lookups and loads
@@ -131,9 +136,11 @@ class MemKVDirectManager(DirectManagerBase):
                 deadline = self.settings.deadline_s
                 if deadline is not None and self._clock() - e.started >= deadline:
                     self._abandon(e)
-                    log.warning("MemKV direct mode: prefetch unanswered after %.1fs: answering MISS "
-                                "(lookup_timeout_s); its staging slot stays quarantined until the transfer ends",
-                                self._clock() - e.started)
+                    log.warning(
+                        "MemKV direct mode: prefetch unanswered after %.1fs: answering MISS "
+                        "(lookup_timeout_s); its staging slot stays quarantined until the transfer ends",
+                        self._clock() - e.started,
+                    )
                     self.stats.count(tm.LOOKUPS, 1, ("timeout",))
                     return compat.LookupResult.MISS
                 self._ref(e, rid)
@@ -175,8 +182,10 @@ class MemKVDirectManager(DirectManagerBase):
             # The connector asks only for keys that answered HIT, in this step (0.33: in the same
             # lock region); a HIT entry is dropped only once no request refers to it.
             if e is None or not e.readable:
-                raise AssertionError(f"MemKV direct mode: prepare_load of a chunk that is not staged "
-                                     f"({None if e is None else e.state}); this is a bug")
+                raise AssertionError(
+                    f"MemKV direct mode: prepare_load of a chunk that is not staged "
+                    f"({None if e is None else e.state}); this is a bug"
+                )
             e.pins += 1
             self._ref(e, rid)
             slots.append(e.slot)
@@ -214,11 +223,16 @@ class MemKVDirectManager(DirectManagerBase):
             todo = todo[:fit]
             self._cut.add(rid)
             self.stats.count(tm.SHEDS, shed)
-            log.warning("MemKV direct mode: a store job of %s needs more staging than memkv.staging_mb (%d MiB) "
-                        "holds; kept its first %d chunk(s), shed %d and the rest of the request. Raise "
-                        "staging_mb, lower max_num_batched_tokens, or set memkv.load_guarantee \"leased\" (any "
-                        "prompt length through the same region; docs/direct-mode.md, 'Two load guarantees').",
-                        rid, self.settings.staging_mb, fit, shed)
+            log.warning(
+                "MemKV direct mode: a store job of %s needs more staging than memkv.staging_mb (%d MiB) "
+                "holds; kept its first %d chunk(s), shed %d and the rest of the request. Raise "
+                'staging_mb, lower max_num_batched_tokens, or set memkv.load_guarantee "leased" (any '
+                "prompt length through the same region; docs/direct-mode.md, 'Two load guarantees').",
+                rid,
+                self.settings.staging_mb,
+                fit,
+                shed,
+            )
         now = self._clock()
         for key, slot in zip(todo, slots):
             e = _Entry(key, slot, WRITING, now)
@@ -255,7 +269,7 @@ class MemKVDirectManager(DirectManagerBase):
             per = [True] * len(entries)
             for i, good in zip(owners, stored):
                 per[i] &= good
-            for i, e in enumerate(entries):
+            for i in range(len(entries)):
                 if not present[i]:
                     ok[i] = per[i]
             self.stats.count(tm.STORE_BYTES, self.layout.value_bytes * sum(stored))

@@ -36,9 +36,11 @@ class MemKVOffloadingSpec(OffloadingSpec):
         if self.settings.leased and self.layout.num_slots < 2:
             from memkv.errors import ConfigError
 
-            raise ConfigError(f"MemKV direct mode: memkv.staging_mb ({self.settings.staging_mb} MiB) holds "
-                              f"{self.layout.num_slots} chunk(s); load_guarantee \"leased\" streams through at least 2 "
-                              f"(one per direction): raise staging_mb to {-(-2 * self.layout.slot_bytes // (1 << 20))}")
+            raise ConfigError(
+                f"MemKV direct mode: memkv.staging_mb ({self.settings.staging_mb} MiB) holds "
+                f'{self.layout.num_slots} chunk(s); load_guarantee "leased" streams through at least 2 '
+                f"(one per direction): raise staging_mb to {-(-2 * self.layout.slot_bytes // (1 << 20))}"
+            )
         self._manager = None
         self._worker = None
 

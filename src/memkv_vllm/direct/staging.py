@@ -49,7 +49,7 @@ class StagingRegion:
         self.view = memoryview(self._mmap)
 
     @classmethod
-    def open_or_create(cls, path: str, nbytes: int, owner: bool) -> "StagingRegion":
+    def open_or_create(cls, path: str, nbytes: int, owner: bool) -> StagingRegion:
         """Map the engine's staging file, creating it if this side comes first (vLLM builds the
         workers before the scheduler). Both sides size it alike; an `owner` unlinks it at close
         (every side is one: whichever closes first removes the name, mappings stay valid, and a

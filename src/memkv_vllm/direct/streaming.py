@@ -148,8 +148,25 @@ class Chunk:
 
 
 class Job:
-    __slots__ = ("job_id", "load", "chunks", "event", "started", "error", "cancelled", "copies_done", "done",
-                 "nbytes", "shed", "failed_puts", "pending", "net_s", "copy_s", "slot_wait_s", "first_at")
+    __slots__ = (
+        "job_id",
+        "load",
+        "chunks",
+        "event",
+        "started",
+        "error",
+        "cancelled",
+        "copies_done",
+        "done",
+        "nbytes",
+        "shed",
+        "failed_puts",
+        "pending",
+        "net_s",
+        "copy_s",
+        "slot_wait_s",
+        "first_at",
+    )
 
     def __init__(self, job_id: int, load: bool, chunks: list[Chunk], event: Any, nbytes: int) -> None:
         self.job_id = job_id
@@ -198,10 +215,21 @@ class StreamingTransfers:
     batch of chunks between the GPU and their slots: it returns None once every copy is complete,
     or a function that waits for them (the copies are queued: CUDA)."""
 
-    def __init__(self, client: Any, rank: int, section: Callable[[int], memoryview], num_slots: int,
-                 copy: CopyBatch, blocks_per_op: int, load_retry_s: float, load_failure_grace_s: float,
-                 on_thread_start: Callable[[], None] = lambda: None, clock: Callable[[], float] = time.monotonic,
-                 fetch_threads: int = 1, put_threads: int = 1) -> None:
+    def __init__(
+        self,
+        client: Any,
+        rank: int,
+        section: Callable[[int], memoryview],
+        num_slots: int,
+        copy: CopyBatch,
+        blocks_per_op: int,
+        load_retry_s: float,
+        load_failure_grace_s: float,
+        on_thread_start: Callable[[], None] = lambda: None,
+        clock: Callable[[], float] = time.monotonic,
+        fetch_threads: int = 1,
+        put_threads: int = 1,
+    ) -> None:
         self.client = client
         self.rank = rank
         self._section = section
@@ -223,21 +251,27 @@ class StreamingTransfers:
         self.shed = 0
         self.failed_puts = 0
         self.copy_waits = 0  # copy batches waited for (one synchronize each), both directions
-        self._queues: dict[str, queue.SimpleQueue[Any]] = {n: queue.SimpleQueue() for n in
-                                                             ("dispatch", "fetch", "scatter", "copied", "gather",
-                                                              "put")}
+        self._queues: dict[str, queue.SimpleQueue[Any]] = {
+            n: queue.SimpleQueue() for n in ("dispatch", "fetch", "scatter", "copied", "gather", "put")
+        }
         self._on_thread_start = on_thread_start
         self._in_flight = threading.BoundedSemaphore(SCATTER_IN_FLIGHT)  # load batches queued, not waited for
-        plan = [("dispatch", self._dispatch_job, 1), ("fetch", self._fetch_batch, self.n_fetch),
-                ("scatter", None, 1), ("copied", self._copied, 1), ("gather", self._gather_job, 1),
-                ("put", self._put, self.n_put)]
+        plan = [
+            ("dispatch", self._dispatch_job, 1),
+            ("fetch", self._fetch_batch, self.n_fetch),
+            ("scatter", None, 1),
+            ("copied", self._copied, 1),
+            ("gather", self._gather_job, 1),
+            ("put", self._put, self.n_put),
+        ]
         self._threads: list[tuple[str, threading.Thread]] = []
         for name, fn, n in plan:
             for k in range(n):
                 target = self._scatter_loop if fn is None else self._loop
                 args = () if fn is None else (name, fn)
-                self._threads.append((name, threading.Thread(target=target, args=args, daemon=True,
-                                                             name=f"memkv-direct-{name}-{k}")))
+                self._threads.append(
+                    (name, threading.Thread(target=target, args=args, daemon=True, name=f"memkv-direct-{name}-{k}"))
+                )
         for _, t in self._threads:
             t.start()
 
@@ -294,13 +328,23 @@ class StreamingTransfers:
             job.done.set()
             if timing.isEnabledFor(logging.DEBUG):
                 took = time.perf_counter() - job.started
-                timing.debug("rank %d %s job %d: %d chunk(s), %.0f MiB in %.3f s (%.2f GB/s); first chunk after "
-                             "%.3f s; network %.3f thread-s (%d thread(s)), copies %.3f s, slot waits %.3f s%s",
-                             self.rank, "load" if job.load else "store", job.job_id, len(job.chunks),
-                             job.nbytes / 2**20, took, job.nbytes / max(took, 1e-9) / 1e9,
-                             (job.first_at - job.started) if job.first_at else -1.0, job.net_s,
-                             self.n_fetch if job.load else self.n_put, job.copy_s, job.slot_wait_s,
-                             f"; error: {job.error}" if job.error else "")
+                timing.debug(
+                    "rank %d %s job %d: %d chunk(s), %.0f MiB in %.3f s (%.2f GB/s); first chunk after "
+                    "%.3f s; network %.3f thread-s (%d thread(s)), copies %.3f s, slot waits %.3f s%s",
+                    self.rank,
+                    "load" if job.load else "store",
+                    job.job_id,
+                    len(job.chunks),
+                    job.nbytes / 2**20,
+                    took,
+                    job.nbytes / max(took, 1e-9) / 1e9,
+                    (job.first_at - job.started) if job.first_at else -1.0,
+                    job.net_s,
+                    self.n_fetch if job.load else self.n_put,
+                    job.copy_s,
+                    job.slot_wait_s,
+                    f"; error: {job.error}" if job.error else "",
+                )
 
     def _hand(self, name: str, job: Job, batch: list[Chunk], slots: list[int]) -> None:
         with self._lock:
@@ -378,8 +422,9 @@ class StreamingTransfers:
                     wait_s = 0.0 if job.error is not None else max(0.0, deadline - self._clock())
                     more = self.load_ring.take(1, timeout_s=wait_s)
                     if not more:
-                        job.error = job.error or self._failure(batch[j].key, attempts,
-                                                               "no staging slot left out of quarantine")
+                        job.error = job.error or self._failure(
+                            batch[j].key, attempts, "no staging slot left out of quarantine"
+                        )
                         return [s for s in slots if s >= 0]
                     slots[j] = more[0]
             left = deadline - self._clock()
@@ -402,10 +447,12 @@ class StreamingTransfers:
         if cause is None:
             health = {h["server"]: h for h in self.client.health()}.get(server, {})
             cause = health.get("last_error") or "miss or checksum mismatch (value gone despite its lease, or corrupt)"
-        return (f"MemKV direct mode: rank {self.rank} could not load {key!r} from server {server} within "
-                f"load_retry_s={self.load_retry_s:g}s ({attempts} attempts; last error: {cause}). The chunk was "
-                f"leased at lookup and vLLM cannot recompute a chunk it committed to load, so the engine stops "
-                f"here rather than copy unverified bytes to the GPU (docs/direct-mode.md, 'Residual risk').")
+        return (
+            f"MemKV direct mode: rank {self.rank} could not load {key!r} from server {server} within "
+            f"load_retry_s={self.load_retry_s:g}s ({attempts} attempts; last error: {cause}). The chunk was "
+            f"leased at lookup and vLLM cannot recompute a chunk it committed to load, so the engine stops "
+            f"here rather than copy unverified bytes to the GPU (docs/direct-mode.md, 'Residual risk')."
+        )
 
     def _scatter_loop(self) -> None:
         """Copies every fetched batch that is ready in one go (one wait), so a ring of

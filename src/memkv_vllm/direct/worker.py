@@ -50,8 +50,16 @@ from vllm.v1.kv_offload.base import OffloadingWorker, TransferResult
 
 from memkv_vllm import compat
 from memkv_vllm.direct.config import PIECES, DirectSettings
-from memkv_vllm.direct.copies import (PieceCopier, PiecesUnavailable, RunArray, SectionCopier, as_tuples, chunk_runs,
-                                      copy_runs, run_bytes)
+from memkv_vllm.direct.copies import (
+    PieceCopier,
+    PiecesUnavailable,
+    RunArray,
+    SectionCopier,
+    as_tuples,
+    chunk_runs,
+    copy_runs,
+    run_bytes,
+)
 from memkv_vllm.direct.layout import StagingLayout
 from memkv_vllm.direct.staging import StagingRegion
 from memkv_vllm.direct.streaming import Chunk, Job, LoadFailed, StreamingTransfers
@@ -68,10 +76,12 @@ class MemKVDirectWorker(OffloadingWorker):
         self._kv_caches = kv_caches
         self._report_failures = compat.load_failure_reportable()
         if self._report_failures and compat.load_failure_policy() == "fail":
-            log.warning("MemKV direct mode: kv_load_failure_policy is 'fail' (vLLM's default): a load MemKV cannot "
-                        "complete (a node lost between lookup and load) ends that request with an error; set "
-                        '"kv_load_failure_policy": "recompute" in --kv-transfer-config to recompute it instead '
-                        "(docs/direct-mode.md)")
+            log.warning(
+                "MemKV direct mode: kv_load_failure_policy is 'fail' (vLLM's default): a load MemKV cannot "
+                "complete (a node lost between lookup and load) ends that request with an error; set "
+                '"kv_load_failure_policy": "recompute" in --kv-transfer-config to recompute it instead '
+                "(docs/direct-mode.md)"
+            )
         self._tensors = [t.tensor for t in kv_caches.tensors]
         self._groups: list[list[tuple[int, int, int]]] = []  # per group: (tensor idx, page bytes, offset)
         bpc = layout.blocks_per_chunk
@@ -81,8 +91,10 @@ class MemKVDirectWorker(OffloadingWorker):
                 entries.append((ref.tensor_idx, ref.page_size_bytes, offset))
                 offset += ref.page_size_bytes * bpc
             if offset > layout.value_bytes:
-                raise RuntimeError(f"MemKV direct mode: KV group {g} holds {offset} bytes per chunk on rank "
-                                   f"{layout.rank} but the spec sized values at {layout.value_bytes} bytes")
+                raise RuntimeError(
+                    f"MemKV direct mode: KV group {g} holds {offset} bytes per chunk on rank "
+                    f"{layout.rank} but the spec sized values at {layout.value_bytes} bytes"
+                )
             self._groups.append(entries)
         self._cuda = any(t.is_cuda for t in self._tensors)
         self._pages = sorted({page for entries in self._groups for _, page, _ in entries})
@@ -129,14 +141,30 @@ class MemKVDirectWorker(OffloadingWorker):
             return flat[start : start + layout.value_bytes]
 
         st = self.settings
-        self._streams = StreamingTransfers(client, layout.rank, section, layout.num_slots, self._copy_batch,
-                                           st.blocks_per_op, st.load_retry_s, st.load_failure_grace_s,
-                                           on_thread_start, fetch_threads=st.n_read_threads,
-                                           put_threads=st.n_write_threads)
-        log.info("MemKV direct mode: rank %d streams through %d load + %d store slot(s): %d fetch thread(s) of "
-                 "%d chunk(s), %d put thread(s) of %d chunk(s)", layout.rank, self._streams.load_ring.size,
-                 self._streams.store_ring.size, self._streams.n_fetch, self._streams.load_batch,
-                 self._streams.n_put, self._streams.store_batch)
+        self._streams = StreamingTransfers(
+            client,
+            layout.rank,
+            section,
+            layout.num_slots,
+            self._copy_batch,
+            st.blocks_per_op,
+            st.load_retry_s,
+            st.load_failure_grace_s,
+            on_thread_start,
+            fetch_threads=st.n_read_threads,
+            put_threads=st.n_write_threads,
+        )
+        log.info(
+            "MemKV direct mode: rank %d streams through %d load + %d store slot(s): %d fetch thread(s) of "
+            "%d chunk(s), %d put thread(s) of %d chunk(s)",
+            layout.rank,
+            self._streams.load_ring.size,
+            self._streams.store_ring.size,
+            self._streams.n_fetch,
+            self._streams.load_batch,
+            self._streams.n_put,
+            self._streams.store_batch,
+        )
 
     def _copy_batch(self, items: list[tuple[Job, Chunk, int]], to_staging: bool) -> Callable[[], None] | None:
         """Every (job, chunk, slot) of `items` between the chunk's GPU blocks and the slot. On
@@ -194,8 +222,13 @@ class MemKVDirectWorker(OffloadingWorker):
                 out.append(TransferResult(job.job_id, False, 0, time.perf_counter() - job.started))
                 continue
             if job.shed or job.failed_puts:
-                log.warning("MemKV direct mode: store job %d: %d chunk(s) shed by wait(), %d put(s) failed: "
-                            "those chunks will be a MISS", job.job_id, job.shed, job.failed_puts)
+                log.warning(
+                    "MemKV direct mode: store job %d: %d chunk(s) shed by wait(), %d put(s) failed: "
+                    "those chunks will be a MISS",
+                    job.job_id,
+                    job.shed,
+                    job.failed_puts,
+                )
             out.append(TransferResult(job.job_id, True, job.nbytes, time.perf_counter() - job.started))
         return out
 
@@ -208,8 +241,12 @@ class MemKVDirectWorker(OffloadingWorker):
             if self._cuda:
                 rc = torch.cuda.cudart().cudaHostRegister(self._staging.data_ptr(), self.layout.region_bytes, 0)
                 if rc.value != 0:  # as vLLM's CPU spec does: go on, unpinned (slower, synchronous copies)
-                    log.warning("MemKV direct mode: cudaHostRegister of the %d MiB staging region failed (%s); "
-                                "copies go unpinned", self.layout.region_bytes >> 20, rc)
+                    log.warning(
+                        "MemKV direct mode: cudaHostRegister of the %d MiB staging region failed (%s); "
+                        "copies go unpinned",
+                        self.layout.region_bytes >> 20,
+                        rc,
+                    )
                 else:
                     self._registered = True
                 self._stream = torch.cuda.Stream()
@@ -230,8 +267,11 @@ class MemKVDirectWorker(OffloadingWorker):
     def _run(self, job_id: int, gpu_spec, slots: list[int], to_staging: bool) -> bool:
         start = time.perf_counter()
         rank = self.layout.rank
-        sections = [(self.layout.section_offset(slot, rank), runs)
-                    for slot, runs in zip(slots, self._chunk_runs(gpu_spec, len(slots))) if len(runs)]
+        sections = [
+            (self.layout.section_offset(slot, rank), runs)
+            for slot, runs in zip(slots, self._chunk_runs(gpu_spec, len(slots)))
+            if len(runs)
+        ]
         nbytes = sum(run_bytes(runs) for _, runs in sections)
         if not sections:
             self._done.append(TransferResult(job_id, True, 0, 0.0))
@@ -253,8 +293,14 @@ class MemKVDirectWorker(OffloadingWorker):
     def _chunk_runs(self, gpu_spec, n_chunks: int) -> list[RunArray]:
         """Per chunk of the job, its runs (copies.chunk_runs), offsets inside the rank's section."""
         blocks = compat.gpu_blocks(gpu_spec, self._kv_caches)
-        return chunk_runs(blocks.block_ids, blocks.group_sizes, blocks.block_indices, self._groups,
-                          self.layout.blocks_per_chunk, n_chunks)
+        return chunk_runs(
+            blocks.block_ids,
+            blocks.group_sizes,
+            blocks.block_indices,
+            self._groups,
+            self.layout.blocks_per_chunk,
+            n_chunks,
+        )
 
     def _copy(self, stream: str, sections: list[tuple[int, RunArray]], to_staging: bool, non_blocking: bool) -> None:
         """Every run of `sections` ((staging offset of a chunk's section, its runs)); on CUDA
@@ -269,19 +315,30 @@ class MemKVDirectWorker(OffloadingWorker):
         scratch = self.settings.copy_scratch_bytes
         tuples = [(base, as_tuples(runs)) for base, runs in sections]  # the copiers below loop in Python
         if scratch == 0:
-            copy_runs(self._tensors, staging,
-                      [(t, b, n, p, base + off) for base, runs in tuples for t, b, n, p, off in runs],
-                      to_staging, non_blocking)
+            copy_runs(
+                self._tensors,
+                staging,
+                [(t, b, n, p, base + off) for base, runs in tuples for t, b, n, p, off in runs],
+                to_staging,
+                non_blocking,
+            )
             return
         copier = self._copiers.get(stream)
         if copier is None:
             # Never more chunks than staging holds: no batch can be larger.
             chunks = max(1, min(scratch // self.layout.value_bytes, self.layout.num_slots))
-            copier = self._copiers[stream] = SectionCopier(self._tensors, staging, self.layout.value_bytes, chunks,
-                                                           self._pages)
-            log.info("MemKV direct mode: rank %d copies %s chunks through %d MiB of %s scratch (%d chunk(s) at a "
-                     "time; memkv.copy_scratch_mb)", self.layout.rank, stream, copier.scratch_bytes >> 20,
-                     copier.device.type, copier.scratch_chunks)
+            copier = self._copiers[stream] = SectionCopier(
+                self._tensors, staging, self.layout.value_bytes, chunks, self._pages
+            )
+            log.info(
+                "MemKV direct mode: rank %d copies %s chunks through %d MiB of %s scratch (%d chunk(s) at a "
+                "time; memkv.copy_scratch_mb)",
+                self.layout.rank,
+                stream,
+                copier.scratch_bytes >> 20,
+                copier.device.type,
+                copier.scratch_chunks,
+            )
         copier.copy(tuples, to_staging, non_blocking)
 
     def _piece_copier(self) -> PieceCopier | None:
@@ -291,11 +348,18 @@ class MemKVDirectWorker(OffloadingWorker):
         try:
             copier = PieceCopier(self._tensors, self._staging)
         except PiecesUnavailable as exc:
-            log.warning('MemKV direct mode: rank %d: memkv.copy_method "pieces" cannot run here (%s); copies go '
-                        'through the scratch ("scratch")', self.layout.rank, exc)
+            log.warning(
+                'MemKV direct mode: rank %d: memkv.copy_method "pieces" cannot run here (%s); copies go '
+                'through the scratch ("scratch")',
+                self.layout.rank,
+                exc,
+            )
             return None
-        log.info("MemKV direct mode: rank %d copies chunks as pieces, one call per batch (memkv.copy_method): %s",
-                 self.layout.rank, "one cudaMemcpyBatchAsync" if copier.batched else "a copy per piece")
+        log.info(
+            "MemKV direct mode: rank %d copies chunks as pieces, one call per batch (memkv.copy_method): %s",
+            self.layout.rank,
+            "one cudaMemcpyBatchAsync" if copier.batched else "a copy per piece",
+        )
         return copier
 
     def get_finished(self) -> list[TransferResult]:
@@ -317,15 +381,19 @@ class MemKVDirectWorker(OffloadingWorker):
                 if job.load:
                     bound = self.settings.load_retry_s * (1 + len(job.chunks)) + WAIT_MARGIN_S
                     if not job.done.wait(bound):
-                        raise LoadFailed(f"MemKV direct mode: rank {self.layout.rank}: load job {job_id} not done "
-                                         f"within {bound:.0f}s")
+                        raise LoadFailed(
+                            f"MemKV direct mode: rank {self.layout.rank}: load job {job_id} not done "
+                            f"within {bound:.0f}s"
+                        )
                     if job.error is not None and not self._report_failures:
                         raise LoadFailed(job.error)  # 0.34+: get_finished reports it as failed
                 else:
                     job.cancelled = True
                     if not job.copies_done.wait(WAIT_MARGIN_S):
-                        raise RuntimeError(f"MemKV direct mode: rank {self.layout.rank}: store job {job_id} still "
-                                           f"copying after {WAIT_MARGIN_S:.0f}s")
+                        raise RuntimeError(
+                            f"MemKV direct mode: rank {self.layout.rank}: store job {job_id} still "
+                            f"copying after {WAIT_MARGIN_S:.0f}s"
+                        )
                 continue
             pending = self._pending.get(job_id)
             if pending is not None:
