@@ -275,29 +275,11 @@ class _MemcpyAttributes(ctypes.Structure):
 
 
 _U64P, _SIZEP = ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_size_t)
-_BATCH_13 = ctypes.CFUNCTYPE(
-    ctypes.c_int,
-    _U64P,
-    _U64P,
-    _U64P,
-    ctypes.c_size_t,
-    ctypes.POINTER(_MemcpyAttributes),
-    _SIZEP,
-    ctypes.c_size_t,
-    ctypes.c_void_p,
-)
-_BATCH_12 = ctypes.CFUNCTYPE(
-    ctypes.c_int,
-    _U64P,
-    _U64P,
-    _U64P,
-    ctypes.c_size_t,
-    ctypes.POINTER(_MemcpyAttributes),
-    _SIZEP,
-    ctypes.c_size_t,
-    _SIZEP,
-    ctypes.c_void_p,
-)
+# cudaMemcpyBatchAsync(dsts, srcs, sizes, count, attrs, attr_idxs, num_attrs, [fail_idx,] stream):
+# CUDA 12.8-12.9 have the failure index, CUDA 13 dropped it.
+_BATCH_HEAD = (_U64P, _U64P, _U64P, ctypes.c_size_t, ctypes.POINTER(_MemcpyAttributes), _SIZEP, ctypes.c_size_t)
+_BATCH_13 = ctypes.CFUNCTYPE(ctypes.c_int, *_BATCH_HEAD, ctypes.c_void_p)
+_BATCH_12 = ctypes.CFUNCTYPE(ctypes.c_int, *_BATCH_HEAD, _SIZEP, ctypes.c_void_p)
 
 
 class FakeBatchCopy:
