@@ -1,6 +1,6 @@
 """Many engines, many nodes: K client processes against M nodes, against raw sockets, same run.
 
-    python3 bench/fleet.py [--clients 1,2,4] [--nodes 1,2,4] [--topology remote,colocated]
+    python3 bench/fleet.py [--clients 1,2,4] [--nodes 1,2,4] [--topology remote,colocated[,loopback]]
                            [--values 64] [--value-mib 16] [--threads 8] [--blocks-per-op 8]
                            [--reps 2] [--out FILE] [--plot FILE]
 
@@ -26,6 +26,9 @@ Topologies:
              on another machine is reached. Raw baseline: TCP to the same address.
   colocated  nodes on 127.0.0.1; the client's defaults (same-host socket, shared memory).
              Raw baseline: the same-host kernel path, an abstract Unix socket.
+  loopback   nodes on 127.0.0.1 reached over TCP only (the clients' local_socket off, as
+             MEMKV_LOCAL_SOCKET=off): a remote node's path where namespaces cannot be made (a
+             host without iproute2). Raw baseline: TCP to the same address.
 
 Per cell (topology, K, M, op): aggregate GB/s (all bytes of the phase over the wall time from the
 common start to the last client's end), the ratio to raw, per-client spread (max/min of each
@@ -90,6 +93,7 @@ def worker(spec: dict) -> None:
             servers=parse_servers(",".join(spec["servers"]), "fleet"),
             auth_key=AuthKey.from_hex(spec["key"], "fleet"),
             pool_size=max(8, threads),
+            local_socket=not spec["tcp_only"],
         )
     )
     raws = [RawClient(port, unix_name=unix, host=host) for host, port, unix in spec["raw"]]
@@ -175,9 +179,10 @@ def cpu_seconds(pids: list[int]) -> float:
 
 
 class Places:
-    """M nodes and M raw servers, on other hosts (remote) or on this one (colocated)."""
+    """M nodes and M raw servers, on other hosts (remote) or on this one (colocated, loopback)."""
 
     def __init__(self, topology: str, m: int, key: str, capacity_bytes: int, value_bytes: int, slots: int) -> None:
+        self.topology = topology
         self.hosts: list = []
         self.nodes: list[LocalNode] = []
         self.raws: list[tuple[subprocess.Popen, str, int, str | None]] = []
@@ -194,7 +199,7 @@ class Places:
                 else:
                     self.nodes.append(LocalNode(key, capacity=str(capacity_bytes), extra_args=["--admin-port", "0"]))
                     proc, port, unix = start_raw(value_bytes, slots)
-                    self.raws.append((proc, "127.0.0.1", port, unix))
+                    self.raws.append((proc, "127.0.0.1", port, None if topology == "loopback" else unix))
         except BaseException:
             self.close()
             raise
@@ -217,6 +222,7 @@ def run_cell(places: Places, k: int, args: argparse.Namespace, key: str, reps: i
             "value_bytes": value_bytes, "values": args.values, "threads": args.threads, "bpo": args.blocks_per_op,
             "me": me, "key": key, "servers": [n.address for n in places.nodes],
             "raw": [(host, port, unix) for _, host, port, unix in places.raws],
+            "tcp_only": places.topology == "loopback",
         }  # fmt: skip
         procs.append(
             subprocess.Popen(
@@ -373,7 +379,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--clients", default="1,2,4", help="K values, comma-separated")
     ap.add_argument("--nodes", default="1,2,4", help="M values, comma-separated")
-    ap.add_argument("--topology", default="remote,colocated")
+    ap.add_argument("--topology", default="remote,colocated", help="remote, colocated, loopback (comma-separated)")
     ap.add_argument("--values", type=int, default=64, help="values per client")
     ap.add_argument("--value-mib", type=int, default=16)
     ap.add_argument("--threads", type=int, default=8)
@@ -397,6 +403,9 @@ def main() -> None:
     if args.replot:
         plot(json.loads(args.replot.read_text())["rows"], args.plot or args.replot.with_suffix(".png"))
         return
+    unknown = set(args.topology.split(",")) - {"remote", "colocated", "loopback"}
+    if unknown:
+        ap.error(f"--topology: unknown {', '.join(sorted(unknown))} (remote, colocated, loopback)")
     ks = [int(x) for x in args.clients.split(",")]
     ms = [int(x) for x in args.nodes.split(",")]
     value_bytes = args.value_mib * MiB
