@@ -61,6 +61,7 @@ COMMITS = {
     f"{GPU_RESULTS}/run82-h200-datapath-fleet/dp8.json": "b6c12e9",
     f"{GPU_RESULTS}/run82-h200-datapath-fleet/dp1.json": "b6c12e9",
     f"{GPU_RESULTS}/run82-h200-datapath-fleet/fleet.json": "b6c12e9",
+    f"{GPU_RESULTS}/run94-h100-fleet-loopback/fleet.json": "4c49a4b",
     f"{GPU_RESULTS}/run54-defaults-main-restart-notier.json": "3684015",
     f"{GPU_RESULTS}/run78-h200-ttft-colocated-vs-off/colocated.json": "59f7136",
     f"{GPU_RESULTS}/run78-h200-ttft-colocated-vs-off/local-socket-off.json": "59f7136",
@@ -221,11 +222,15 @@ def vm_memory() -> list[str]:
 
 
 FLEET = f"{VM_RESULTS}/fleet_2026-12-07-steady/fleet.json"
-TOPOLOGIES = {"remote": "remote (TCP)", "colocated": "co-located"}
+TOPOLOGIES = {"remote": "remote (TCP)", "colocated": "co-located", "loopback": "loopback (TCP)"}
+DEFAULT_TOPOLOGIES = ["remote", "colocated"]  # bench/fleet.py's --topology default
 TOPOLOGY_NOTES = {
     "remote": "remote = every node in a network namespace of its own behind a veth pair (TCP, as from another "
     "host), raw baseline TCP to the same place",
     "colocated": "co-located = the client's defaults, raw baseline an abstract Unix socket",
+    "loopback": "loopback = the nodes on the clients' host reached over TCP only (the clients' `local_socket` off, "
+    "the path a node on another host gets, where network namespaces cannot be made), raw baseline TCP to the same "
+    "address",
 }
 
 
@@ -265,7 +270,7 @@ def fleet_table(path: str, where: str = "") -> list[str]:
     a = d["meta"]["args"]
     topologies = list(dict.fromkeys(r["topology"] for r in d["rows"]))
     command = f"`python3 bench/fleet.py --lookups {a['lookups']}"
-    if topologies != list(TOPOLOGIES):
+    if topologies != DEFAULT_TOPOLOGIES:
         command += f" --topology {','.join(topologies)} --clients {a['clients']} --reps {a['reps']}"
     reps = "one repetition" if str(a["reps"]) == "1" else f"median of {a['reps']} repetitions"
     if first:
@@ -468,6 +473,13 @@ def gpu_fleet() -> list[str]:
     return fleet_table(H200_FLEET, H200_HOST)
 
 
+H100_FLEET = f"{GPU_RESULTS}/run94-h100-fleet-loopback/fleet.json"
+
+
+def gpu_h100_fleet() -> list[str]:
+    return fleet_table(H100_FLEET, "NVIDIA H100 80GB HBM3 host (16 vCPUs), run 94")
+
+
 def gpu_h100_datapath() -> list[str]:
     rows = []
     for label, path, _ in H100_DATAPATH:
@@ -518,6 +530,7 @@ TABLES: dict[str, Callable[[], list[str]]] = {
     "gpu-cold": gpu_cold,
     "gpu-datapath": gpu_datapath,
     "gpu-fleet": gpu_fleet,
+    "gpu-h100-fleet": gpu_h100_fleet,
 }
 
 BLOCK = re.compile(r"(<!-- table: (?P<name>[\w-]+) -->\n)(?P<body>.*?)(<!-- /table -->)", re.S)
