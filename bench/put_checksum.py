@@ -1,6 +1,6 @@
 """Where a TCP store's time goes beyond the raw socket's: the client's checksum pass, same run.
 
-    python3 bench/put_checksum.py [--threads 8] [--values 32] [--value-mib 16] [--reps 5] [--out FILE]
+    python3 bench/put_checksum.py [--threads 8] [--values 32] [--value-mib 16] [--batch 8] [--reps 5] [--out FILE]
 
 A PUT's frame carries each value's checksum (xxh3-128) ahead of the value's bytes (docs/protocol.md),
 so the client hashes a whole value before it sends the first byte: one pass that reads the value from
@@ -8,12 +8,16 @@ memory, then the kernel's copy into the socket reads it from memory again. A loa
 as it lands, while it is in cache. This times, over loopback TCP into a receiver process that
 reads into one reused buffer per connection (no node, no protocol), `--threads` sender threads of
 one process each moving `--values` values of their own (a pool larger than the caches, as the
-tier's CPU pool is), the variants interleaved repetition by repetition:
+tier's CPU pool is) in batches of `--batch` (the tier's blocks_per_op), the variants interleaved
+repetition by repetition:
 
-  raw               `sendall` of each value: the raw design's store
-  hash, then send   xxh3-128 of the whole value, then `sendall`: what the client does today
-  hash each piece   xxh3-128 updated with each 256 KiB piece just before that piece is sent:
-                    what a checksum sent after the value (a trailer) would allow
+  raw               `sendall` of each value of a batch: the raw design's store
+  hash, then send   xxh3-128 of each value of the batch, one after the other, then `sendall` of each:
+                    what the client does today (a batch's frame carries every checksum)
+  hash in parallel  the batch's values hashed at once on a pool of hashing threads (one per CPU, at
+                    most 8), then sent: the same frame, its checksums made on idle cores
+  hash each piece   per value, xxh3-128 updated with each 256 KiB piece just before that piece is
+                    sent: what a checksum sent after the value (a trailer) would allow
 
 Prints per variant the median GB/s and its ratio to raw in the same repetition; writes
 bench/out/put_checksum.json.
@@ -22,6 +26,7 @@ bench/out/put_checksum.json.
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import json
 import os
 import platform
@@ -42,7 +47,8 @@ from memkv.benchmark import fill_pattern, prefaulted_pool  # noqa: E402
 
 MiB = 1 << 20
 PIECE = 256 << 10  # the piece the compiled receive loop hashes while it is in cache
-VARIANTS = ("raw", "hash, then send", "hash each piece")
+VARIANTS = ("raw", "hash, then send", "hash in parallel", "hash each piece")
+HASHERS = concurrent.futures.ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1))
 RECV_TIMEOUT_S = 60.0
 
 
@@ -68,13 +74,17 @@ def receiver(port_file: str, threads: int, value_bytes: int) -> None:
         t.join()
 
 
-def send(variant: str, sock: socket.socket, value: memoryview) -> None:
-    if variant == "raw":
-        sock.sendall(value)
-    elif variant == "hash, then send":
-        xxhash.xxh3_128_digest(value)
-        sock.sendall(value)
-    else:
+def send(variant: str, sock: socket.socket, batch: list[memoryview]) -> None:
+    if variant == "hash, then send":
+        for value in batch:
+            xxhash.xxh3_128_digest(value)
+    elif variant == "hash in parallel":
+        list(HASHERS.map(xxhash.xxh3_128_digest, batch))
+    if variant != "hash each piece":
+        for value in batch:
+            sock.sendall(value)
+        return
+    for value in batch:
         hasher = xxhash.xxh3_128()
         for off in range(0, len(value), PIECE):
             piece = value[off : off + PIECE]
@@ -88,6 +98,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=8)
     ap.add_argument("--values", type=int, default=32, help="values per thread (each thread's own)")
     ap.add_argument("--value-mib", type=int, default=16)
+    ap.add_argument("--batch", type=int, default=8, help="values per batch (the tier's blocks_per_op)")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "out" / "put_checksum.json")
     ap.add_argument("--receiver", nargs=3, help=argparse.SUPPRESS)
@@ -95,8 +106,8 @@ def main() -> None:
     if args.receiver:
         receiver(args.receiver[0], int(args.receiver[1]), int(args.receiver[2]))
         return
-    if args.threads < 1 or args.values < 1 or args.value_mib < 1 or args.reps < 1:
-        ap.error("--threads, --values, --value-mib and --reps must be at least 1")
+    if min(args.threads, args.values, args.value_mib, args.batch, args.reps) < 1:
+        ap.error("--threads, --values, --value-mib, --batch and --reps must be at least 1")
     value_bytes = args.value_mib * MiB
     n = args.threads * args.values
     pool = memoryview(prefaulted_pool(value_bytes * n))
@@ -120,8 +131,10 @@ def main() -> None:
 
         def block(variant: str) -> float:
             def one(t: int) -> None:
-                for i in range(t, n, args.threads):
-                    send(variant, socks[t], pool[i * value_bytes : (i + 1) * value_bytes])
+                mine = range(t, n, args.threads)
+                for j in range(0, len(mine), args.batch):
+                    batch = [pool[i * value_bytes : (i + 1) * value_bytes] for i in mine[j : j + args.batch]]
+                    send(variant, socks[t], batch)
 
             threads = [threading.Thread(target=one, args=(t,)) for t in range(args.threads)]
             start = time.perf_counter()
@@ -145,7 +158,8 @@ def main() -> None:
             proc.kill()
         port_file.unlink(missing_ok=True)
     print(
-        f"{args.threads} thread(s), {n} values of {args.value_mib} MiB, {args.reps} repetitions, {os.cpu_count()} CPUs"
+        f"{args.threads} thread(s), {n} values of {args.value_mib} MiB in batches of {args.batch}, "
+        f"{args.reps} repetitions, {os.cpu_count()} CPUs"
     )
     print(f"{'variant':<17} {'GB/s':>6} {'vs raw (median, min-max)':>26}")
     summary = {}
