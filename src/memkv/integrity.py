@@ -9,19 +9,13 @@ except the value bytes; the checksum in the MACed meta covers the value bytes.
 * `blake3` (keyed BLAKE3-256 with a key derived from the auth key): a value whose bytes were
   changed by anyone without the auth key fails verification. Costs ~4 GB/s of one core.
 
-Both hash functions release the GIL, so checksums of different values run in parallel: a batch's
-are made at once where the host has cores to spare (`Checksummer.compute_all`).
+Both hash functions release the GIL, so checksums of different values run in parallel.
 """
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import hmac
-import os
-import threading
-from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
 from typing import Protocol
 
 import blake3
@@ -44,35 +38,6 @@ class Hasher(Protocol):
 
 
 INTEGRITY_NAMES = {"xxh3": ChecksumAlgo.XXH3_128, "blake3": ChecksumAlgo.BLAKE3_KEYED}
-
-# A PUT frame carries every value's checksum ahead of the bytes, so a store hashes its whole batch
-# before the first byte goes out. One value after the other, that pass took a 16-vCPU host's TCP
-# stores to 0.66-0.73x a raw socket; hashed at once on otherwise idle cores, 0.74-0.96x. On 2
-# vCPUs it gained nothing (bench/put_checksum.py, docs/performance.md): so only from
-# PARALLEL_MIN_CPUS, and only for values large enough to pay for the hand-off.
-PARALLEL_MIN_CPUS = 4
-PARALLEL_MIN_BYTES = 1 << 20
-MAX_HASH_THREADS = 8
-_pool_lock = threading.Lock()
-_pool: tuple[int, ThreadPoolExecutor | None] | None = None  # (the process it was made in, the pool)
-
-
-def hash_pool() -> ThreadPoolExecutor | None:
-    """This process's hashing threads (half its CPUs, at most MAX_HASH_THREADS), made at first
-    use, or None where it may run on fewer than PARALLEL_MIN_CPUS. A child made by fork gets its
-    own (threads do not survive a fork)."""
-    global _pool
-    pid, made = os.getpid(), _pool
-    if made is not None and made[0] == pid:
-        return made[1]
-    with _pool_lock:
-        if _pool is None or _pool[0] != pid:
-            cpus = len(os.sched_getaffinity(0))
-            pool = None
-            if cpus >= PARALLEL_MIN_CPUS:
-                pool = ThreadPoolExecutor(min(MAX_HASH_THREADS, cpus // 2), thread_name_prefix="memkv-hash")
-            _pool = (pid, pool)
-        return _pool[1]
 
 
 def parse_integrity(name: str, setting: str = "integrity") -> ChecksumAlgo:
@@ -99,15 +64,6 @@ class Checksummer:
         if algo == ChecksumAlgo.BLAKE3_KEYED:
             return blake3.blake3(value, key=self._value_key).digest()
         raise ValueError(f"unknown checksum algorithm {algo}")
-
-    def compute_all(self, values: Sequence[Buffer], algo: ChecksumAlgo | None = None) -> list[bytes]:
-        """`compute` of each value, in order: at once on the hashing threads (`hash_pool`) when
-        there are several values of PARALLEL_MIN_BYTES or more and the host has them."""
-        if len(values) > 1 and max(len(v) for v in values) >= PARALLEL_MIN_BYTES:
-            pool = hash_pool()
-            if pool is not None:
-                return list(pool.map(functools.partial(self.compute, algo=algo), values))
-        return [self.compute(v, algo) for v in values]
 
     def hasher(self, algo: int) -> Hasher:
         """A streaming hasher (update/digest) for `algo`: lets a reader hash each chunk right

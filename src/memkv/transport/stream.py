@@ -84,11 +84,10 @@ class SocketStream:
         return results, bad_sums
 
     def put(self, keys: Sequence[bytes], views: Sequence[memoryview], checksummer: Checksummer) -> bytes:
-        """PUT `views` under `keys` (one request's worth: `byte_chunks`), all hashed first (the frame
-        carries the checksums): one status per key."""
+        """PUT `views` under `keys` (one request's worth: `byte_chunks`), each hashed first: one
+        status per key."""
         algo = checksummer.algo
-        sums = checksummer.compute_all(views)
-        items = tuple(p.PutItem(k, len(v), algo, s) for k, v, s in zip(keys, views, sums))
+        items = tuple(p.PutItem(k, len(v), algo, checksummer.compute(v)) for k, v in zip(keys, views))
         reply = self.conn.request(p.PutRequest(items), views)
         assert isinstance(reply, (p.StatusReply, p.LeaseReply))
         return reply.statuses
