@@ -204,9 +204,9 @@ def tests(session: nox.Session) -> None:
 
 @nox.session(name="lint", reuse_venv=True)
 def lint(session: nox.Session) -> None:
-    """ruff (lint and format check) on every part (src/memkv, src/memkv_vllm), the tests and bench, and
-    mypy --strict on src/memkv, at the
-    versions pinned in pyproject.toml's `lint` extra; the per-module exceptions are in pyproject.toml."""
+    """ruff (lint and format check) on both parts (src/memkv, src/memkv_vllm), the tests and bench,
+    and mypy --strict on src/memkv, at the versions pinned in pyproject.toml's `lint` extra; the
+    per-module exceptions are in pyproject.toml."""
     session.install("-e", ".[lint]")
     session.run("ruff", "check", "src/memkv", "src/memkv_vllm", "tests", "bench")
     session.run("ruff", "format", "--check", "src/memkv", "src/memkv_vllm", "tests", "bench")

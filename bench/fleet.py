@@ -74,6 +74,7 @@ PHASE_TIMEOUT_S = 300.0
 LOOKUP_BATCH = 64  # keys per lookup: a 4k-token prompt's blocks at 64 tokens a block
 LOOKUP_GAP_S = 0.02
 MAX_STORM_ROUNDS = 1000
+TOPOLOGIES = ("remote", "colocated", "loopback")  # the module docstring says what each is
 LOOKUP_TIMEOUT_S = 5.0  # the tier's default lookup_timeout_s (memkv_vllm/config.py)
 
 
@@ -379,7 +380,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--clients", default="1,2,4", help="K values, comma-separated")
     ap.add_argument("--nodes", default="1,2,4", help="M values, comma-separated")
-    ap.add_argument("--topology", default="remote,colocated", help="remote, colocated, loopback (comma-separated)")
+    ap.add_argument("--topology", default="remote,colocated", help=f"{', '.join(TOPOLOGIES)} (comma-separated)")
     ap.add_argument("--values", type=int, default=64, help="values per client")
     ap.add_argument("--value-mib", type=int, default=16)
     ap.add_argument("--threads", type=int, default=8)
@@ -403,9 +404,9 @@ def main() -> None:
     if args.replot:
         plot(json.loads(args.replot.read_text())["rows"], args.plot or args.replot.with_suffix(".png"))
         return
-    unknown = set(args.topology.split(",")) - {"remote", "colocated", "loopback"}
+    unknown = set(args.topology.split(",")) - set(TOPOLOGIES)
     if unknown:
-        ap.error(f"--topology: unknown {', '.join(sorted(unknown))} (remote, colocated, loopback)")
+        ap.error(f"--topology: unknown {', '.join(sorted(unknown))} ({', '.join(TOPOLOGIES)})")
     ks = [int(x) for x in args.clients.split(",")]
     ms = [int(x) for x in args.nodes.split(",")]
     value_bytes = args.value_mib * MiB
