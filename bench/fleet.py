@@ -2,7 +2,8 @@
 
     python3 bench/fleet.py [--clients 1,2,4] [--nodes 1,2,4] [--topology remote,colocated[,loopback]]
                            [--values 64] [--value-mib 16] [--threads 8] [--blocks-per-op 8]
-                           [--reps 2] [--out FILE] [--plot FILE]
+                           [--reps 2] [--lookups N [--storer-nice N]] [--cpu-split N]
+                           [--out FILE] [--plot FILE]
 
 Each client process has the tier's read/write shape: `--threads` threads, each task a batch of
 `--blocks-per-op` values of `--value-mib` MiB (batch_put_views / batch_get_into), over `--values`
@@ -41,6 +42,16 @@ that fails a value exits non-zero and the cell is reported as failed.
 keys, 20 ms apart) alone, then while the other K-1 clients store all their values again and again
 (bounded in time and rounds): p50/p99 alone and under the storm, and the storm's worst lookup
 against the tier's default lookup_timeout_s. Target: p99 <= 5 x alone, never past the timeout.
+Where a lookup's time goes, alone and under the storm: the nodes' own handling of it (their
+`memkv_node_request_seconds{op="exists"}`: mean, and the bucket bound under which 99% fall), the
+probe's threads waiting for a CPU (schedstat's run-queue time, p99 per lookup), the nodes'
+threads waiting for a CPU (mean number at any moment) and how busy the host's CPUs were.
+
+Two ways to tell the host's CPUs from the node's own code as the cause:
+  --cpu-split N     nodes and raw servers on CPUs 0..N-1, clients on the rest, as if each were on
+                    hosts of its own (throughput cells too).
+  --storer-nice N   the storing clients' threads at nice N during the storm, as store threads
+                    that yield the CPU to latency-bound work would be.
 """
 
 from __future__ import annotations
@@ -55,6 +66,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.request
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -127,13 +139,15 @@ def worker(spec: dict) -> None:
         if not op:
             break
         if op.startswith("lookups "):  # N batched lookups of the tier's shape, LOOKUP_GAP_S apart
-            latencies = []
+            latencies, waits = [], []
             for _ in range(int(op.split()[1])):
+                waited = runq_seconds([os.getpid()])
                 start = time.monotonic()
                 client.exists(keys[:LOOKUP_BATCH])
                 latencies.append(time.monotonic() - start)
+                waits.append(runq_seconds([os.getpid()]) - waited)
                 time.sleep(LOOKUP_GAP_S)
-            print(json.dumps({"op": "lookups", "latencies": latencies}), flush=True)
+            print(json.dumps({"op": "lookups", "latencies": latencies, "runq": waits}), flush=True)
             continue
         if op.startswith("storm "):  # store every value again and again for S seconds (bounded)
             stored, until = 0, time.monotonic() + float(op.split()[1])
@@ -179,10 +193,77 @@ def cpu_seconds(pids: list[int]) -> float:
     return total
 
 
+def runq_seconds(pids: list[int]) -> float:
+    """Seconds the threads of `pids` have spent runnable but waiting for a CPU (schedstat's second
+    field): where a lookup's time goes when the host has more runnable threads than CPUs."""
+    total = 0
+    for pid in pids:
+        for task in Path(f"/proc/{pid}/task").iterdir():
+            try:
+                total += int((task / "schedstat").read_text().split()[1])
+            except (OSError, IndexError):  # a thread that ended meanwhile
+                pass
+    return total / 1e9
+
+
+def pin(pid: int, cpus: set[int] | None) -> None:
+    """Every thread of `pid` (threads it makes later inherit it) onto `cpus`; None: leave it."""
+    if cpus is None:
+        return
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            os.sched_setaffinity(int(task.name), cpus)
+        except ProcessLookupError:  # a thread that ended meanwhile
+            pass
+
+
+def host_cpu_ticks() -> tuple[int, int]:
+    """(busy, total) jiffies of every CPU of the host, from /proc/stat."""
+    with open("/proc/stat") as f:
+        ticks = [int(x) for x in f.readline().split()[1:]]
+    idle = ticks[3] + ticks[4]  # idle, iowait
+    return sum(ticks) - idle, sum(ticks)
+
+
+def exists_histogram(nodes: list) -> tuple[float, float, dict[float, float]]:
+    """The nodes' `memkv_node_request_seconds{op="exists"}` summed over nodes: (count, sum,
+    cumulative count per bucket bound), read from their admin ports."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    count = total = 0.0
+    buckets: dict[float, float] = {}
+    for node in nodes:
+        with urllib.request.urlopen(node.admin_url + "/v1/metrics", timeout=5) as resp:
+            text = resp.read().decode()
+        for family in text_string_to_metric_families(text):
+            if family.name != "memkv_node_request_seconds":
+                continue
+            for sample in family.samples:
+                if sample.labels.get("op") != "exists":
+                    continue
+                if sample.name.endswith("_count"):
+                    count += sample.value
+                elif sample.name.endswith("_sum"):
+                    total += sample.value
+                elif sample.name.endswith("_bucket"):
+                    le = float(sample.labels["le"])
+                    buckets[le] = buckets.get(le, 0.0) + sample.value
+    return count, total, buckets
+
+
 class Places:
     """M nodes and M raw servers, on other hosts (remote) or on this one (colocated, loopback)."""
 
-    def __init__(self, topology: str, m: int, key: str, capacity_bytes: int, value_bytes: int, slots: int) -> None:
+    def __init__(
+        self,
+        topology: str,
+        m: int,
+        key: str,
+        capacity_bytes: int,
+        value_bytes: int,
+        slots: int,
+        cpus: set[int] | None = None,
+    ) -> None:
         self.topology = topology
         self.hosts: list = []
         self.nodes: list[LocalNode] = []
@@ -201,6 +282,8 @@ class Places:
                     self.nodes.append(LocalNode(key, capacity=str(capacity_bytes), extra_args=["--admin-port", "0"]))
                     proc, port, unix = start_raw(value_bytes, slots)
                     self.raws.append((proc, "127.0.0.1", port, None if topology == "loopback" else unix))
+            for pid in [n.pid for n in self.nodes] + [proc.pid for proc, *_ in self.raws]:
+                pin(pid, cpus)
         except BaseException:
             self.close()
             raise
@@ -236,6 +319,7 @@ def run_cell(places: Places, k: int, args: argparse.Namespace, key: str, reps: i
     try:
         for p in procs:
             assert p.stdout is not None and p.stdout.readline().strip() == "ready", "a client did not start"
+            pin(p.pid, args.client_cpus)
         node_pids = [n.pid for n in places.nodes]
         raw_pids = [proc.pid for proc, *_ in places.raws]
 
@@ -275,7 +359,7 @@ def run_cell(places: Places, k: int, args: argparse.Namespace, key: str, reps: i
                 for system in systems:
                     cell.setdefault(f"{system} {op}", []).append(phase(f"{system} {op}"))
         if args.lookups and k >= 2:
-            cell["lookups"] = [storm(procs, args.lookups)]
+            cell["lookups"] = [storm(procs, args.lookups, places.nodes, args.storer_nice)]
         return cell
     finally:
         for p in procs:
@@ -288,8 +372,10 @@ def run_cell(places: Places, k: int, args: argparse.Namespace, key: str, reps: i
                 p.kill()
 
 
-def storm(procs: list[subprocess.Popen], probes: int) -> dict:
-    """One engine's lookups (client 0) alone, then while the other K-1 store at full speed."""
+def storm(procs: list[subprocess.Popen], probes: int, nodes: list, storer_nice: int = 0) -> dict:
+    """One engine's lookups (client 0) alone, then while the other K-1 store at full speed; with
+    where a lookup's time goes: the node's own handling (its request histogram), the probe's and
+    the nodes' threads waiting for a CPU, and how busy the host's CPUs were."""
 
     def ask(p: subprocess.Popen, line: str) -> None:
         assert p.stdin is not None
@@ -300,21 +386,45 @@ def storm(procs: list[subprocess.Popen], probes: int) -> dict:
         assert p.stdout is not None
         return json.loads(p.stdout.readline())
 
-    probe, storers = procs[0], procs[1:]
-    ask(probe, f"lookups {probes}")
-    alone = answer(probe)["latencies"]
-    for p in storers:  # long enough to cover the probe's run; bounded by MAX_STORM_ROUNDS too
-        ask(p, f"storm {probes * LOOKUP_GAP_S * 3 + 5:.1f}")
-    ask(probe, f"lookups {probes}")
-    during = answer(probe)["latencies"]
-    stored = sum(answer(p)["stored"] for p in storers)
-
     def pct(xs: list[float], q: float) -> float:
         xs = sorted(xs)
         return xs[min(len(xs) - 1, int(q * len(xs)))]
 
-    return {"alone_p50_s": pct(alone, 0.5), "alone_p99_s": pct(alone, 0.99), "storm_p50_s": pct(during, 0.5),
-            "storm_p99_s": pct(during, 0.99), "storm_max_s": max(during), "stored_during": stored}  # fmt: skip
+    node_pids = [n.pid for n in nodes]
+
+    def lookups(storers: list[subprocess.Popen]) -> dict:
+        cpu0, hist0, runq0, t0 = host_cpu_ticks(), exists_histogram(nodes), runq_seconds(node_pids), time.monotonic()
+        for p in storers:  # long enough to cover the probe's run; bounded by MAX_STORM_ROUNDS too
+            ask(p, f"storm {probes * LOOKUP_GAP_S * 3 + 5:.1f}")
+        ask(probe, f"lookups {probes}")
+        got = answer(probe)
+        cpu1, hist1, runq1, t1 = host_cpu_ticks(), exists_histogram(nodes), runq_seconds(node_pids), time.monotonic()
+        stored = sum(answer(p)["stored"] for p in storers)
+        count = hist1[0] - hist0[0]
+        in_node = {le: hist1[2][le] - hist0[2].get(le, 0.0) for le in sorted(hist1[2])}
+        return {
+            "p50_s": pct(got["latencies"], 0.5),
+            "p99_s": pct(got["latencies"], 0.99),
+            "max_s": max(got["latencies"]),
+            "probe_runq_p99_s": pct(got["runq"], 0.99),
+            "probe_runq_mean_s": statistics.mean(got["runq"]),
+            "node_mean_s": (hist1[1] - hist0[1]) / count if count else 0.0,
+            # the smallest bucket bound under which 99% of the nodes' EXISTS were served
+            "node_p99_le_s": next((le for le, n in in_node.items() if n >= 0.99 * count), float("inf")),
+            "node_threads_waiting": (runq1 - runq0) / (t1 - t0),  # mean node threads runnable without a CPU
+            "host_cpu_busy": (cpu1[0] - cpu0[0]) / max(1, cpu1[1] - cpu0[1]),
+            "stored": stored,
+        }
+
+    probe, storers = procs[0], procs[1:]
+    for p in storers if storer_nice else []:  # as a client whose store threads yield the CPU would
+        for task in Path(f"/proc/{p.pid}/task").iterdir():
+            os.setpriority(os.PRIO_PROCESS, int(task.name), storer_nice)
+    alone = lookups([])
+    during = lookups(storers)
+    return {"alone_p50_s": alone["p50_s"], "alone_p99_s": alone["p99_s"], "storm_p50_s": during["p50_s"],
+            "storm_p99_s": during["p99_s"], "storm_max_s": during["max_s"], "stored_during": during["stored"],
+            "alone": alone, "storm": during}  # fmt: skip
 
 
 def summarize(cell: dict) -> dict:
@@ -395,6 +505,19 @@ def main() -> None:
         metavar="N",
         help="per cell with K >= 2: N batched lookups of client 0 alone, then while the other K-1 store",
     )
+    ap.add_argument(
+        "--cpu-split",
+        type=int,
+        metavar="N",
+        help="nodes and raw servers on CPUs 0..N-1, clients on the rest: as if on hosts of their own",
+    )
+    ap.add_argument(
+        "--storer-nice",
+        type=int,
+        default=0,
+        metavar="N",
+        help="--lookups: the storing clients' threads at nice N (the probe and the nodes at their own)",
+    )
     ap.add_argument("--replot", type=Path, metavar="JSON", help="only draw --plot from an earlier run's JSON")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -407,6 +530,12 @@ def main() -> None:
     unknown = set(args.topology.split(",")) - set(TOPOLOGIES)
     if unknown:
         ap.error(f"--topology: unknown {', '.join(sorted(unknown))} ({', '.join(TOPOLOGIES)})")
+    args.client_cpus = node_cpus = None
+    if args.cpu_split is not None:
+        cpus = sorted(os.sched_getaffinity(0))
+        if not 0 < args.cpu_split < len(cpus):
+            ap.error(f"--cpu-split: {args.cpu_split} leaves no CPU to nodes or clients (this host has {len(cpus)})")
+        node_cpus, args.client_cpus = set(cpus[: args.cpu_split]), set(cpus[args.cpu_split :])
     ks = [int(x) for x in args.clients.split(",")]
     ms = [int(x) for x in args.nodes.split(",")]
     value_bytes = args.value_mib * MiB
@@ -418,7 +547,7 @@ def main() -> None:
         for m in ms:
             total_values = max(ks) * args.values
             capacity = int(total_values * value_bytes * 1.3 / m) + (256 << 20)
-            places = Places(topology, m, key, capacity, value_bytes, -(-total_values // m))
+            places = Places(topology, m, key, capacity, value_bytes, -(-total_values // m), node_cpus)
             try:
                 for k in ks:
                     summary = summarize(run_cell(places, k, args, key, args.reps))
@@ -440,11 +569,19 @@ def main() -> None:
                               f"{1e3 * x['storm_p50_s']:.1f}/{1e3 * x['storm_p99_s']:.1f} ms "
                               f"(p99 {x['storm_p99_s'] / x['alone_p99_s']:.1f}x, max {x['storm_max_s']:.2f} s "
                               f"of lookup_timeout_s {LOOKUP_TIMEOUT_S:g})", flush=True)  # fmt: skip
+                        a, d = x["alone"], x["storm"]
+                        print(f"{topology:<10} {k:>2} {m:>2}   where it goes, alone / storm: in the nodes mean "
+                              f"{1e3 * a['node_mean_s']:.2f}/{1e3 * d['node_mean_s']:.2f} ms (p99 <= "
+                              f"{1e3 * a['node_p99_le_s']:g}/{1e3 * d['node_p99_le_s']:g} ms); probe waiting for a "
+                              f"CPU p99 {1e3 * a['probe_runq_p99_s']:.2f}/{1e3 * d['probe_runq_p99_s']:.2f} ms; node "
+                              f"threads waiting for a CPU {a['node_threads_waiting']:.2f}/"
+                              f"{d['node_threads_waiting']:.2f}; host CPUs busy {100 * a['host_cpu_busy']:.0f}/"
+                              f"{100 * d['host_cpu_busy']:.0f}%", flush=True)  # fmt: skip
             finally:
                 places.close()
     args.out.parent.mkdir(parents=True, exist_ok=True)
     meta = {"machine": f"{platform.node()} ({os.cpu_count()} CPUs)", "date": time.strftime("%Y-%m-%d %H:%M:%S"),
-            "args": {k: v for k, v in vars(args).items() if k not in ("worker", "out", "plot")}}  # fmt: skip
+            "args": {k: v for k, v in vars(args).items() if k not in ("worker", "out", "plot", "client_cpus")}}  # fmt: skip
     args.out.write_text(json.dumps({"meta": {**meta, "args": {k: str(v) for k, v in meta["args"].items()}},
                                     "rows": rows}, indent=1))  # fmt: skip
     if args.plot:
