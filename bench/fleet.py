@@ -50,8 +50,9 @@ threads waiting for a CPU (mean number at any moment) and how busy the host's CP
 Two ways to tell the host's CPUs from the node's own code as the cause:
   --cpu-split N     nodes and raw servers on CPUs 0..N-1, clients on the rest, as if each were on
                     hosts of its own (throughput cells too).
-  --storer-nice N   the storing clients' threads at nice N during the storm, as store threads
-                    that yield the CPU to latency-bound work would be.
+  --storer-nice N   the storing clients' threads at nice N during the storm. By default the
+                    tier's `store_nice` (10), as its store threads run (memkv_vllm/priority.py);
+                    0 measures stores at the probe's and the nodes' priority.
 """
 
 from __future__ import annotations
@@ -80,6 +81,7 @@ from memkv.benchmark import fill_pattern, prefaulted_pool  # noqa: E402
 from memkv.client.cluster import Client  # noqa: E402
 from memkv.config import AuthKey, ClientConfig, parse_servers  # noqa: E402
 from memkv.local import LocalNode, new_key_hex  # noqa: E402
+from memkv_vllm.config import TierSettings  # noqa: E402
 
 MiB = 1 << 20
 PHASE_TIMEOUT_S = 300.0
@@ -514,9 +516,10 @@ def main() -> None:
     ap.add_argument(
         "--storer-nice",
         type=int,
-        default=0,
+        default=TierSettings.store_nice,
         metavar="N",
-        help="--lookups: the storing clients' threads at nice N (the probe and the nodes at their own)",
+        help="--lookups: the storing clients' threads at nice N, as the tier's store threads run "
+        f"(its store_nice, default {TierSettings.store_nice}); 0: at the probe's and the nodes' own",
     )
     ap.add_argument("--replot", type=Path, metavar="JSON", help="only draw --plot from an earlier run's JSON")
     ap.add_argument("--worker", help=argparse.SUPPRESS)

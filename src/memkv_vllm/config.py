@@ -26,6 +26,7 @@ class TierSettings:
     )
     lookup_timeout_s: float = 5.0  # a lookup unresolved this long answers MISS; <= 0 disables
     step_yield_ms: float = 1.0  # switch interval (gil.py) while a lookup or promotion is in flight; 0: left alone
+    store_nice: int = 10  # the store threads' nice above the engine's (priority.py); 0: the engine's
     locality: str | None = None
 
     @classmethod
@@ -65,7 +66,7 @@ def check_common_keys(
     optional: tuple[str, ...] = (),
 ) -> None:
     """The checks the tier's keys and direct mode's keys share (prefix, threads, blocks_per_op,
-    deadlines, step_yield_ms), plus `int_ranges` of the caller's own; `optional` keys may be None.
+    store_nice, deadlines, step_yield_ms), plus `int_ranges` of the caller's own; `optional` keys may be None.
     `fail(key, want)` raises the caller's ConfigError naming the key."""
     if not isinstance(settings.prefix, str) or len(settings.prefix.encode()) > 128:
         fail("prefix", "a string of at most 128 bytes")
@@ -73,6 +74,7 @@ def check_common_keys(
         ("n_read_threads", 1, 256),
         ("n_write_threads", 1, 256),
         ("blocks_per_op", 1, 4096),
+        ("store_nice", 0, 19),
         *int_ranges,
     ):
         v = getattr(settings, key)

@@ -108,6 +108,7 @@ class MemKVSecondaryTierManager(compat.SecondaryTierManager):
             self.settings.load_failure_grace_s,
             defer_release=compat.HAS_DEFERRED_RELEASE,
             load_deadline_s=self.settings.lookup_deadline_s,
+            store_nice=self.settings.store_nice,
         )
         self._lookup = LookupService(
             self.client.exists_stream,
@@ -122,7 +123,7 @@ class MemKVSecondaryTierManager(compat.SecondaryTierManager):
         startup.ready(
             self.client,
             "block_bytes=%d, namespace=%s, n_read_threads=%d, n_write_threads=%d, "
-            "blocks_per_op=%d, lookup_timeout_s=%s, max_store_backlog_mb=%d%s",
+            "blocks_per_op=%d, lookup_timeout_s=%s, max_store_backlog_mb=%d%s, store_nice=%d",
             self.row_bytes,
             self.namespace.namespace,
             s.n_read_threads,
@@ -131,6 +132,7 @@ class MemKVSecondaryTierManager(compat.SecondaryTierManager):
             s.lookup_timeout_s,
             backlog_mb,
             "" if s.max_store_backlog_mb is not None else " (half the CPU pool)",
+            s.store_nice,
         )
 
     # ---------------------------------------------------------------------------------------------

@@ -2,7 +2,10 @@
 
 A job is split into tasks of at most `blocks_per_op` blocks. `n_read_threads` threads take
 load tasks first, `n_write_threads` threads take store tasks first; either takes the other
-kind when its own queue is empty, so neither starves. A task returns one success flag per
+kind when its own queue is empty, so neither starves. With `store_nice` (priority.py) the
+write threads run at that much higher a nice, so stores yield the CPU to lookups, loads and the
+engine; then the read threads take no store task (at their nice a store would not yield), and
+the write threads still help with loads when no store is queued. A task returns one success flag per
 block (it never raises: any exception fails all of its blocks). When the last task of a job
 returns, the job's `Finished` record is queued; an empty job is queued at submission (a job
 with no tasks would otherwise never finish -- vLLM's DualQueueThreadPool has that trap).
@@ -34,6 +37,8 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
+
+from memkv_vllm import priority
 
 log = logging.getLogger("vllm.memkv_vllm.transfers")
 
@@ -83,8 +88,10 @@ class TransferPool:
         *,
         defer_release: bool = False,
         load_deadline_s: float | None = None,
+        store_nice: int = 0,
     ) -> None:
         self._grace_s = grace_s
+        self._store_nice = store_nice
         self._defer_release = defer_release
         self._load_deadline_s = load_deadline_s if defer_release else None
         self._releases: list[tuple[float, threading.Event]] = []  # (when to set it, event)
@@ -122,7 +129,9 @@ class TransferPool:
             self._jobs[job_id] = _Job(job_id, kind, keys, len(tasks), shed)
             for lo, n, fn in tasks:
                 self._queues[kind].append((job_id, lo, n, fn))
-            self._cond.notify(len(tasks))
+            # All: a thread woken for a kind it does not take (a read thread, for stores, with
+            # store_nice) would go back to waiting and leave the task to nobody.
+            self._cond.notify_all()
 
     def take_finished(self) -> list[Finished]:
         now = time.monotonic()
@@ -178,14 +187,19 @@ class TransferPool:
     # -- pool threads ------------------------------------------------------------------------------
 
     def _run(self, preferred: str) -> None:
-        other = STORE if preferred == LOAD else LOAD
+        if preferred == STORE:
+            priority.lower_this_thread(self._store_nice)
+        kinds = [preferred]
+        if preferred == STORE or not self._store_nice:
+            kinds.append(STORE if preferred == LOAD else LOAD)
+        queues = [self._queues[kind] for kind in kinds]
         while True:
             with self._cond:
-                while not self._stopping and not self._queues[preferred] and not self._queues[other]:
+                while not self._stopping and not any(queues):
                     self._cond.wait()
                 if self._stopping:
                     return
-                q = self._queues[preferred] if self._queues[preferred] else self._queues[other]
+                q = next(q for q in queues if q)
                 job_id, lo, n, fn = q.popleft()
                 job = self._jobs[job_id]
                 abandoned = job.release is not None

@@ -53,6 +53,7 @@ def test_take_is_all_or_nothing():
         ({"memkv": {"stagingmb": 1}}, "stagingmb"),
         ({"memkv": {"staging_mb": -1}}, "staging_mb"),
         ({"memkv": {"step_yield_ms": 100}}, "step_yield_ms"),
+        ({"memkv": {"store_nice": -1}}, "store_nice"),
         ({"memkv": {"copy_scratch_mb": -1}}, "copy_scratch_mb"),
         ({"memkv": {"copy_scratch_mb": 1.5}}, "copy_scratch_mb"),
         ({"memkv": []}, "'memkv'"),
@@ -296,5 +297,58 @@ def test_a_copy_whose_wait_fails_fails_its_job_and_gives_its_slots_back():
         assert job.error is not None and "internal error in scatter" in job.error
         assert "illegal memory access" in job.error
         assert t.load_ring.free == t.load_ring.size
+    finally:
+        t.shutdown()
+
+
+def test_put_threads_run_at_store_nice_and_fetch_threads_at_the_engines():
+    """Stores are background work: a worker's put threads yield the CPU (memkv_vllm/priority.py);
+    its fetches serve a waiting request and keep the engine's nice."""
+    import os
+    import threading
+
+    from memkv.transport.base import LoadResult
+    from memkv_vllm.direct.streaming import Chunk, Job, StreamingTransfers
+
+    engine_nice = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    region = bytearray(8 * 4)
+    stored: dict[bytes, bytes] = {}
+    nices: dict[str, set[int]] = {"put": set(), "fetch": set()}
+
+    def nice() -> int:
+        return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
+    class Client:
+        def batch_put_views(self, items):
+            nices["put"].add(nice())
+            stored.update((key, bytes(view)) for key, view in items)
+            return [True] * len(items)
+
+        def batch_load_into(self, items):
+            nices["fetch"].add(nice())
+            for key, view in items:
+                view[:] = stored[key]
+            return LoadResult([True] * len(items), may_land_late=False)
+
+    def section(slot: int) -> memoryview:
+        return memoryview(region)[slot * 8 : slot * 8 + 8]
+
+    def copy(items, to_staging):
+        for _, chunk, slot in items:
+            if to_staging:
+                section(slot)[:] = chunk.key[:1] * 8
+
+    t = StreamingTransfers(
+        Client(), 0, section, 4, copy, 1, load_retry_s=5.0, load_failure_grace_s=60.0, put_threads=2, put_nice=4
+    )
+    try:
+        store = Job(1, False, [Chunk(b"A/r0", []), Chunk(b"B/r0", [])], None, 16)
+        t.submit(store)
+        assert store.done.wait(10) and store.failed_puts == 0
+        load = Job(2, True, [Chunk(b"A/r0", []), Chunk(b"B/r0", [])], None, 16)
+        t.submit(load)
+        assert load.done.wait(10) and load.error is None
+        assert stored == {b"A/r0": b"A" * 8, b"B/r0": b"B" * 8}
+        assert nices == {"put": {min(19, engine_nice + 4)}, "fetch": {engine_nice}}
     finally:
         t.shutdown()

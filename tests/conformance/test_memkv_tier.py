@@ -12,8 +12,10 @@ keys and bad servers fail at startup with a message naming them.
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
+import threading
 import time
 
 import pytest
@@ -270,6 +272,33 @@ def test_stalled_node_without_deadline_keeps_answering_retry(monkeypatch, privat
             assert not trace.resolved and set(trace.final) == {LookupResult.RETRY}
         finally:
             stalled.signal(signal.SIGCONT)
+
+
+def _nice_of_threads(prefix: str) -> set[int]:
+    return {
+        os.getpriority(os.PRIO_PROCESS, t.native_id)
+        for t in threading.enumerate()
+        if t.name.startswith(prefix) and t.native_id is not None
+    }
+
+
+@pytest.mark.parametrize("store_nice", [None, 0, 5])
+def test_store_threads_yield_the_cpu_by_store_nice_and_loads_keep_the_engines_priority(
+    memkv_env, no_leaked_regions, store_nice
+):
+    """The tier's write threads run at store_nice (default 10) above the engine's nice, its read
+    threads at the engine's; blocks stored and promoted through those threads stay byte-exact."""
+    engine_nice = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    extra = {} if store_nice is None else {"store_nice": store_nice}
+    with h.HeadlessEngine([memkv(extra)], h.Geometry(num_rows=8)) as engine:
+        keys = h.make_keys(4)
+        store_and_settle(engine, keys)
+        engine.fill_pool_to_evict(keys)
+        loaded = engine.promote_and_read(keys)
+        assert all(loaded.data[k] == engine.payloads[k] for k in keys)
+        want = engine_nice + (10 if store_nice is None else store_nice)
+        assert _nice_of_threads("memkv-store-") == {min(19, want)}
+        assert _nice_of_threads("memkv-load-") == {engine_nice}
 
 
 def test_step_end_never_waits_while_a_lookup_is_pending_and_the_tier_threads_get_the_gil(
@@ -536,6 +565,7 @@ def test_every_emitted_metric_is_declared_with_its_label_arity(memkv_env):
         ({"lookup_timeout_s": "5"}, "lookup_timeout_s"),
         ({"max_store_backlog_mb": True}, "max_store_backlog_mb"),
         ({"load_failure_grace_s": -1}, "load_failure_grace_s"),
+        ({"store_nice": 20}, "store_nice"),
     ],
 )
 def test_bad_tier_key_fails_at_construction_naming_it(memkv_env, no_leaked_regions, bad, name):

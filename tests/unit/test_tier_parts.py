@@ -8,11 +8,14 @@ task that raises fails only its blocks; lookups answer None (RETRY) until their 
 one round per flush; answers are used as they arrive, so keys answered early resolve while the
 rest of the same round stay pending; a key not answered within the deadline becomes a miss
 whose late answer is dropped; a prober that raises costs misses, never the worker; shutdown
-closes the prober and stops the thread; mark_miss turns a cached hit into a miss.
+closes the prober and stops the thread; mark_miss turns a cached hit into a miss. With
+store_nice the write threads run at that nice and only they store (still helping with loads);
+without it an idle read thread takes stores.
 """
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 
@@ -174,6 +177,80 @@ def test_loads_are_served_first_by_read_priority_threads():
         collect(pool, 3)
         assert order == ["blocker", "load", "store"]
     finally:
+        pool.shutdown()
+
+
+def _recording(ran: list, kind: str, gate: threading.Event | None = None):
+    """A one-block task that records (kind, its thread's name, that thread's nice)."""
+
+    def task() -> TaskResult:
+        me = threading.current_thread()
+        ran.append((kind, me.name, os.getpriority(os.PRIO_PROCESS, me.native_id)))
+        if gate is not None:
+            gate.wait(5)
+        return TaskResult([True])
+
+    return task
+
+
+def test_with_store_nice_stores_run_only_on_write_threads_at_that_nice():
+    """A store waits for the busy write thread rather than run on the idle read thread (at its
+    nice it would not yield the CPU); loads run at the engine's nice."""
+    engine_nice = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    ran: list = []
+    gate = threading.Event()
+    pool = TransferPool(1, 1, grace_s=0, store_nice=3)
+    try:
+        pool.submit(1, STORE, [b"s0"], [(0, 1, _recording(ran, "store", gate))])
+        assert wait_for(lambda: len(ran) == 1)  # the write thread holds it
+        pool.submit(2, STORE, [b"s1"], [(0, 1, _recording(ran, "store"))])
+        pool.submit(3, LOAD, [b"l0"], [(0, 1, _recording(ran, "load"))])
+        assert [f.job_id for f in collect(pool, 1)] == [3]
+        assert len(pool._queues[STORE]) == 1  # the idle read thread left it
+        gate.set()
+        assert sorted(f.job_id for f in collect(pool, 2)) == [1, 2]
+        assert ran == [
+            ("store", "memkv-store-0", engine_nice + 3),
+            ("load", "memkv-load-0", engine_nice),
+            ("store", "memkv-store-0", engine_nice + 3),
+        ]
+    finally:
+        gate.set()
+        pool.shutdown()
+
+
+def test_with_store_nice_write_threads_still_help_with_loads():
+    engine_nice = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    ran: list = []
+    gate = threading.Event()
+    pool = TransferPool(1, 1, grace_s=0, store_nice=3)
+    try:
+        tasks = [(0, 1, _recording(ran, "load", gate)), (1, 1, _recording(ran, "load", gate))]
+        pool.submit(1, LOAD, [b"l0", b"l1"], tasks)
+        assert wait_for(lambda: len(ran) == 2)  # both threads hold one
+        gate.set()
+        (done,) = collect(pool, 1)
+        assert done.ok == [True, True]
+        assert sorted(ran) == [("load", "memkv-load-0", engine_nice), ("load", "memkv-store-0", engine_nice + 3)]
+    finally:
+        gate.set()
+        pool.shutdown()
+
+
+def test_without_store_nice_an_idle_read_thread_takes_stores():
+    ran: list = []
+    gate = threading.Event()
+    pool = TransferPool(1, 1, grace_s=0)
+    try:
+        pool.submit(
+            1, STORE, [b"s0", b"s1"], [(0, 1, _recording(ran, "store", gate)), (1, 1, _recording(ran, "store", gate))]
+        )
+        assert wait_for(lambda: len(ran) == 2)
+        gate.set()
+        collect(pool, 1)
+        assert {name for _, name, _ in ran} == {"memkv-load-0", "memkv-store-0"}
+    finally:
+        gate.set()
         pool.shutdown()
 
 

@@ -90,7 +90,7 @@ class DirectManagerBase(OffloadingManager):
         self._startup.ready(
             self.client,
             "load_guarantee=%s, reuses %s, world_size=%d, value_bytes=%d, staging=%d "
-            "slots x %d bytes = %d MiB at %s, namespace=%s, lookup_timeout_s=%s",
+            "slots x %d bytes = %d MiB at %s, namespace=%s, lookup_timeout_s=%s, store_nice=%d",
             settings.load_guarantee,
             self._reuse_summary(),
             layout.world_size,
@@ -101,6 +101,7 @@ class DirectManagerBase(OffloadingManager):
             layout.path,
             self.keys.namespace,
             settings.lookup_timeout_s,
+            settings.store_nice,
         )
         self._warn_limits(spec)
 

@@ -55,6 +55,7 @@ class DirectSettings:
     lookup_timeout_s: float = 5.0  # an exists probe or prefetch unresolved this long answers MISS; <= 0 disables
     load_failure_grace_s: float = 60.0  # RDMA: a failed prefetch's slot stays quarantined this long
     step_yield_ms: float = 1.0  # switch interval (memkv_vllm/gil.py) while a lookup or load is open; 0: left alone
+    store_nice: int = 10  # the put threads' nice above the engine's (memkv_vllm/priority.py); 0: the engine's
     # "leased": HIT = every rank's value exists and is leased on its node; workers stream it
     # through staging (any prompt length). "staged": HIT = already in staging and verified (a
     # prompt reuses at most staging_mb's worth of chunks). Default: default_load_guarantee().

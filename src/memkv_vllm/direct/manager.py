@@ -97,7 +97,9 @@ class MemKVDirectManager(DirectManagerBase):
         self._fence: list[tuple[int, list[_Entry]]] = []  # (steps left, entries) after reset_cache
         # Grace 0: a failed prefetch is reported at once (its lookup answers MISS now); what may
         # still land late is handled per slot here (_late), not by withholding the result.
-        self._pool = TransferPool(settings.n_read_threads, settings.n_write_threads, 0.0)
+        self._pool = TransferPool(
+            settings.n_read_threads, settings.n_write_threads, 0.0, store_nice=settings.store_nice
+        )
         self._late: list[tuple[float, int]] = []  # (release time, slot): failed RDMA prefetches
         self._lookup = self._lookup_service(self.client.exists_stream, store_keys=self.keys.probe_keys)
         self._started(spec)

@@ -18,7 +18,8 @@ network at once):
           most SCATTER_IN_FLIGHT batches queued).
   stores  one copy thread ("gather"): takes up to `blocks_per_op` free store slots, copies that
           many chunks out of the GPU (one wait), hands them in batches of `store_batch` to
-          `n_put` put threads (`batch_put_views` each), which give the slots back.
+          `n_put` put threads (`batch_put_views` each, at `store_nice`: memkv_vllm/priority.py),
+          which give the slots back.
 
 While chunks i.. are copied, chunks i+1.. are fetched (or put) by the other threads. A job
 completes only when every batch of it is done (loads: copied to the GPU; stores: put returned)
@@ -66,6 +67,8 @@ import threading
 import time
 from collections.abc import Callable
 from typing import Any
+
+from memkv_vllm import priority
 
 log = logging.getLogger("vllm.memkv_vllm.direct")
 # Per-job stage times at DEBUG, outside vLLM's logger tree so that enabling them (bench/gpu/direct.py
@@ -229,6 +232,7 @@ class StreamingTransfers:
         clock: Callable[[], float] = time.monotonic,
         fetch_threads: int = 1,
         put_threads: int = 1,
+        put_nice: int = 0,
     ) -> None:
         self.client = client
         self.rank = rank
@@ -255,6 +259,7 @@ class StreamingTransfers:
             n: queue.SimpleQueue() for n in ("dispatch", "fetch", "scatter", "copied", "gather", "put")
         }
         self._on_thread_start = on_thread_start
+        self._put_nice = put_nice
         self._in_flight = threading.BoundedSemaphore(SCATTER_IN_FLIGHT)  # load batches queued, not waited for
         plan = [
             ("dispatch", self._dispatch_job, 1),
@@ -302,6 +307,8 @@ class StreamingTransfers:
 
     def _loop(self, name: str, fn: Callable[[Any], None]) -> None:
         self._on_thread_start()
+        if name == "put":  # background work: yields the CPU to loads and the engine
+            priority.lower_this_thread(self._put_nice)
         q = self._queues[name]
         while True:
             item = q.get()

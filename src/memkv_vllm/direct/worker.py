@@ -153,6 +153,7 @@ class MemKVDirectWorker(OffloadingWorker):
             on_thread_start,
             fetch_threads=st.n_read_threads,
             put_threads=st.n_write_threads,
+            put_nice=st.store_nice,
         )
         log.info(
             "MemKV direct mode: rank %d streams through %d load + %d store slot(s): %d fetch thread(s) of "
