@@ -152,7 +152,8 @@ def worker(spec: dict) -> None:
             print(json.dumps({"op": "lookups", "latencies": latencies, "runq": waits}), flush=True)
             continue
         if op.startswith("storm "):  # store every value again and again for S seconds (bounded)
-            stored, until = 0, time.monotonic() + float(op.split()[1])
+            stored, began = 0, time.monotonic()
+            until = began + float(op.split()[1])
             for _ in range(MAX_STORM_ROUNDS):
                 if time.monotonic() >= until:
                     break
@@ -163,7 +164,8 @@ def worker(spec: dict) -> None:
                 for t in pool:
                     t.join()
                 stored += n - len(failures)
-            print(json.dumps({"op": "storm", "stored": stored}), flush=True)
+            seconds = time.monotonic() - began
+            print(json.dumps({"op": "storm", "stored": stored, "seconds": seconds}), flush=True)
             continue
         latencies: list[float] = []
         failures: list[int] = []
@@ -361,7 +363,7 @@ def run_cell(places: Places, k: int, args: argparse.Namespace, key: str, reps: i
                 for system in systems:
                     cell.setdefault(f"{system} {op}", []).append(phase(f"{system} {op}"))
         if args.lookups and k >= 2:
-            cell["lookups"] = [storm(procs, args.lookups, places.nodes, args.storer_nice)]
+            cell["lookups"] = [storm(procs, args.lookups, places.nodes, value_bytes, args.storer_nice)]
         return cell
     finally:
         for p in procs:
@@ -374,7 +376,7 @@ def run_cell(places: Places, k: int, args: argparse.Namespace, key: str, reps: i
                 p.kill()
 
 
-def storm(procs: list[subprocess.Popen], probes: int, nodes: list, storer_nice: int = 0) -> dict:
+def storm(procs: list[subprocess.Popen], probes: int, nodes: list, value_bytes: int, storer_nice: int = 0) -> dict:
     """One engine's lookups (client 0) alone, then while the other K-1 store at full speed; with
     where a lookup's time goes: the node's own handling (its request histogram), the probe's and
     the nodes' threads waiting for a CPU, and how busy the host's CPUs were."""
@@ -401,7 +403,8 @@ def storm(procs: list[subprocess.Popen], probes: int, nodes: list, storer_nice: 
         ask(probe, f"lookups {probes}")
         got = answer(probe)
         cpu1, hist1, runq1, t1 = host_cpu_ticks(), exists_histogram(nodes), runq_seconds(node_pids), time.monotonic()
-        stored = sum(answer(p)["stored"] for p in storers)
+        storms = [answer(p) for p in storers]
+        stored = sum(x["stored"] for x in storms)
         count = hist1[0] - hist0[0]
         in_node = {le: hist1[2][le] - hist0[2].get(le, 0.0) for le in sorted(hist1[2])}
         return {
@@ -416,6 +419,8 @@ def storm(procs: list[subprocess.Popen], probes: int, nodes: list, storer_nice: 
             "node_threads_waiting": (runq1 - runq0) / (t1 - t0),  # mean node threads runnable without a CPU
             "host_cpu_busy": (cpu1[0] - cpu0[0]) / max(1, cpu1[1] - cpu0[1]),
             "stored": stored,
+            # the storers' aggregate: what the stores lost to the probe's priority
+            "stored_gbps": stored * value_bytes / max((x["seconds"] for x in storms), default=1.0) / 1e9,
         }
 
     probe, storers = procs[0], procs[1:]
@@ -579,7 +584,8 @@ def main() -> None:
                               f"CPU p99 {1e3 * a['probe_runq_p99_s']:.2f}/{1e3 * d['probe_runq_p99_s']:.2f} ms; node "
                               f"threads waiting for a CPU {a['node_threads_waiting']:.2f}/"
                               f"{d['node_threads_waiting']:.2f}; host CPUs busy {100 * a['host_cpu_busy']:.0f}/"
-                              f"{100 * d['host_cpu_busy']:.0f}%", flush=True)  # fmt: skip
+                              f"{100 * d['host_cpu_busy']:.0f}%; the {k - 1} stored {d['stored_gbps']:.2f} GB/s "
+                              f"at nice {args.storer_nice}", flush=True)  # fmt: skip
             finally:
                 places.close()
     args.out.parent.mkdir(parents=True, exist_ok=True)
