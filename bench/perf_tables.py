@@ -47,6 +47,10 @@ def shm_files(b: int, invocations: tuple[int, ...]) -> list[str]:
     return [f"{MEMFD.format(b=b, i=i)}.json" for i in invocations]
 
 
+# Lookups under a store storm, the storers at nice 0 and at the tier's store_nice, alternating.
+VM_STORM = [f"{VM_RESULTS}/fleet_storm_nice_2026-12-07/vm_nice{n}_{i}.json" for i in (1, 2) for n in (0, 10)]
+
+
 # Source file -> the commit whose code produced it (the JSON records date and machine, not this).
 COMMITS = {
     **{path: MEMFD_COMMIT for b in (1, 8) for path in shm_files(b, (1, 2))},
@@ -65,6 +69,7 @@ COMMITS = {
     f"{GPU_RESULTS}/run54-defaults-main-restart-notier.json": "3684015",
     f"{GPU_RESULTS}/run78-h200-ttft-colocated-vs-off/colocated.json": "59f7136",
     f"{GPU_RESULTS}/run78-h200-ttft-colocated-vs-off/local-socket-off.json": "59f7136",
+    **{path: "6724ae8" for path in VM_STORM},
 }
 
 # The datapath bench's systems: what each is, and the raw design on the same transport.
@@ -236,6 +241,69 @@ TOPOLOGY_NOTES = {
 
 def vm_fleet() -> list[str]:
     return fleet_table(FLEET)
+
+
+def vm_storm() -> list[str]:
+    return storm_table(VM_STORM)
+
+
+def storm_table(paths: list[str], where: str = "") -> list[str]:
+    """One engine's lookups alone and while the other K-1 store, per run of `bench/fleet.py
+    --lookups`, with where the time went; each cell's runs side by side (they alternate)."""
+    docs = [load(path) for path in paths]
+    cells = [(r["clients"], r["nodes"]) for r in docs[0]["rows"] if "lookups" in r]
+    rows = []
+    for k, m in cells:
+        for d in docs:
+            (r,) = [r for r in d["rows"] if (r["clients"], r["nodes"]) == (k, m)]
+            x = r["lookups"]
+            a, s = x["alone"], x["storm"]
+            rows.append(
+                [
+                    str(k),
+                    str(m),
+                    str(d["meta"]["args"]["storer_nice"]),
+                    f"{1e3 * a['p99_s']:.1f} / {1e3 * s['p99_s']:.1f}",
+                    f"{s['p99_s'] / a['p99_s']:.1f}",
+                    f"{s['max_s']:.3f}",
+                    f"{1e3 * s['probe_runq_p99_s']:.1f}",
+                    f"{1e3 * s['node_mean_s']:.2f} / {1e3 * s['node_p99_le_s']:g}",
+                    f"{s['node_threads_waiting']:.1f}",
+                    f"{100 * s['host_cpu_busy']:.0f}%",
+                    f"{s['stored_gbps']:.2f}",
+                ]
+            )
+    a = docs[0]["meta"]["args"]
+    what = (
+        f"`python3 bench/fleet.py --topology loopback --clients {a['clients']} --nodes {a['nodes']} --values "
+        f"{a['values']} --value-mib {a['value_mib']} --reps 1 --lookups {a['lookups']} --storer-nice N`, N = 0 and "
+        "10 alternating, twice: one client's batched lookups of 64 keys, 20 ms apart, alone, then while the other "
+        f"K-1 clients ({a['threads']} threads each, batches of {a['blocks_per_op']}) store all their values again "
+        "and again at nice N, over TCP to nodes on the same host; under the storm: the probe's threads' run-queue "
+        "time per lookup, the nodes' own handling of the lookups (`memkv_node_request_seconds`), the nodes' "
+        "threads runnable without a CPU (mean number)"
+    )
+    return [
+        source_line(paths, what, where),
+        "",
+        *table(
+            [
+                "K",
+                "M",
+                "storers' nice",
+                "lookup p99 ms: alone / under the stores",
+                "under / alone",
+                "worst lookup s",
+                "the probe waiting for a CPU, p99 ms",
+                "in the nodes: mean ms / p99 under ms",
+                "node threads waiting for a CPU",
+                "host CPUs busy",
+                "storers' GB/s",
+            ],
+            rows,
+            right=8,
+        ),
+    ]
 
 
 def fleet_table(path: str, where: str = "") -> list[str]:
@@ -524,6 +592,7 @@ TABLES: dict[str, Callable[[], list[str]]] = {
     "vm-batched": vm_batched,
     "vm-fleet": vm_fleet,
     "vm-memory": vm_memory,
+    "vm-storm": vm_storm,
     "gpu-h100-ttft": gpu_h100_ttft,
     "gpu-h100-datapath": gpu_h100_datapath,
     "gpu-ttft": gpu_ttft,
