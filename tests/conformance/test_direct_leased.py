@@ -400,3 +400,37 @@ def test_reset_cache_with_a_leased_load_in_flight_loads_byte_exact_and_releases_
         controls_done(m)
         deleted = m.client.delete(value_keys)
         assert all(deleted), f"{deleted.count(False)} of {len(deleted)} values still leased (or gone)"
+
+
+@pytest.mark.parametrize(
+    "guarantee, putters, fetchers",
+    [("leased", "memkv-direct-put-", "memkv-direct-fetch-"), ("staged", "memkv-store-", "memkv-load-")],
+)
+def test_threads_that_put_run_at_store_nice_and_fetches_at_the_engines(
+    monkeypatch, cluster, auth_key_hex, guarantee, putters, fetchers
+):
+    """Direct mode's `store_nice` reaches the threads that put (leased: the worker's put threads;
+    staged: the engine core's write threads); the fetching threads keep the engine's nice; the
+    prompt is stored and loaded whole through them."""
+    import os
+
+    point_at(monkeypatch, cluster, auth_key_hex)
+    g = dh.Geometry()
+    engine_nice = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    config = dh.direct_config(load_guarantee=guarantee, store_nice=3)
+    tag, tokens = uuid.uuid4().hex, N_CHUNKS * g.block_size + 3
+    with dh.DirectEngine(g, config) as engine:
+        engine.run(tag, tokens, timeout_s=60)
+    with dh.DirectEngine(g, config) as restarted:
+        again = restarted.run(tag, tokens, timeout_s=60)
+        assert again.loaded_blocks == N_CHUNKS * g.blocks_per_chunk  # byte-exact (harness)
+
+        def nices(prefix: str) -> set[int]:
+            return {
+                os.getpriority(os.PRIO_PROCESS, t.native_id)
+                for t in threading.enumerate()
+                if t.name.startswith(prefix) and t.native_id is not None
+            }
+
+        assert nices(putters) == {min(19, engine_nice + 3)}
+        assert nices(fetchers) == {engine_nice}

@@ -653,6 +653,7 @@ def test_ready_line_says_the_settings_in_force_and_which_receive_loop_runs(memkv
         f"same_host={local}/{servers},",
         f"shared_memory={shared}/{servers},",
         "(half the CPU pool)",
+        "store_nice=10",
         f"memkv={memkv_version}",
     ):
         assert field in line, f"{field!r} missing from: {line}"
