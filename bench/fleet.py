@@ -420,7 +420,7 @@ def storm(procs: list[subprocess.Popen], probes: int, nodes: list, value_bytes: 
             "host_cpu_busy": (cpu1[0] - cpu0[0]) / max(1, cpu1[1] - cpu0[1]),
             "stored": stored,
             # the storers' aggregate: what the stores lost to the probe's priority
-            "stored_gbps": stored * value_bytes / max((x["seconds"] for x in storms), default=1.0) / 1e9,
+            "stored_gbps": stored * value_bytes / max(x["seconds"] for x in storms) / 1e9 if storms else 0.0,
         }
 
     probe, storers = procs[0], procs[1:]
