@@ -288,6 +288,7 @@ def default_key_path() -> Path:
 
 TRANSPORTS = ("auto", "tcp", "rdma")
 SPARES_MODES = ("auto", "on", "off")
+STORES_MODES = ("auto", "client", "node")  # --shared-memory-stores: memkv/server/shm.py
 
 YAML_KEYS = {
     "servers": "host:port list (or {address, weight} mappings)",
@@ -656,9 +657,17 @@ class ServerConfig:
     shared_memory_group: int | None = None
     # Spares (memkv/server/shm.py): "on", "off", or "auto" (on where the node has cores to spare).
     shared_memory_spares: str = "auto"
+    # Where same-host clients' stores go (memkv/server/shm.py): "client" (fresh memfds they write),
+    # "node" (over the socket into memfds the node writes), "auto" (client where shared memory
+    # gets huge pages on advice).
+    shared_memory_stores: str = "auto"
 
     def __post_init__(self) -> None:
         self._check_tls()
+        if self.shared_memory_stores not in STORES_MODES:
+            raise ConfigError(
+                f"--shared-memory-stores: expected one of {', '.join(STORES_MODES)}, got {self.shared_memory_stores!r}"
+            )
         if self.shared_memory_spares not in SPARES_MODES:
             raise ConfigError(
                 f"--shared-memory-spares: expected one of {', '.join(SPARES_MODES)}, got {self.shared_memory_spares!r}"

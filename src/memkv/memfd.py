@@ -27,6 +27,9 @@ MADV_POPULATE_WRITE = 23  # Linux 5.14: fault a range in for writing with one ca
 # "never" (docs/operations.md, "Same-host clients"). The node's private value buffers ask for them
 # too (memkv/server/store.py, ValueBuffer), where /sys/kernel/mm/transparent_hugepage/enabled allows.
 MADV_HUGEPAGE = 14
+# Linux 5.1, not in Python's fcntl: no write through any descriptor or new mapping, while writable
+# mappings made before it still write (memkv/server/shm.py, node-written memfds).
+F_SEAL_FUTURE_WRITE = 0x0010
 
 
 SHMEM_THP = "/sys/kernel/mm/transparent_hugepage/shmem_enabled"

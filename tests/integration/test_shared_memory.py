@@ -55,6 +55,19 @@ pytestmark = pytest.mark.integration
 MiB = 1 << 20
 
 
+@pytest.fixture
+def start_node(start_node):
+    """This module's nodes let same-host clients write their own memfds (SHM_PUT) whatever the
+    host's huge pages; node-written memfds (`--shared-memory-stores node`) are
+    tests/integration/test_node_written_memfds.py's."""
+
+    def start(*args, extra_args=(), **kwargs):
+        return start_node(*args, extra_args=["--shared-memory-stores", "client", *extra_args], **kwargs)
+
+    start.nodes = start_node.nodes  # type: ignore[attr-defined]
+    return start
+
+
 def status_of(node) -> dict:
     with urllib.request.urlopen(node.admin_url + "/v1/status", timeout=5) as resp:
         return json.loads(resp.read())
@@ -401,7 +414,7 @@ def test_memfds_refused_here_turn_shared_memory_off_for_that_node_process(start_
         raise SealError(1, "a memfd without its seals (has 0x0, needs 0xc)")
 
     monkeypatch.setattr(shared, "check_sealed", refuse)
-    monkeypatch.setattr(shm, "check_sealed", refuse)
+    monkeypatch.setattr(shm, "check_loadable", refuse)
     values = [(f"k{i}", os.urandom(2 * MiB)) for i in range(3)]
     with caplog.at_level("WARNING", logger="memkv.client"):
         assert client.batch_put_views(values[:1]) == [True]  # SHM_PUT meets the refusal: sent by socket

@@ -157,13 +157,19 @@ def test_ambiguous_units_and_semicolons_are_refused_naming_the_fix(memkv_cli, en
     assert proc.returncode == 2 and "separated by ','" in proc.stderr.decode()
 
 
-def test_status_names_the_bytes_held_in_memfds(memkv_cli, env) -> None:
-    """A value stored through shared memory (the CLI is a same-host client) lives in a memfd:
-    `status` says how many of the allocated bytes those are."""
+@pytest.mark.parametrize("stores", ["client", "node"])
+def test_status_names_the_bytes_held_in_memfds(memkv_cli, ops_nodes, ops_key, stores) -> None:
+    """A value the CLI (a same-host client) stores lives in a memfd, the client's or the node's
+    own (--shared-memory-stores): `status` says how many of the allocated bytes those are. A
+    deleted value's memfd goes (client-written) or waits in the node's pool for the next value
+    (node-written): still memory the node holds, and said so."""
+    (node,) = ops_nodes(1, extra_args=["--shared-memory-stores", stores, "--shared-memory-spares", "off"])
+    env = {"MEMKV_SERVERS": node.address, "MEMKV_AUTH_KEY": ops_key}
     assert memkv_cli("put", "truth/shm", "-", stdin=b"m" * (2 << 20), env=env).returncode == 0
     row = as_json(memkv_cli("status", "--json", env=env))["servers"][0]
     assert row["allocated_bytes"] >= row["shm_bytes"] >= 2 << 20
     out = memkv_cli("status", env={**env, "COLUMNS": "250"}).stdout.decode()
     assert "in memfds" in out
     memkv_cli("del", "truth/shm", env=env)
-    assert as_json(memkv_cli("status", "--json", env=env))["servers"][0]["shm_bytes"] == 0
+    row = as_json(memkv_cli("status", "--json", env=env))["servers"][0]
+    assert row["shm_bytes"] == (0 if stores == "client" else 2 << 20) == row["allocated_bytes"]

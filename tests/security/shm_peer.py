@@ -16,6 +16,7 @@ import concurrent.futures.thread  # noqa: F401
 import ctypes
 import encodings.idna  # noqa: F401
 import errno
+import fcntl
 import json
 import mmap
 import os
@@ -177,6 +178,12 @@ def main(action: str, host: str, port: str, name: str, *args: str) -> dict[str, 
         _, (fd,) = shm_put(conn, own, size)
         out["commit"] = commit(conn, [fill(fd, size, 0xEF)])
         out["own_value"] = modifications(fd, size)  # the very descriptor it wrote through
+    elif action == "modify-node-written":  # KEY SIZE: modify KEY's node-written memfd
+        key, size = args[0].encode(), int(args[1])
+        _, fds = shm_get(conn, [key], size)
+        out["seals"] = fcntl.fcntl(fds[0], fcntl.F_GET_SEALS)
+        out["value"] = modifications(fds[0], size)
+        os.close(fds[0])
     elif action == "hold":  # KEY SIZE COUNT: store COUNT values, then map and read all of them
         key, size, count = args[0].encode(), int(args[1]), int(args[2])
         statuses, held = [], []

@@ -38,6 +38,20 @@ pytestmark = pytest.mark.integration
 MiB = 1 << 20
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 NOBODY = 65534
+NODE_WRITES = ["--shared-memory-stores", "node"]
+
+
+@pytest.fixture
+def start_node(start_node):
+    """This module's nodes let same-host clients write their own memfds (SHM_PUT) whatever the
+    host's huge pages; node-written memfds (`--shared-memory-stores node`) are
+    tests/integration/test_node_written_memfds.py's and the last test's here."""
+
+    def start(*args, extra_args=(), **kwargs):
+        return start_node(*args, extra_args=["--shared-memory-stores", "client", *extra_args], **kwargs)
+
+    start.nodes = start_node.nodes  # type: ignore[attr-defined]
+    return start
 
 
 def peer(node, auth_key_hex: str, action: str, *args: object, run_as: str = "") -> dict:
@@ -215,6 +229,19 @@ def test_the_shared_memory_group_lets_another_uid_have_memfds(start_node, auth_k
     assert got["shared_memory"] is True
 
 
+@pytest.mark.skipif(os.geteuid() != 0, reason="running a client as another uid needs root")
+def test_node_written_memfds_go_to_the_nodes_own_uid_only_not_its_group(start_node, auth_key_hex):
+    """A peer that keeps the descriptor of a node-written memfd the node has dropped keeps its
+    pages, charged to the node: only processes of the node's uid, which could signal the node
+    anyway, get them; the group's are served over the socket."""
+    group = 4242
+    node = start_node(capacity="64MiB", extra_args=["--shared-memory-group", str(group), *NODE_WRITES])
+    got = peer(node, auth_key_hex, "hello", run_as=_as_nobody(group))
+    assert got["shared_memory"] is False and got["shared_memory_servers"] == []
+    assert got["roundtrip"] is True and got["via"] == "local", "served over the same-host socket"
+    assert peer(node, auth_key_hex, "hello")["shared_memory"] is True, "the node's own uid: offered"
+
+
 def test_an_unknown_checksum_algorithm_is_refused_naming_it(start_node, auth_key_hex):
     node = start_node(capacity="64MiB")
     conn = raw_connection(node, auth_key_hex)
@@ -244,6 +271,53 @@ def test_memfd_values_fit_the_descriptor_limit_and_the_rest_go_over_the_socket(s
     shm = settled_status(node)["shared_memory"]
     assert shm["values"] + shm["spares"] == bound, "spares count in the bound too"
     assert metric(node, "memkv_node_shm_puts_refused_total") == len(values) - shm["values"] >= 16
+    targets = [(k, bytearray(MiB)) for k, _ in values]
+    assert client.batch_get_into(targets) == [True] * len(values)
+    assert [bytes(b) for _, b in targets] == [v for _, v in values]
+
+
+def test_no_client_can_write_or_resize_a_memfd_the_node_writes(start_node, make_client, auth_key_hex):
+    """`--shared-memory-stores node`: SHM_GET passes the node's own reused buffer, sealed against
+    every write but the node's mapping made before the seal (F_SEAL_FUTURE_WRITE). A key holder
+    given it can neither resize it (no SIGBUS for the node or anyone) nor change a byte of it, by
+    any descriptor or mapping; every client keeps reading the value byte-exact, stores go on."""
+    node = start_node(capacity="64MiB", extra_args=NODE_WRITES)
+    writer = make_client([node])
+    remote = make_client([node], local_socket=False)
+    value = os.urandom(4 * MiB)
+    assert writer.batch_put_views([("v", value)]) == [True]
+    got = peer(node, auth_key_hex, "modify-node-written", "v", 4 * MiB)
+    future_write, seal_write = 0x10, 0x8
+    assert got["seals"] & future_write and not got["seals"] & seal_write, "a node-written memfd"
+    assert set(got["value"].values()) <= {"EPERM", "EACCES"}, got["value"]
+    for client in (writer, remote, make_client([node])):
+        out = bytearray(len(value))
+        assert client.batch_get_into([("v", out)]) == [True] and out == value
+    fresh = [os.urandom(4 * MiB) for _ in range(3)]
+    assert remote.batch_put_views([("r", fresh[0])]) == [True]
+    assert writer.batch_put_views([("w1", fresh[1]), ("w2", fresh[2])]) == [True, True]
+    assert [writer.get(k) for k in ("r", "w1", "w2")] == fresh
+    assert node.proc.poll() is None
+
+
+def test_node_written_memfds_fit_the_descriptor_limit_and_the_rest_are_private(start_node, make_client):
+    """Past the memfd bound a node-written buffer is private memory: stored, and loaded over the
+    socket (SHM_GET answers NOT_SHARED for it), every value kept."""
+    limit, connections = 512, 128
+
+    def low_nofile() -> None:  # in the child, before exec
+        resource.setrlimit(resource.RLIMIT_NOFILE, (limit, limit))
+
+    node = start_node(
+        capacity="256MiB", extra_args=["--max-connections", str(connections), *NODE_WRITES], preexec_fn=low_nofile
+    )
+    bound = status_of(node)["shared_memory"]["max_values"]
+    client = make_client([node])
+    values = [(f"v{i}", os.urandom(MiB)) for i in range(bound + 16)]
+    assert client.batch_put_views(values) == [True] * len(values)
+    shm = status_of(node)["shared_memory"]
+    assert shm["node_written"] == bound and shm["node_written_bytes"] == bound * MiB
+    assert shm["values"] == 0 and metric(node, 'memkv_node_requests_total{op="shm_put"}') == 0
     targets = [(k, bytearray(MiB)) for k, _ in values]
     assert client.batch_get_into(targets) == [True] * len(values)
     assert [bytes(b) for _, b in targets] == [v for _, v in values]

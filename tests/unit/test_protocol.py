@@ -161,6 +161,12 @@ MESSAGES = [
     ("hello-ok-local-socket", "s2c", p.HelloOk("node-a:9900", p.Limits(), "@memkv-9900-" + "ab" * 12), b""),
     ("hello-ok-shared-memory", "s2c", p.HelloOk("node-a:9900", p.Limits(), "@memkv-9900-" + "ab" * 12, True), b""),
     (
+        "hello-ok-node-written-memfds",
+        "s2c",
+        p.HelloOk("node-a:9900", p.Limits(), "@memkv-9900-" + "ab" * 12, True, shm_put=False),
+        b"",
+    ),
+    (
         "hello-ok-custom-limits",
         "s2c",
         p.HelloOk(
@@ -774,6 +780,15 @@ MALFORMED_REPLIES = [
         p.ErrorCode.MALFORMED,
     ),
     (
+        "hello-ok-shm-put-not-a-bool",
+        raw_frame(
+            p.Opcode.HELLO_OK,
+            json.dumps({"node_id": "n", "limits": {}, "shared_values": True, "shm_put": 0}).encode(),
+            send_key=S2C_KEY,
+        ),
+        p.ErrorCode.MALFORMED,
+    ),
+    (
         "hello-ok-shared-values-not-a-bool",
         raw_frame(
             p.Opcode.HELLO_OK,
@@ -1250,3 +1265,4 @@ def test_a_hello_ok_of_the_arena_design_offers_no_shared_memory_to_this_client()
         client, _ = session()
     _, server = session()
     assert b'"shared_values": true' in server.encode(p.HelloOk("n", p.Limits(), "@x", True))
+    assert b"shm_put" not in server.encode(p.HelloOk("n", p.Limits(), "@x", True)), "absent unless false"

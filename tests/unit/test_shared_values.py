@@ -31,6 +31,7 @@ from memkv.client import shared as client_shared
 from memkv.client.shared import (
     MappedValues,
     SealError,
+    check_loadable,
     check_sealed,
     copy_verified,
     map_value,
@@ -41,7 +42,16 @@ from memkv.config import ConfigError, ServerConfig
 from memkv.integrity import Checksummer
 from memkv.memfd import unmap
 from memkv.protocol import ChecksumAlgo, ItemStatus
-from memkv.server.shm import SEALS_OPEN, SPARE_KEEP_S, SealedBuffer, SharedValues, StillMapped, spares_on
+from memkv.server.shm import (
+    SEALS_OPEN,
+    SPARE_KEEP_S,
+    SealedBuffer,
+    SharedValues,
+    StillMapped,
+    client_stores_on,
+    node_written_memfd,
+    spares_on,
+)
 from memkv.server.store import Store, ValueBuffer
 
 MiB = 1 << 20
@@ -371,3 +381,81 @@ def test_the_spares_mode_is_checked_and_auto_follows_the_cpus_the_node_may_use(m
     assert not spares_on("auto"), "2 CPUs: the writers need them"
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)))
     assert spares_on("auto")
+
+
+def test_the_stores_mode_is_checked_and_auto_follows_the_hosts_huge_pages(monkeypatch) -> None:
+    with pytest.raises(ConfigError, match="--shared-memory-stores: expected one of auto, client, node, got 'both'"):
+        ServerConfig(capacity_bytes=1 << 30, shared_memory_stores="both")
+    assert client_stores_on("client") and not client_stores_on("node")
+    for mode, clients_write in (("advise", True), ("within_size", True), ("always", True), ("never", False)):
+        monkeypatch.setattr("memkv.memfd.shmem_huge_pages", lambda mode=mode: mode)
+        assert client_stores_on("auto") is clients_write, mode
+    monkeypatch.setattr("memkv.memfd.shmem_huge_pages", lambda: None)
+    assert not client_stores_on("auto"), "unknown: the way that is never slow"
+
+
+def test_a_node_written_memfd_is_written_by_its_first_mapping_only() -> None:
+    fd, mem = node_written_memfd(2 * MiB)
+    try:
+        mem[:3] = b"abc"  # the node's own mapping, made before the seal
+        for size in (0, MiB, 4 * MiB):
+            with pytest.raises(PermissionError):
+                os.ftruncate(fd, size)
+        with pytest.raises(PermissionError):
+            os.pwrite(fd, b"x", 0)
+        with pytest.raises(PermissionError):
+            mmap.mmap(fd, 2 * MiB, flags=mmap.MAP_SHARED)
+        reopened = os.open(f"/proc/self/fd/{fd}", os.O_RDWR)
+        try:
+            with pytest.raises(PermissionError):
+                os.pwrite(reopened, b"x", 0)
+        finally:
+            os.close(reopened)
+        with pytest.raises(PermissionError):
+            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_WRITE)  # F_SEAL_SEAL: final
+        mem[3:6] = b"def"  # still the node's to reuse
+        assert os.pread(fd, 6, 0) == b"abcdef"
+        assert check_loadable(fd, 2 * MiB) is True, "a client tells it from a committed memfd"
+    finally:
+        mem.close()
+        os.close(fd)
+    committed = SealedBuffer(MiB)
+    try:
+        committed.seal()
+        assert check_loadable(committed.fd, MiB) is False
+    finally:
+        committed.free()
+    with pytest.raises(SealError, match="needs 0xe or 0x16"):
+        open_fd = SealedBuffer(MiB)  # sealed against resizing only: a reservation, not loadable
+        try:
+            check_loadable(open_fd.fd, MiB)
+        finally:
+            open_fd.free()
+
+
+def test_a_store_of_node_written_memfds_reuses_them_and_counts_them() -> None:
+    shared = SharedValues(max_values=100)
+    store = Store(8 * MiB, shared=shared, pool_max_bytes=4 * MiB, node_memfds=True)
+    fds = set()
+    for i in range(12):  # four fit: the rest evict and take the evicted value's memfd
+        ticket = store.begin_put(b"k%d" % i, 2 * MiB, 1, bytes(32))
+        assert ticket.buf.fd >= 0
+        fds.add(os.fstat(ticket.buf.fd).st_ino)
+        ticket.target[:16] = bytes([i]) * 16
+        assert store.commit(ticket)
+        assert shared.node_written_bytes == 2 * MiB * shared.node_written <= store.allocated_bytes <= 8 * MiB
+    assert len(fds) == 4 and shared.node_written == 4, "made once, then reused"
+    store.delete([b"k%d" % i for i in range(12)])
+    assert shared.node_written == 2 and store.stats()["pooled_bytes"] == 4 * MiB, "the pool keeps two"
+    store.begin_put(b"big", 8 * MiB, 1, bytes(32))  # needs every byte: the pooled memfds go
+    assert shared.node_written == 1 and shared.node_written_bytes == 8 * MiB
+
+
+def test_past_the_memfd_bound_a_node_written_buffer_is_private_memory() -> None:
+    shared = SharedValues(max_values=1)
+    store = Store(8 * MiB, shared=shared, node_memfds=True)
+    first, second = (store.begin_put(b"k%d" % i, 2 * MiB, 1, bytes(32)) for i in range(2))
+    assert first.buf.fd >= 0 and second.buf.fd == -1
+    assert store.begin_shared_put(b"s", MiB, 1, bytes(32)) is None, "the bound counts node-written ones"
+    small = store.begin_put(b"small", MiB - 1, 1, bytes(32))
+    assert small.buf.fd == -1, "below 1 MiB: private memory"

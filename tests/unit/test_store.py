@@ -83,9 +83,9 @@ def lanes(*specs: str) -> tuple[LaneSpec, ...]:
 class CountingBuffer(store_mod.ValueBuffer):
     made = 0
 
-    def __init__(self, size: int) -> None:
+    def __init__(self, size: int, node_written=None) -> None:
         type(self).made += 1
-        super().__init__(size)
+        super().__init__(size, node_written)
 
 
 @pytest.fixture

@@ -109,6 +109,15 @@ def add_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
         help="fault fresh memfds in ahead of same-host stores, on a node thread (default auto: on where the node "
         "may use 4 CPUs or more; docs/operations.md, 'Same-host clients')",
     )
+    s.add_argument(
+        "--shared-memory-stores",
+        default="auto",
+        choices=("auto", "client", "node"),
+        help="where same-host clients' stores of 1 MiB and more go: client = into a fresh memfd each, which the "
+        "client writes (no node CPU; needs huge pages for shared memory to be fast), node = over the socket into "
+        "memfds the node writes and reuses (default auto: client where the host gives shared memory huge pages "
+        "on advice, else node; docs/operations.md, 'Same-host clients')",
+    )
     t = s.add_argument_group("TLS (docs/operations.md, 'Encryption in transit'); SIGHUP re-reads the files")
     t.add_argument("--tls-cert", default=None, metavar="FILE", help="PEM certificate (chain) of the node: turns TLS on")
     t.add_argument("--tls-key", default=None, metavar="FILE", help="PEM private key of --tls-cert")
@@ -200,6 +209,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         shared_memory=args.shared_memory,
         shared_memory_group=_group_id(args.shared_memory_group),
         shared_memory_spares=args.shared_memory_spares,
+        shared_memory_stores=args.shared_memory_stores,
     )
     key = _server_key(args)
     try:
@@ -236,12 +246,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
             group = config.shared_memory_group
             shared = ", values of 1 MiB and more as sealed memfds for clients of uid " + str(os.geteuid())
             shared += f" or group {group}" if group is not None else ""
+            shared += ", stored by " + ("the clients (SHM_PUT)" if node.client_stores else "the node")
         print(f"memkv: same-host clients connect to {node.local_socket} (abstract Unix socket{shared})", flush=True)
-        huge = shmem_huge_pages() if node.shared is not None else "advise"
+        huge = shmem_huge_pages() if node.client_stores else "advise"
         if huge in ("never", "deny"):
             logging.getLogger("memkv.serve").warning(
                 "transparent huge pages for shared memory are %r on this host: stores through shared memory run "
-                "at half their speed or less; set %s to advise (docs/operations.md, 'Same-host clients')",
+                "at half their speed or less; set %s to advise, or let the node write them "
+                "(--shared-memory-stores auto or node; docs/operations.md, 'Same-host clients')",
                 huge,
                 SHMEM_THP,
             )

@@ -87,7 +87,7 @@ def _status_row(
                 "capacity_bytes": s["capacity_bytes"],
                 "used_ratio": s["allocated_bytes"] / s["capacity_bytes"] if s["capacity_bytes"] else None,
                 "values": s["values"],
-                "shm_bytes": (s.get("shared_memory") or {}).get("bytes", 0),  # of allocated_bytes, in memfds
+                "shm_bytes": _memfd_bytes(s.get("shared_memory") or {}),
                 "hits": hits,
                 "misses": misses,
                 "hit_ratio": hits / (hits + misses) if hits + misses else None,
@@ -181,3 +181,9 @@ def cmd_status(args: argparse.Namespace) -> int:
                 file=sys.stderr,
             )
     return EXIT_OK if ok else EXIT_FAILED
+
+
+def _memfd_bytes(shared: dict[str, int]) -> int:
+    """Of a node's allocated_bytes, those in memfds: values clients wrote (and their pending
+    reservations), spares, and the node's own reused buffers (node-written memfds)."""
+    return sum(shared.get(k, 0) for k in ("bytes", "spare_bytes", "node_written_bytes"))

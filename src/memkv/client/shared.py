@@ -41,7 +41,7 @@ import threading
 from collections.abc import Sequence
 
 from memkv.integrity import Checksummer
-from memkv.memfd import MAP_POPULATE, fault_in, map_fd, shmem_huge_pages, unmap
+from memkv.memfd import F_SEAL_FUTURE_WRITE, MAP_POPULATE, fault_in, map_fd, shmem_huge_pages, unmap
 from memkv.protocol import ChecksumAlgo
 
 try:
@@ -60,6 +60,9 @@ PAGE = mmap.PAGESIZE
 COPY_PIECE = 256 << 10
 SEALS_NEEDED = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_WRITE
 SEALS_OPEN = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW
+# A memfd the node writes and reuses (`memkv serve --shared-memory-stores node`): nobody else can
+# write it, but it may hold another value by the time it is read.
+SEALS_NODE_WRITTEN = SEALS_OPEN | F_SEAL_FUTURE_WRITE
 # Mappings of stored values kept, per node process: far below vm.max_map_count (65530 by default).
 # A kept mapping of a value the node has dropped keeps its pages alive (charged to this process)
 # until the next load of that key or the LRU drops it: the byte bound caps that memory.
@@ -74,6 +77,18 @@ class SealError(OSError):
 def check_sealed(fd: int, length: int, seals: int = SEALS_NEEDED) -> int:
     """The size of the memfd `fd` when it is the buffer of a `length`-byte value (the length
     rounded up to a page) and carries `seals`; else SealError."""
+    return _sealed(fd, length, (seals,))[0]
+
+
+def check_loadable(fd: int, length: int) -> bool:
+    """Whether the memfd an SHM_GET passed for a `length`-byte value is node-written (it may hold
+    another value by now: a failed check means "GET it") rather than committed (immutable: a
+    failed check is an integrity failure). SealError when it is neither, sealed as it must be."""
+    return _sealed(fd, length, (SEALS_NEEDED, SEALS_NODE_WRITTEN))[1] == SEALS_NODE_WRITTEN
+
+
+def _sealed(fd: int, length: int, accepted: Sequence[int]) -> tuple[int, int]:
+    """(size, the first of `accepted` seal sets `fd` carries); SealError where none."""
     try:
         info = os.fstat(fd)
         have = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
@@ -81,9 +96,11 @@ def check_sealed(fd: int, length: int, seals: int = SEALS_NEEDED) -> int:
         raise SealError(exc.errno or errno.EINVAL, f"not a sealable memfd: {exc.strerror}") from None
     if not stat.S_ISREG(info.st_mode) or not 0 < length <= info.st_size < length + PAGE:
         raise SealError(errno.EINVAL, f"a memfd of {info.st_size} bytes for a {length}-byte value")
-    if have & seals != seals:
-        raise SealError(errno.EPERM, f"a memfd without its seals (has 0x{have:x}, needs 0x{seals:x})")
-    return info.st_size
+    for seals in accepted:
+        if have & seals == seals:
+            return info.st_size, seals
+    needs = " or ".join(f"0x{seals:x}" for seals in accepted)
+    raise SealError(errno.EPERM, f"a memfd without its seals (has 0x{have:x}, needs {needs})")
 
 
 def _mmap(fd: int, size: int, prot: int, flags: int) -> int:

@@ -118,6 +118,8 @@ def _encode_hello_ok(msg: HelloOk) -> _Encoded:
         body["local_socket"] = msg.local_socket
     if msg.shared_memory:
         body["shared_values"] = True
+        if not msg.shm_put:
+            body["shm_put"] = False
     return Opcode.HELLO_OK, 0, json.dumps(body).encode()
 
 
@@ -351,10 +353,11 @@ def _decode_error(status: int, meta: memoryview, limits: Limits) -> _Decoded:
 
 def _decode_hello_ok(status: int, meta: memoryview, limits: Limits) -> _Decoded:
     body = json.loads(bytes(meta))
-    shared = body.get("shared_values", False)
-    if not isinstance(shared, bool):
-        raise RemoteProtocolError(f"HELLO_OK: shared_values must be true or false, got {shared!r}", ErrorCode.MALFORMED)
-    return HelloOk(str(body["node_id"]), Limits(**body["limits"]), body.get("local_socket"), shared), len(meta)
+    shared, shm_put = body.get("shared_values", False), body.get("shm_put", True)
+    for name, flag in (("shared_values", shared), ("shm_put", shm_put)):
+        if not isinstance(flag, bool):
+            raise RemoteProtocolError(f"HELLO_OK: {name} must be true or false, got {flag!r}", ErrorCode.MALFORMED)
+    return HelloOk(str(body["node_id"]), Limits(**body["limits"]), body.get("local_socket"), shared, shm_put), len(meta)
 
 
 def _decode_exists(status: int, meta: memoryview, limits: Limits) -> _Decoded:

@@ -32,12 +32,16 @@ class HelloOk:
     random per node process; docs/protocol.md section 2.6), or None when it serves none.
     `shared_memory`: this connection may exchange values as sealed memfds (SHM_* requests; only
     on the same-host socket, section 13). Its JSON key is `shared_values`: a client that knows
-    only the earlier arena design (`shared_memory`) never sees it and stays on the socket."""
+    only the earlier arena design (`shared_memory`) never sees it and stays on the socket.
+    `shm_put`: with `shared_memory`, stores may go through SHM_PUT; false where the node writes
+    its memfds itself (`memkv serve --shared-memory-stores node`): store over the socket (JSON
+    key `shm_put`, present only when false)."""
 
     node_id: str
     limits: Limits
     local_socket: str | None = None
     shared_memory: bool = False
+    shm_put: bool = True
 
     def __post_init__(self) -> None:
         if self.local_socket is not None and not is_local_socket_name(self.local_socket):

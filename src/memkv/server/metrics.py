@@ -76,6 +76,12 @@ class StoreCollector:
                 "memkv_node_shm_values", "Memfds the node holds (values and pending reservations)", value=shm["values"]
             )
             yield GaugeMetricFamily(
+                "memkv_node_shm_node_written_bytes",
+                "Buffer bytes of the node's own reused memfds (values stored over the socket with "
+                "--shared-memory-stores node, pooled or reserved), part of memkv_node_allocated_bytes",
+                value=shm["node_written_bytes"],
+            )
+            yield GaugeMetricFamily(
                 "memkv_node_shm_spare_bytes",
                 "Buffer bytes of spares: fresh memfds faulted in for the same-host stores to come, part of "
                 "memkv_node_allocated_bytes",

@@ -63,7 +63,7 @@ from memkv.config import ServerConfig
 from memkv.errors import AuthError, LocalProtocolError, RemoteProtocolError
 from memkv.server.metrics import NodeMetrics
 from memkv.server.rdma import RdmaResponder, RequestContext
-from memkv.server.shm import SealedBuffer, SharedValues, StillMapped, spares_on
+from memkv.server.shm import SealedBuffer, SharedValues, StillMapped, client_stores_on, spares_on
 from memkv.server.store import Leased, NoSpace, PutTicket, Store
 from memkv.sockio import PeerClosed, discard, recv_exactly, recv_exactly_into, send_all, set_recv_timeout, set_timeouts
 from memkv.tls import TLS_HANDSHAKE_BYTE, ServerTls
@@ -149,6 +149,9 @@ class Node:
         if config.shared_memory and config.local_socket and sys.platform.startswith("linux"):
             if not (config.tls_cert is not None and config.tls_listen is None):
                 self.shared = SharedValues()
+        # Where their stores go (--shared-memory-stores): into fresh memfds the clients write
+        # (SHM_PUT), or over the socket into memfds the node writes and reuses.
+        self.client_stores = self.shared is not None and client_stores_on(config.shared_memory_stores)
         self.store = Store(
             config.capacity_bytes,
             config.lanes,
@@ -158,6 +161,7 @@ class Node:
             max_lease_bytes=config.max_lease_bytes,
             max_lease_share=config.max_lease_share,
             shared=self.shared,
+            node_memfds=self.shared is not None and not self.client_stores,
         )
         self.metrics = NodeMetrics(self.store)
         self.rdma = RdmaResponder(
@@ -192,6 +196,7 @@ class Node:
         if self.local_socket is None:
             self.shared = None  # new buffers stay private; HELLO_OK offers no shared memory
             self.store.shared = None
+            self.client_stores = False
         self._stopping = threading.Event()
         self._stopped = threading.Event()
         self._conns: set[socket.socket] = set()
@@ -219,13 +224,17 @@ class Node:
         """Whether the peer of this same-host connection may exchange values as memfds: a process
         of the node's own uid, or (`shared_memory_group`) one whose primary or supplementary
         groups include that group, as the kernel saw them at connect time (SO_PEERCRED,
-        SO_PEERGROUPS). Others are served over the socket."""
+        SO_PEERGROUPS). Others are served over the socket. Node-written memfds only ever go to
+        the node's own uid: a peer that keeps the descriptor of one the node has dropped keeps
+        its pages, charged to the node (docs/protocol.md section 13, "Trust")."""
         try:
             _, uid, gid = PEERCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, PEERCRED.size))
         except OSError:
             return False
         if uid == os.geteuid():
             return True
+        if not self.client_stores:
+            return False
         group = self.config.shared_memory_group
         if group is None:
             return False
@@ -243,7 +252,7 @@ class Node:
 
     def serve_forever(self) -> None:
         side_loops: list[threading.Thread] = []
-        if self.shared is not None and spares_on(self.config.shared_memory_spares):
+        if self.shared is not None and self.client_stores and spares_on(self.config.shared_memory_spares):
             # Spares (memkv/server/shm.py): memfds faulted in while no store waits for them.
             threading.Thread(target=self._refill_spares, name="memkv-spares", daemon=True).start()
         for listener, tls, name in ((self._tls_listener, True, "tls"), (self._local_listener, False, "local")):
@@ -542,7 +551,8 @@ class Connection:
             local = None if isinstance(self.sock, ssl.SSLSocket) else self.node.local_socket
             self.shared_memory = self.node.shared is not None and self.sock.family == socket.AF_UNIX
             self.shared_memory = self.shared_memory and self.node.trusts(self.sock)
-            hello_ok = p.HelloOk(self.node.node_id, self.node.limits, local, self.shared_memory)
+            shm_put = self.shared_memory and self.node.client_stores
+            hello_ok = p.HelloOk(self.node.node_id, self.node.limits, local, self.shared_memory, shm_put)
             send_all(self.sock, [self.codec.encode(hello_ok)], deadline)
             return True
         except (OSError, ConnectionError):
@@ -719,9 +729,11 @@ class Connection:
         return shared
 
     def _shm_get(self, msg: p.ShmGetRequest) -> None:
-        """Each value's sealed memfd (where the client asked for it) and checksum. A committed
-        memfd never changes, so nothing stays pinned once the reply is sent: the client's mapping
-        keeps the bytes it copies. A value in private memory answers NOT_SHARED: GET it."""
+        """Each value's memfd (where the client asked for it) and checksum: a committed one or a
+        node-written one. Nothing stays pinned once the reply is sent: a committed memfd never
+        changes (the client's mapping keeps the bytes it copies), and a node-written one that
+        holds another value by then fails the client's check (it GETs the value instead). A value
+        in private memory answers NOT_SHARED: GET it."""
         self._shared("SHM_GET")
         store = self.node.store
         found = store.acquire(msg.keys, msg.expected_lengths, p.ANY_LENGTH)
@@ -734,7 +746,7 @@ class Connection:
                 if isinstance(e, int):
                     items.append(p.GetReplyItem(e, 0, 0, no_sum))
                     passed.append(0)
-                elif not isinstance(e.buf, SealedBuffer) or (wanted and len(fds) >= p.MAX_SHM_FDS):
+                elif e.buf.fd < 0 or (wanted and len(fds) >= p.MAX_SHM_FDS):
                     items.append(p.GetReplyItem(p.ItemStatus.NOT_SHARED, 0, 0, no_sum))
                     passed.append(0)
                 else:
@@ -760,7 +772,8 @@ class Connection:
         """Reserve a new memfd per item (as a PUT reserves a buffer, evicting if need be) and pass
         it; the client writes the values itself and commits them with its next frame. An item
         that cannot have one (below SHM_MIN_VALUE, a memfd bound or the in-flight bound reached)
-        answers NOT_SHARED: the client PUTs it over the socket."""
+        answers NOT_SHARED: the client PUTs it over the socket; every item does where the node
+        writes its memfds itself (--shared-memory-stores node: HELLO_OK's `shm_put` is false)."""
         self._shared("SHM_PUT")
         for item in msg.items:
             if item.algo not in {a.value for a in p.ChecksumAlgo}:
@@ -777,7 +790,8 @@ class Connection:
             for item in msg.items:
                 status = p.ItemStatus.NOT_SHARED
                 ticket = None
-                if item.length >= p.SHM_MIN_VALUE and len(self._shm_writes) < p.MAX_SHM_FDS:
+                fits = item.length >= p.SHM_MIN_VALUE and len(self._shm_writes) < p.MAX_SHM_FDS
+                if fits and self.node.client_stores:
                     try:
                         # Only the first item waits for the in-flight bound: later ones would wait
                         # for this very request's reservations.

@@ -18,9 +18,22 @@ node's capacity); a memfd closed by the node (value deleted, evicted, replaced, 
 dropped) is memory the node no longer holds: what a client still maps of it is the client's.
 Pages are charged (memcg) to whichever process faulted them: a value's pages to its writer.
 
+Node-written memfds (`--shared-memory-stores node`, the default where the host gives shared
+memory no huge pages). A fresh memfd per store makes every value's pages anew, 4 KiB at a time
+there: stores ran at a third of the socket's speed. Instead same-host clients store over the
+socket, and the node receives each value into a buffer that is a memfd of its own
+(`node_written_memfd`), reused for value after value like its private buffers. The node maps it
+writable before sealing it F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_FUTURE_WRITE: its own mapping
+still writes, and every other holder is refused any write (write, pwrite, a writable shared
+mapping, mprotect, reopening /proc/self/fd/N, fallocate, ftruncate). SHM_GET passes it as it
+passes a committed memfd; since it may hold another value by the time a client reads it, a
+client reads it verified and takes the socket where the bytes no longer match. What a client
+still holds a descriptor of shows whatever value the node put there later, until the client
+closes it (docs/protocol.md section 13).
+
 Bounds: at most `max_values` memfds (descriptors and mappings held by the node) and at most
 `max_pending` reservations not yet committed, node-wide; past them SHM_PUT answers NOT_SHARED
-and the client stores over the socket.
+and the client stores over the socket, and a new node-written buffer is private memory.
 """
 
 from __future__ import annotations
@@ -36,6 +49,8 @@ from memkv import memfd
 PAGE = mmap.PAGESIZE
 SEALS_OPEN = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW  # from creation: the size never changes
 SEALS_COMMITTED = SEALS_OPEN | fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SEAL  # from SHM_COMMIT: immutable
+# A node-written memfd: writable through the node's own mapping only, made before this seal.
+SEALS_NODE_WRITTEN = SEALS_OPEN | memfd.F_SEAL_FUTURE_WRITE | fcntl.F_SEAL_SEAL
 MAX_PENDING = 1024  # reservations not yet committed, node-wide
 MAP_HEADROOM = 8192  # mappings kept for the rest of the process (vm.max_map_count)
 FD_HEADROOM = 256  # descriptors kept for the rest of the process beyond connections
@@ -50,6 +65,36 @@ SPARE_KEEP_S = 30.0
 # helps a store when another core does it; on a 2-core host it competed with the writers and
 # made stores slower (docs/archive/performance-log.md, "Shared memory").
 MIN_SPARE_CPUS = 4
+
+
+# --shared-memory-stores "auto" lets clients write their own memfds where the host's shared memory
+# mode is one of these.
+THP_ON_ADVICE = ("always", "within_size", "advise", "force")
+
+
+def client_stores_on(mode: str) -> bool:
+    """Whether same-host clients store through SHM_PUT, for --shared-memory-stores `mode`. "auto":
+    where the host makes shared memory's pages huge on advice, as a fresh memfd per value needs to
+    fill at the copy's speed (memkv/memfd.py, `shmem_huge_pages`)."""
+    if mode == "auto":
+        return memfd.shmem_huge_pages() in THP_ON_ADVICE
+    return mode == "client"
+
+
+def node_written_memfd(size: int) -> tuple[int, mmap.mmap]:
+    """A memfd of `size` bytes that only the returned mapping (shared, writable) can write: the
+    descriptor (for SHM_GET) and the mapping. Raises OSError."""
+    fd = os.memfd_create("memkv-value", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    try:
+        os.ftruncate(fd, size)
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, SEALS_OPEN)
+        mem = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        mem.madvise(memfd.MADV_HUGEPAGE)  # where the host allows it: before any page exists
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, SEALS_NODE_WRITTEN)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd, mem
 
 
 def spares_on(mode: str) -> bool:
@@ -146,6 +191,8 @@ class SharedValues:
         self.commits_refused = 0  # SHM_COMMIT items refused: still mapped writable
         self.reclaimed = 0  # reservations dropped uncommitted (timeout, connection end)
         self.spares_taken = 0  # SHM_PUT items given a spare (faulted in ahead: no page faults for the client)
+        self.node_written = 0  # node-written memfds (`node_written_memfd`): values, pooled or reserved
+        self.node_written_bytes = 0  # their buffer bytes (part of the store's allocated_bytes)
 
     def fit_fd_limit(self, fd_soft_limit: int, connections: int) -> None:
         """Keep the memfds the node holds under RLIMIT_NOFILE, beside `connections` sockets."""
@@ -154,7 +201,7 @@ class SharedValues:
     def reserve(self, size: int) -> SealedBuffer | None:
         """A new memfd of `size` bytes, or None past a bound (or when the kernel refuses one)."""
         with self._lock:
-            if self.values + self.spares >= self.max_values or self.pending >= self.max_pending:
+            if self.values + self.spares + self.node_written >= self.max_values or self.pending >= self.max_pending:
                 self.refused += 1
                 return None
             self.values += 1
@@ -174,7 +221,7 @@ class SharedValues:
         """A new memfd of `size` bytes, faulted in, for a later `take_spare`; None past the memfd
         bound (or when the kernel refuses one)."""
         with self._lock:
-            if self.values + self.spares >= self.max_values:
+            if self.values + self.spares + self.node_written >= self.max_values:
                 return None
             self.spares += 1
             self.spare_bytes += size
@@ -187,6 +234,25 @@ class SharedValues:
             return None
         buf.prefault()
         return buf
+
+    def node_written_memfd(self, size: int) -> tuple[int, mmap.mmap] | None:
+        """A node-written memfd of `size` bytes (`node_written_memfd`), or None past the memfd
+        bound (or when the kernel refuses one): the caller's buffer is private memory then."""
+        with self._lock:
+            if self.values + self.spares + self.node_written >= self.max_values:
+                return None
+            self.node_written += 1
+            self.node_written_bytes += size
+        try:
+            return node_written_memfd(size)
+        except OSError:
+            self.node_written_freed(size)
+            return None
+
+    def node_written_freed(self, size: int) -> None:
+        with self._lock:
+            self.node_written -= 1
+            self.node_written_bytes -= size
 
     def take_spare(self, size: int) -> bool:
         """A spare of `size` bytes becomes a reservation: False past the pending bound (then it
@@ -241,4 +307,6 @@ class SharedValues:
                 "refused_commits": self.commits_refused,
                 "reclaimed_reservations": self.reclaimed,
                 "spares_taken": self.spares_taken,
+                "node_written": self.node_written,
+                "node_written_bytes": self.node_written_bytes,
             }

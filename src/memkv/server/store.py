@@ -7,8 +7,10 @@ shared memory (SHM_PUT), a sealed memfd of its own (memkv/server/shm.py). Buffer
 the value rounded up to a page. When a value is evicted or deleted its private buffer is reused
 for the next value of the same size class (KV-cache values of one model are all one size), so
 the hot path neither allocates nor page-faults; a bounded pool keeps freed buffers for reuse and
-beyond that they are unmapped. A memfd is never reused (its value is sealed immutable): freed,
-it is closed. `allocated_bytes` (every buffer in existence: live, pinned-but-dead, pooled,
+beyond that they are unmapped. A memfd a client wrote is never reused (its value is sealed
+immutable): freed, it is closed. With `node_memfds` (--shared-memory-stores node) the large
+buffers the store makes are node-written memfds instead of private memory (memkv/server/shm.py):
+reused like private ones, and SHM_GET passes them to same-host clients. `allocated_bytes` (every buffer in existence: live, pinned-but-dead, pooled,
 reserved for a PUT in flight, memfds included) never exceeds `capacity_bytes`.
 
 Lanes. Every key belongs to one lane, chosen by the longest matching key prefix (the `default`
@@ -51,6 +53,7 @@ import heapq
 import math
 import mmap
 import operator
+import os
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -76,21 +79,27 @@ def buffer_size_for(length: int) -> int:
 
 
 class ValueBuffer:
-    """A reusable block of the node's private memory."""
+    """A reusable block of the node's memory: private, or (`node_written`: descriptor and mapping
+    of a node-written memfd, memkv/server/shm.py) shared with same-host clients read-only. `fd`:
+    that memfd's descriptor, -1 for private memory."""
 
     # No view kept: a memoryview is two objects the garbage collector tracks, and a full
     # collection walks every tracked object of the node with the GIL held (with a million
     # values stored, that pause was 0.5 s on the 2-vCPU VM). Views are made when used.
-    __slots__ = ("size", "_mem")
+    __slots__ = ("size", "fd", "_mem")
 
-    def __init__(self, size: int) -> None:
+    def __init__(self, size: int, node_written: tuple[int, mmap.mmap] | None = None) -> None:
         self.size = size
-        if size >= MMAP_THRESHOLD:
+        self.fd = -1
+        self._mem: mmap.mmap | bytearray
+        if node_written is not None:
+            self.fd, self._mem = node_written
+        elif size >= MMAP_THRESHOLD:
             # No MAP_POPULATE: Python's mmap holds the GIL while the kernel makes every page
             # (0.4 s a GiB on the 2-vCPU VM), freezing every connection thread of the node, and
             # a populating madvise holds the process's mmap lock as long. The PUT's receive
             # makes the pages as it fills them, with neither held.
-            self._mem: mmap.mmap | bytearray = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+            self._mem = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
             # Huge pages where the host allows them on request (THP "madvise", the common
             # default): the receive then makes 2 MiB pages, 512 times fewer faults; a fresh
             # 16 MiB buffer fills about 3.5x faster on the 2-vCPU VM. Before any page exists,
@@ -102,6 +111,13 @@ class ValueBuffer:
     @property
     def view(self) -> memoryview:
         return memoryview(self._mem)
+
+    def close_fd(self) -> None:
+        """The store is done with it: its memfd's descriptor closes now; the mapping (and the
+        memfd) goes with its last view, as a private buffer's does."""
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
 
 
 Buffer = ValueBuffer | SealedBuffer
@@ -187,8 +203,10 @@ class Store:
         max_lease_share: float = DEFAULT_LEASE_SHARE,
         clock: Callable[[], float] = time.monotonic,
         shared: SharedValues | None = None,
+        node_memfds: bool = False,
     ) -> None:
-        """`shared`: the bounds and counters of memfd values (SHM_PUT, `begin_shared_put`)."""
+        """`shared`: the bounds and counters of memfd values (SHM_PUT, `begin_shared_put`);
+        `node_memfds`: with `shared`, new large buffers are node-written memfds."""
         if capacity_bytes <= 0:
             raise ValueError("capacity_bytes must be positive")
         if not 0 < max_lease_share <= 1:
@@ -227,6 +245,7 @@ class Store:
         self.max_lease_bytes_per_holder = int(self.max_lease_bytes * max_lease_share)
         self._clock = clock
         self.shared = shared
+        self.node_memfds = node_memfds
         self._lease_heap: list[tuple[float, int, bytes, int]] = []  # (expiry, seq, key, token)
         self._lease_seq = 0
         self.leases = 0  # (key, token) pairs
@@ -264,6 +283,10 @@ class Store:
                         self.shared.freed(buf, spare)
                     else:
                         buf.free()
+                elif buf.fd >= 0:
+                    buf.close_fd()
+                    if self.shared is not None:
+                        self.shared.node_written_freed(buf.size)
             released.clear()  # a ValueBuffer's mapping goes with its last reference: this list's
 
     # -- lanes --------------------------------------------------------------------------------
@@ -349,7 +372,7 @@ class Store:
             return PutTicket(key, lane, length, algo, checksum, sealed, size)
         if buf is None:
             try:
-                buf = ValueBuffer(size)
+                buf = self._new_buffer(size)
             except BaseException:
                 with self._locked():
                     self.allocated_bytes -= size
@@ -358,6 +381,15 @@ class Store:
             if self.on_alloc is not None:
                 self.on_alloc(buf)
         return PutTicket(key, lane, length, algo, checksum, buf, size)
+
+    def _new_buffer(self, size: int) -> ValueBuffer:
+        """A new buffer of `size` (lock not held): a node-written memfd where the store makes them
+        and the memfd bound allows, else private memory."""
+        shared = self.shared
+        made = None
+        if self.node_memfds and shared is not None and size >= MMAP_THRESHOLD:
+            made = shared.node_written_memfd(size)
+        return ValueBuffer(size, made)
 
     def _reserve(self, key: bytes, size: int, lane: Lane, reuse: bool = True) -> ValueBuffer | None:
         """A buffer of `size` (lock held), or None with `size` bytes reserved for the caller to

@@ -10,7 +10,11 @@ more go through memfds:
     (the node answers its status and checksum only) or read from the sealed memfd the node
     passes now, and verified here;
   * stores: SHM_PUT; the node passes a memfd per value, the value is written into it (hashed as
-    it is copied) and SHM_COMMIT declares the checksums.
+    it is copied) and SHM_COMMIT declares the checksums; or, where the node writes its memfds
+    itself (HELLO_OK `shm_put` false: `memkv serve --shared-memory-stores node`), over the socket.
+A node-written memfd may hold another value by the time it is read: a value read from one that
+does not verify is taken over the socket (the node's current value of that key, or a miss),
+not counted as an integrity failure.
 Smaller values, and those the node answers NOT_SHARED (kept in its private memory), take the
 socket as `SocketStream` moves them. A memfd this process refuses (not sealed as it must be)
 turns shared memory off for that node process (`MappedValues.refuse`): from then on every
@@ -29,7 +33,7 @@ from collections.abc import Sequence
 
 from memkv import protocol as p
 from memkv.client.node import NodeConnection
-from memkv.client.shared import MappedValues, SealError, check_sealed, copy_verified, read_verified, write_value
+from memkv.client.shared import MappedValues, SealError, check_loadable, copy_verified, read_verified, write_value
 from memkv.errors import RemoteProtocolError, ServerError
 from memkv.integrity import Checksummer
 from memkv.memfd import unmap
@@ -101,7 +105,8 @@ class SharedMemory(SocketStream):
         self, key: bytes, item: p.GetReplyItem, fd: int | None, view: memoryview, checksummer: Checksummer
     ) -> bool | None:
         """One SHM_GET item (OK or NOT_SHARED) into `view`: whether it verified, or None when it
-        must come over the socket (NOT_SHARED, a mapping of another value, a refused memfd)."""
+        must come over the socket (NOT_SHARED, a mapping of another value, a refused memfd, a
+        node-written memfd that holds another value by now)."""
         memory = self.memory
         if item.status == p.ItemStatus.NOT_SHARED:
             return None
@@ -119,12 +124,13 @@ class SharedMemory(SocketStream):
             finally:
                 memory.done(found)
         try:
-            check_sealed(fd, item.length)
+            node_written = check_loadable(fd, item.length)
         except SealError as exc:
             log.warning("MemKV: %s: shared memory off for this node process: %s", self.conn.name, exc.strerror)
             memory.refuse(str(exc.strerror))
             return None
-        return read_verified(view, fd, item.algo, item.checksum, checksummer)
+        ok = read_verified(view, fd, item.algo, item.checksum, checksummer)
+        return None if node_written and not ok else ok
 
     def put(self, keys: Sequence[bytes], views: Sequence[memoryview], checksummer: Checksummer) -> bytes:
         """PUT `views` under `keys` (one request's worth: `byte_chunks`); one status per key.
@@ -132,7 +138,7 @@ class SharedMemory(SocketStream):
         as they are copied); the rest, and those the node answered NOT_SHARED, go over the
         socket (hashed first)."""
         big = [i for i, v in enumerate(views) if len(v) >= p.SHM_MIN_VALUE]
-        if not big or self.memory.retired:
+        if not big or self.memory.retired or not self.conn.hello.shm_put:
             return super().put(keys, views, checksummer)
         statuses = bytearray(len(keys))
         shared, not_shared = self._put_shared([keys[i] for i in big], [views[i] for i in big], checksummer)
