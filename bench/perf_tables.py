@@ -51,6 +51,18 @@ def shm_files(b: int, invocations: tuple[int, ...]) -> list[str]:
 VM_STORM = [f"{VM_RESULTS}/fleet_storm_nice_2026-12-07/vm_nice{n}_{i}.json" for i in (1, 2) for n in (0, 10)]
 
 
+# Same-host stores without huge pages for shared memory: the node writing its own reused memfds
+# (`--shared-memory-stores auto`, node on this host) and the clients writing fresh ones (`client`),
+# alternating, 1 and 8 values per request, twice.
+NODE_WRITTEN = [
+    f"{VM_RESULTS}/shm_node_written_2026-12-07/{who}_b{b}_{i}.json"
+    for b in (1, 8)
+    for i in (1, 2)
+    for who in ("node", "client")
+]
+NODE_WRITTEN_COMMIT = "da858b6"
+
+
 # Source file -> the commit whose code produced it (the JSON records date and machine, not this).
 COMMITS = {
     **{path: MEMFD_COMMIT for b in (1, 8) for path in shm_files(b, (1, 2))},
@@ -70,6 +82,7 @@ COMMITS = {
     f"{GPU_RESULTS}/run78-h200-ttft-colocated-vs-off/colocated.json": "59f7136",
     f"{GPU_RESULTS}/run78-h200-ttft-colocated-vs-off/local-socket-off.json": "59f7136",
     **{path: "6724ae8" for path in VM_STORM},
+    **{path: NODE_WRITTEN_COMMIT for path in NODE_WRITTEN},
 }
 
 # The datapath bench's systems: what each is, and the raw design on the same transport.
@@ -189,6 +202,47 @@ def vm_batched() -> list[str]:
         "",
         *table(
             ["", "default client GB/s PUT / GET", "raw-unix GB/s PUT / GET", "PUT vs raw-unix", "GET vs raw-unix"], rows
+        ),
+    ]
+
+
+def vm_node_written() -> list[str]:
+    rows = []
+    for path in NODE_WRITTEN:
+        d = load(path)
+        g, c, r = d["gbps"], d["cpu_s_per_gb"], d["block_median_ratios"]
+        name = path.rsplit("/", 1)[1]
+        rows.append(
+            [
+                "the node (`auto` here)" if name.startswith("node") else "the clients (`client`)",
+                f"{d['blocks_per_op']}, {d['threads']} threads, invocation {name[-6]}",
+                ratio(r["memkv-shm/raw-unix put"]),
+                ratio(r["memkv-shm/raw-unix get"]),
+                f"{med(g['memkv-shm put']):.2f} / {med(g['memkv-shm get']):.2f}",
+                f"{med(g['raw-unix put']):.2f} / {med(g['raw-unix get']):.2f}",
+                f"{med(c['memkv-shm put']):.2f} / {med(c['memkv-shm get']):.2f}",
+            ]
+        )
+    d = load(NODE_WRITTEN[0])
+    what = (
+        f"`python3 bench/datapath.py --no-redis --reps {d['reps']} [--blocks-per-op 8]`, then the same with "
+        "`--node-args '--shared-memory-stores client'`, alternating, twice per shape: "
+        f"{d['value_bytes'] >> 20} MiB values, no huge pages for shared memory (`shmem_enabled=never`)"
+    )
+    return [
+        source_line(NODE_WRITTEN, what),
+        "",
+        *table(
+            [
+                "memfds written by",
+                "values per request",
+                "PUT vs raw-unix",
+                "GET vs raw-unix",
+                "GB/s PUT / GET",
+                "raw-unix GB/s PUT / GET",
+                "CPU-s per GB PUT / GET",
+            ],
+            rows,
         ),
     ]
 
@@ -592,6 +646,7 @@ TABLES: dict[str, Callable[[], list[str]]] = {
     "vm-batched": vm_batched,
     "vm-fleet": vm_fleet,
     "vm-memory": vm_memory,
+    "vm-node-written": vm_node_written,
     "vm-storm": vm_storm,
     "gpu-h100-ttft": gpu_h100_ttft,
     "gpu-h100-datapath": gpu_h100_datapath,
