@@ -91,6 +91,7 @@ from memkv.benchmark import fill_pattern, prefaulted_pool  # noqa: E402
 from memkv.client.cluster import Client  # noqa: E402
 from memkv.config import AuthKey, ClientConfig, format_size, parse_servers, parse_size  # noqa: E402
 from memkv.local import LocalNode, new_key_hex  # noqa: E402
+from memkv.memfd import shmem_huge_pages  # noqa: E402
 
 OUT = Path(__file__).resolve().parent / "out"
 _REQ = struct.Struct(">cI")  # op b"P"/b"G", slot
@@ -768,8 +769,9 @@ def main() -> None:
         )
         print(f"datapath -- {machine} -- {stamp} -- memkv from {SRC}")
         print_config(r)
+        host = {"node_args": NODE_ARGS, "shmem_enabled": shmem_huge_pages()}
         (OUT / (args.out or "datapath.json")).write_text(
-            json.dumps({"benchmark": "datapath", "date": stamp, "machine": machine, **r}, indent=2)
+            json.dumps({"benchmark": "datapath", "date": stamp, "machine": machine, **host, **r}, indent=2)
         )
         return
     rows = []

@@ -62,12 +62,14 @@ import ctypes
 import json
 import os
 import platform
+import shlex
 import statistics
 import subprocess
 import sys
 import threading
 import time
 import urllib.request
+from collections.abc import Sequence
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -81,6 +83,7 @@ from memkv.benchmark import fill_pattern, prefaulted_pool  # noqa: E402
 from memkv.client.cluster import Client  # noqa: E402
 from memkv.config import AuthKey, ClientConfig, parse_servers  # noqa: E402
 from memkv.local import LocalNode, new_key_hex  # noqa: E402
+from memkv.memfd import shmem_huge_pages  # noqa: E402
 from memkv_vllm.config import TierSettings  # noqa: E402
 
 MiB = 1 << 20
@@ -267,6 +270,7 @@ class Places:
         value_bytes: int,
         slots: int,
         cpus: set[int] | None = None,
+        node_args: Sequence[str] = (),
     ) -> None:
         self.topology = topology
         self.hosts: list = []
@@ -279,11 +283,12 @@ class Places:
 
                     host = NetnsHost()
                     self.hosts.append(host)
-                    self.nodes.append(host.start_node(key, capacity=str(capacity_bytes)))
+                    self.nodes.append(host.start_node(key, capacity=str(capacity_bytes), extra_args=node_args))
                     proc, port, _unix = start_raw(value_bytes, slots, host=host.node_ip, launcher=host.launcher)
                     self.raws.append((proc, host.node_ip, port, None))
                 else:
-                    self.nodes.append(LocalNode(key, capacity=str(capacity_bytes), extra_args=["--admin-port", "0"]))
+                    extra = ["--admin-port", "0", *node_args]
+                    self.nodes.append(LocalNode(key, capacity=str(capacity_bytes), extra_args=extra))
                     proc, port, unix = start_raw(value_bytes, slots)
                     self.raws.append((proc, "127.0.0.1", port, None if topology == "loopback" else unix))
             for pid in [n.pid for n in self.nodes] + [proc.pid for proc, *_ in self.raws]:
@@ -526,6 +531,11 @@ def main() -> None:
         help="--lookups: the storing clients' threads at nice N, as the tier's store threads run "
         f"(its store_nice, default {TierSettings.store_nice}); 0: at the probe's and the nodes' own",
     )
+    ap.add_argument(
+        "--node-args",
+        default="",
+        help="more `memkv serve` flags for the MemKV nodes, one string (e.g. '--shared-memory-stores client')",
+    )
     ap.add_argument("--replot", type=Path, metavar="JSON", help="only draw --plot from an earlier run's JSON")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -555,7 +565,9 @@ def main() -> None:
         for m in ms:
             total_values = max(ks) * args.values
             capacity = int(total_values * value_bytes * 1.3 / m) + (256 << 20)
-            places = Places(topology, m, key, capacity, value_bytes, -(-total_values // m), node_cpus)
+            places = Places(
+                topology, m, key, capacity, value_bytes, -(-total_values // m), node_cpus, shlex.split(args.node_args)
+            )
             try:
                 for k in ks:
                     summary = summarize(run_cell(places, k, args, key, args.reps))
@@ -590,6 +602,7 @@ def main() -> None:
                 places.close()
     args.out.parent.mkdir(parents=True, exist_ok=True)
     meta = {"machine": f"{platform.node()} ({os.cpu_count()} CPUs)", "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+            "shmem_enabled": shmem_huge_pages(),
             "args": {k: v for k, v in vars(args).items() if k not in ("worker", "out", "plot", "client_cpus")}}  # fmt: skip
     args.out.write_text(json.dumps({"meta": {**meta, "args": {k: str(v) for k, v in meta["args"].items()}},
                                     "rows": rows}, indent=1))  # fmt: skip
