@@ -58,6 +58,20 @@ MiB = 1 << 20
 SUMS = Checksummer(b"k" * 32)
 
 
+def refuses_every_write(fd: int, size: int) -> None:
+    """No write through `fd`, a new shared mapping of it, or a read-write reopening of it."""
+    with pytest.raises(PermissionError):
+        os.pwrite(fd, b"x", 0)
+    with pytest.raises(PermissionError):
+        mmap.mmap(fd, size, flags=mmap.MAP_SHARED)
+    reopened = os.open(f"/proc/self/fd/{fd}", os.O_RDWR)
+    try:
+        with pytest.raises(PermissionError):
+            os.pwrite(reopened, b"x", 0)
+    finally:
+        os.close(reopened)
+
+
 def test_a_reservation_cannot_change_size_and_a_sealed_one_cannot_change_at_all() -> None:
     buf = SealedBuffer(2 * MiB)
     try:
@@ -73,16 +87,7 @@ def test_a_reservation_cannot_change_size_and_a_sealed_one_cannot_change_at_all(
         writer.close()
         buf.seal()
         assert bytes(buf.view[:3]) == b"abc"
-        with pytest.raises(PermissionError):
-            os.pwrite(buf.fd, b"x", 0)
-        with pytest.raises(PermissionError):
-            mmap.mmap(buf.fd, 2 * MiB, flags=mmap.MAP_SHARED)
-        reopened = os.open(f"/proc/self/fd/{buf.fd}", os.O_RDWR)
-        try:
-            with pytest.raises(PermissionError):
-                os.pwrite(reopened, b"x", 0)
-        finally:
-            os.close(reopened)
+        refuses_every_write(buf.fd, 2 * MiB)
         with pytest.raises(PermissionError):
             fcntl.fcntl(buf.fd, fcntl.F_ADD_SEALS, 0x10)  # F_SEAL_FUTURE_WRITE: refused, F_SEAL_SEAL makes them final
         assert bytes(buf.view[:3]) == b"abc"
@@ -401,16 +406,7 @@ def test_a_node_written_memfd_is_written_by_its_first_mapping_only() -> None:
         for size in (0, MiB, 4 * MiB):
             with pytest.raises(PermissionError):
                 os.ftruncate(fd, size)
-        with pytest.raises(PermissionError):
-            os.pwrite(fd, b"x", 0)
-        with pytest.raises(PermissionError):
-            mmap.mmap(fd, 2 * MiB, flags=mmap.MAP_SHARED)
-        reopened = os.open(f"/proc/self/fd/{fd}", os.O_RDWR)
-        try:
-            with pytest.raises(PermissionError):
-                os.pwrite(reopened, b"x", 0)
-        finally:
-            os.close(reopened)
+        refuses_every_write(fd, 2 * MiB)
         with pytest.raises(PermissionError):
             fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_WRITE)  # F_SEAL_SEAL: final
         mem[3:6] = b"def"  # still the node's to reuse

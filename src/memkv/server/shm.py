@@ -194,6 +194,10 @@ class SharedValues:
         self.node_written = 0  # node-written memfds (`node_written_memfd`): values, pooled or reserved
         self.node_written_bytes = 0  # their buffer bytes (part of the store's allocated_bytes)
 
+    def _at_bound(self) -> bool:
+        """(lock held) Whether the node holds as many memfds as it may: values, spares, its own."""
+        return self.values + self.spares + self.node_written >= self.max_values
+
     def fit_fd_limit(self, fd_soft_limit: int, connections: int) -> None:
         """Keep the memfds the node holds under RLIMIT_NOFILE, beside `connections` sockets."""
         self.max_values = max(0, min(self.max_values, (fd_soft_limit - connections - FD_HEADROOM) // FDS_PER_VALUE))
@@ -201,7 +205,7 @@ class SharedValues:
     def reserve(self, size: int) -> SealedBuffer | None:
         """A new memfd of `size` bytes, or None past a bound (or when the kernel refuses one)."""
         with self._lock:
-            if self.values + self.spares + self.node_written >= self.max_values or self.pending >= self.max_pending:
+            if self._at_bound() or self.pending >= self.max_pending:
                 self.refused += 1
                 return None
             self.values += 1
@@ -221,7 +225,7 @@ class SharedValues:
         """A new memfd of `size` bytes, faulted in, for a later `take_spare`; None past the memfd
         bound (or when the kernel refuses one)."""
         with self._lock:
-            if self.values + self.spares + self.node_written >= self.max_values:
+            if self._at_bound():
                 return None
             self.spares += 1
             self.spare_bytes += size
@@ -239,7 +243,7 @@ class SharedValues:
         """A node-written memfd of `size` bytes (`node_written_memfd`), or None past the memfd
         bound (or when the kernel refuses one): the caller's buffer is private memory then."""
         with self._lock:
-            if self.values + self.spares + self.node_written >= self.max_values:
+            if self._at_bound():
                 return None
             self.node_written += 1
             self.node_written_bytes += size
