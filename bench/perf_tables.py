@@ -61,6 +61,8 @@ NODE_WRITTEN = [
     for who in ("node", "client")
 ]
 NODE_WRITTEN_COMMIT = "da858b6"
+# The same in the fleet: co-located, node-written (default here) then client-written memfds.
+FLEET_NODE_WRITTEN = [f"{VM_RESULTS}/fleet_colocated_node_written_2026-12-07/{who}.json" for who in ("node", "client")]
 
 
 # Source file -> the commit whose code produced it (the JSON records date and machine, not this).
@@ -83,6 +85,7 @@ COMMITS = {
     f"{GPU_RESULTS}/run78-h200-ttft-colocated-vs-off/local-socket-off.json": "59f7136",
     **{path: "6724ae8" for path in VM_STORM},
     **{path: NODE_WRITTEN_COMMIT for path in NODE_WRITTEN},
+    **{path: "a75c3c0" for path in FLEET_NODE_WRITTEN},
 }
 
 # The datapath bench's systems: what each is, and the raw design on the same transport.
@@ -243,6 +246,60 @@ def vm_node_written() -> list[str]:
                 "CPU-s per GB PUT / GET",
             ],
             rows,
+        ),
+    ]
+
+
+def vm_fleet_node_written() -> list[str]:
+    docs = [load(p) for p in FLEET_NODE_WRITTEN]
+    cells = {}
+    for who, d in zip(("the node (`auto` here)", "the clients (`client`)"), docs):
+        for r in d["rows"]:
+            cells.setdefault((r["clients"], r["nodes"]), []).append((who, r))
+    rows = []
+    for (k, m), found in sorted(cells.items(), key=lambda kv: (kv[0][1], kv[0][0])):
+        for who, r in found:
+            put, get, first = r["put"], r["get"], r["first_put"]
+            rows.append(
+                [
+                    str(k),
+                    str(m),
+                    who,
+                    f"{put['memkv_gbps']:.2f} / {put['raw_gbps']:.2f}",
+                    f"{put['ratio']:.2f}",
+                    f"{first['ratio']:.2f}",
+                    f"{get['ratio']:.2f}",
+                    f"{put['node_cpu_s_per_gb']:.2f}",
+                    f"{put['spread']:.2f} / {get['spread']:.2f}",
+                    str(first["failures"] + put["failures"] + get["failures"]),
+                ]
+            )
+    a = docs[0]["meta"]["args"]
+    what = (
+        f"`python3 bench/fleet.py --topology colocated --clients {a['clients']} --nodes {a['nodes']} --reps 1`, then the "
+        "same with `--node-args '--shared-memory-stores client'`: K client processes x M nodes on one host, each "
+        f"client {a['threads']} threads moving {a['values']} values of {a['value_mib']} MiB in batches of "
+        f"{a['blocks_per_op']}, one repetition after the cell's first PUT round and an untimed second, raw baseline "
+        f"an abstract Unix socket; no huge pages for shared memory (`shmem_enabled={docs[0]['meta']['shmem_enabled']}`)"
+    )
+    return [
+        source_line(FLEET_NODE_WRITTEN, what),
+        "",
+        *table(
+            [
+                "K",
+                "M",
+                "memfds written by",
+                "PUT GB/s MemKV / raw",
+                "PUT vs raw",
+                "first PUT round vs raw",
+                "GET vs raw",
+                "node CPU-s per GB PUT",
+                "client max/min PUT / GET",
+                "values not stored or not loaded",
+            ],
+            rows,
+            right=3,
         ),
     ]
 
@@ -647,6 +704,7 @@ TABLES: dict[str, Callable[[], list[str]]] = {
     "vm-fleet": vm_fleet,
     "vm-memory": vm_memory,
     "vm-node-written": vm_node_written,
+    "vm-fleet-node-written": vm_fleet_node_written,
     "vm-storm": vm_storm,
     "gpu-h100-ttft": gpu_h100_ttft,
     "gpu-h100-datapath": gpu_h100_datapath,
