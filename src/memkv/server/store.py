@@ -10,8 +10,9 @@ the hot path neither allocates nor page-faults; a bounded pool keeps freed buffe
 beyond that they are unmapped. A memfd a client wrote is never reused (its value is sealed
 immutable): freed, it is closed. With `node_memfds` (--shared-memory-stores node) the large
 buffers the store makes are node-written memfds instead of private memory (memkv/server/shm.py):
-reused like private ones, and SHM_GET passes them to same-host clients. `allocated_bytes` (every buffer in existence: live, pinned-but-dead, pooled,
-reserved for a PUT in flight, memfds included) never exceeds `capacity_bytes`.
+reused like private ones, and SHM_GET passes them to same-host clients. `allocated_bytes`
+(every buffer in existence: live, pinned-but-dead, pooled, reserved for a PUT in flight, memfds
+included) never exceeds `capacity_bytes`.
 
 Lanes. Every key belongs to one lane, chosen by the longest matching key prefix (the `default`
 lane takes the rest). A lane's share is its fair part of the capacity; lanes may grow past it
