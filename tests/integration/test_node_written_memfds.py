@@ -6,7 +6,7 @@ Behaviour under test, against real `memkv serve` processes on 127.0.0.1:
   buffers that are memfds of the node's, counted in `allocated_bytes` and the status's
   `node_written_bytes`; every client, the writer included, loads them through SHM_GET from the
   memfd the node passes, byte-exact, with no value bytes sent over the socket; smaller values
-  come over the socket;
+  come over the socket; a value stored over TCP (another host) gets private memory;
 * the node reuses those memfds value after value: a full node that keeps storing makes no new
   memfd (no fresh pages: the reason for the mode);
 * a memfd that holds another value by the time a client reads it (the node reused it) is not
@@ -72,6 +72,14 @@ def test_stores_go_over_the_socket_into_node_memfds_and_every_client_loads_from_
         over_socket = sent_bytes(node) - sent_before
         assert over_socket < 2 * 4096 + sum(big), "the large values came through their memfds"
     assert requests_of(node, "shm_get") >= 2
+    # A value from another host stays in private memory (a node's first fill needs its huge
+    # pages); same-host clients load it over the socket.
+    remote = make_client([node], local_socket=False)
+    far = os.urandom(4 * MiB)
+    assert remote.batch_put_views([("far", far)]) == [True]
+    assert status_of(node)["shared_memory"]["node_written"] == len(big), "no memfd for it"
+    out = bytearray(len(far))
+    assert writer.batch_get_into([("far", out)]) == [True] and out == far
 
 
 def test_a_full_node_reuses_its_memfds_value_after_value(start_node, make_client):

@@ -431,10 +431,10 @@ def test_a_node_written_memfd_is_written_by_its_first_mapping_only() -> None:
 
 def test_a_store_of_node_written_memfds_reuses_them_and_counts_them() -> None:
     shared = SharedValues(max_values=100)
-    store = Store(8 * MiB, shared=shared, pool_max_bytes=4 * MiB, node_memfds=True)
+    store = Store(8 * MiB, shared=shared, pool_max_bytes=4 * MiB)
     fds = set()
     for i in range(12):  # four fit: the rest evict and take the evicted value's memfd
-        ticket = store.begin_put(b"k%d" % i, 2 * MiB, 1, bytes(32))
+        ticket = store.begin_put(b"k%d" % i, 2 * MiB, 1, bytes(32), memfd=True)
         assert ticket.buf.fd >= 0
         fds.add(os.fstat(ticket.buf.fd).st_ino)
         ticket.target[:16] = bytes([i]) * 16
@@ -443,15 +443,16 @@ def test_a_store_of_node_written_memfds_reuses_them_and_counts_them() -> None:
     assert len(fds) == 4 and shared.node_written == 4, "made once, then reused"
     store.delete([b"k%d" % i for i in range(12)])
     assert shared.node_written == 2 and store.stats()["pooled_bytes"] == 4 * MiB, "the pool keeps two"
-    store.begin_put(b"big", 8 * MiB, 1, bytes(32))  # needs every byte: the pooled memfds go
+    store.begin_put(b"big", 8 * MiB, 1, bytes(32), memfd=True)  # needs every byte: the pooled memfds go
     assert shared.node_written == 1 and shared.node_written_bytes == 8 * MiB
 
 
 def test_past_the_memfd_bound_a_node_written_buffer_is_private_memory() -> None:
     shared = SharedValues(max_values=1)
-    store = Store(8 * MiB, shared=shared, node_memfds=True)
-    first, second = (store.begin_put(b"k%d" % i, 2 * MiB, 1, bytes(32)) for i in range(2))
+    store = Store(8 * MiB, shared=shared)
+    first, second = (store.begin_put(b"k%d" % i, 2 * MiB, 1, bytes(32), memfd=True) for i in range(2))
     assert first.buf.fd >= 0 and second.buf.fd == -1
+    assert store.begin_put(b"private", 2 * MiB, 1, bytes(32)).buf.fd == -1, "not asked for: private memory"
     assert store.begin_shared_put(b"s", MiB, 1, bytes(32)) is None, "the bound counts node-written ones"
-    small = store.begin_put(b"small", MiB - 1, 1, bytes(32))
+    small = store.begin_put(b"small", MiB - 1, 1, bytes(32), memfd=True)
     assert small.buf.fd == -1, "below 1 MiB: private memory"

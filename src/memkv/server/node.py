@@ -161,7 +161,6 @@ class Node:
             max_lease_bytes=config.max_lease_bytes,
             max_lease_share=config.max_lease_share,
             shared=self.shared,
-            node_memfds=self.shared is not None and not self.client_stores,
         )
         self.metrics = NodeMetrics(self.store)
         self.rdma = RdmaResponder(
@@ -477,6 +476,7 @@ class Connection:
         self._scratch: memoryview | None = None
         self._deadline = 0.0  # when the frame being received must be complete (monotonic)
         self.shared_memory = False  # offered in HELLO_OK (the same-host socket, a trusted peer)
+        self.memfd_puts = False  # its PUTs go into node-written memfds (shared memory, the node writing)
         self._shm_writes: list[PutTicket] = []  # memfds of the last SHM_PUT the client may be writing
         self._shm_writes_due = 0.0  # when their SHM_COMMIT must have arrived (monotonic)
 
@@ -552,6 +552,9 @@ class Connection:
             self.shared_memory = self.node.shared is not None and self.sock.family == socket.AF_UNIX
             self.shared_memory = self.shared_memory and self.node.trusts(self.sock)
             shm_put = self.shared_memory and self.node.client_stores
+            # Its stores over this socket go into memfds the node writes (--shared-memory-stores
+            # node); a value from another host stays in private memory.
+            self.memfd_puts = self.shared_memory and not shm_put
             hello_ok = p.HelloOk(self.node.node_id, self.node.limits, local, self.shared_memory, shm_put)
             send_all(self.sock, [self.codec.encode(hello_ok)], deadline)
             return True
@@ -660,6 +663,7 @@ class Connection:
                     item.algo,
                     item.checksum,
                     wait_s=max(0.0, min(INFLIGHT_WAIT_S, self._deadline - time.monotonic())),
+                    memfd=self.memfd_puts,
                 )
             except NoSpace as exc:
                 self.metrics.puts_refused.labels(exc.reason).inc()

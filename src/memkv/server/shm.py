@@ -21,7 +21,7 @@ Pages are charged (memcg) to whichever process faulted them: a value's pages to 
 Node-written memfds (`--shared-memory-stores node`, the default where the host gives shared
 memory no huge pages). A fresh memfd per store makes every value's pages anew, 4 KiB at a time
 there: stores ran at a third of the socket's speed. Instead same-host clients store over the
-socket, and the node receives each value into a buffer that is a memfd of its own
+socket, and the node receives each of their values into a buffer that is a memfd of its own
 (`node_written_memfd`), reused for value after value like its private buffers. The node maps it
 writable before sealing it F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_FUTURE_WRITE: its own mapping
 still writes, and every other holder is refused any write (write, pwrite, a writable shared

@@ -8,9 +8,11 @@ the value rounded up to a page. When a value is evicted or deleted its private b
 for the next value of the same size class (KV-cache values of one model are all one size), so
 the hot path neither allocates nor page-faults; a bounded pool keeps freed buffers for reuse and
 beyond that they are unmapped. A memfd a client wrote is never reused (its value is sealed
-immutable): freed, it is closed. With `node_memfds` (--shared-memory-stores node) the large
-buffers the store makes are node-written memfds instead of private memory (memkv/server/shm.py):
-reused like private ones, and SHM_GET passes them to same-host clients. `allocated_bytes`
+immutable): freed, it is closed. A PUT from a same-host client that stores over the socket into
+shared memory (`begin_put(memfd=True)`, --shared-memory-stores node) gets, where the store makes a
+buffer, a node-written memfd instead of private memory (memkv/server/shm.py): reused like a
+private one, and SHM_GET passes it to same-host clients. (Values from other hosts stay in
+private memory, whose huge pages a node's first fill needs.) `allocated_bytes`
 (every buffer in existence: live, pinned-but-dead, pooled, reserved for a PUT in flight, memfds
 included) never exceeds `capacity_bytes`.
 
@@ -204,10 +206,9 @@ class Store:
         max_lease_share: float = DEFAULT_LEASE_SHARE,
         clock: Callable[[], float] = time.monotonic,
         shared: SharedValues | None = None,
-        node_memfds: bool = False,
     ) -> None:
-        """`shared`: the bounds and counters of memfd values (SHM_PUT, `begin_shared_put`);
-        `node_memfds`: with `shared`, new large buffers are node-written memfds."""
+        """`shared`: the bounds and counters of memfd values (SHM_PUT, `begin_shared_put`, and
+        node-written memfds, `begin_put(memfd=True)`)."""
         if capacity_bytes <= 0:
             raise ValueError("capacity_bytes must be positive")
         if not 0 < max_lease_share <= 1:
@@ -246,7 +247,6 @@ class Store:
         self.max_lease_bytes_per_holder = int(self.max_lease_bytes * max_lease_share)
         self._clock = clock
         self.shared = shared
-        self.node_memfds = node_memfds
         self._lease_heap: list[tuple[float, int, bytes, int]] = []  # (expiry, seq, key, token)
         self._lease_seq = 0
         self.leases = 0  # (key, token) pairs
@@ -304,10 +304,13 @@ class Store:
 
     # -- writes -------------------------------------------------------------------------------
 
-    def begin_put(self, key: bytes, length: int, algo: int, checksum: bytes, wait_s: float = 0.0) -> PutTicket:
+    def begin_put(
+        self, key: bytes, length: int, algo: int, checksum: bytes, wait_s: float = 0.0, memfd: bool = False
+    ) -> PutTicket:
         """Reserve a buffer for a value. Raises NoSpace. Caller fills `ticket.target`, then
-        calls `commit` or `abort` exactly once. Waits up to `wait_s` for the in-flight bound."""
-        return self._begin_put(key, length, algo, checksum, wait_s, buffer_size_for(length), None)
+        calls `commit` or `abort` exactly once. Waits up to `wait_s` for the in-flight bound.
+        `memfd`: a buffer made for it is a node-written memfd (where `shared` allows one)."""
+        return self._begin_put(key, length, algo, checksum, wait_s, buffer_size_for(length), None, memfd=memfd)
 
     def begin_shared_put(
         self, key: bytes, length: int, algo: int, checksum: bytes, wait_s: float = 0.0
@@ -345,6 +348,7 @@ class Store:
         size: int,
         sealed: SealedBuffer | None,
         counted: bool = False,
+        memfd: bool = False,
     ) -> PutTicket:
         """`counted`: `sealed` is a spare, already in allocated_bytes (nothing to make room for)."""
         if size > self.capacity_bytes:
@@ -373,7 +377,7 @@ class Store:
             return PutTicket(key, lane, length, algo, checksum, sealed, size)
         if buf is None:
             try:
-                buf = self._new_buffer(size)
+                buf = self._new_buffer(size, memfd)
             except BaseException:
                 with self._locked():
                     self.allocated_bytes -= size
@@ -383,12 +387,12 @@ class Store:
                 self.on_alloc(buf)
         return PutTicket(key, lane, length, algo, checksum, buf, size)
 
-    def _new_buffer(self, size: int) -> ValueBuffer:
-        """A new buffer of `size` (lock not held): a node-written memfd where the store makes them
-        and the memfd bound allows, else private memory."""
+    def _new_buffer(self, size: int, memfd: bool) -> ValueBuffer:
+        """A new buffer of `size` (lock not held): a node-written memfd where asked for and the
+        memfd bound allows, else private memory."""
         shared = self.shared
         made = None
-        if self.node_memfds and shared is not None and size >= MMAP_THRESHOLD:
+        if memfd and shared is not None and size >= MMAP_THRESHOLD:
             made = shared.node_written_memfd(size)
         return ValueBuffer(size, made)
 
