@@ -421,12 +421,12 @@ def test_a_node_written_memfd_is_written_by_its_first_mapping_only() -> None:
         assert check_loadable(committed.fd, MiB) is False
     finally:
         committed.free()
-    with pytest.raises(SealError, match="needs 0xe or 0x16"):
-        open_fd = SealedBuffer(MiB)  # sealed against resizing only: a reservation, not loadable
-        try:
-            check_loadable(open_fd.fd, MiB)
-        finally:
-            open_fd.free()
+    reservation = SealedBuffer(MiB)  # sealed against resizing only: not loadable
+    try:
+        with pytest.raises(SealError, match="needs 0xe or 0x16"):
+            check_loadable(reservation.fd, MiB)
+    finally:
+        reservation.free()
 
 
 def test_a_store_of_node_written_memfds_reuses_them_and_counts_them() -> None:
